@@ -1,0 +1,13 @@
+//! kvplane: a KV-cache platform for LLM inference.
+//!
+//! The host keeps the native paths; policy (backend protocols, key
+//! placement, retry, pod placement) runs as WebAssembly components written
+//! against the `kvplane:plugin` WIT contract, loaded by [`plugin`].
+
+pub mod conformance;
+pub mod error;
+pub mod plugin;
+pub mod scaffold;
+pub mod scheduling;
+
+pub use error::KvError;

@@ -1,0 +1,48 @@
+"""`key-placement` plugin in Python: the same ring as `builtin:ring`.
+
+It shows that a policy can be written in another language and still agree
+with the Rust plugin owner for owner, which is what lets a pool mix hosts
+running either one. The algorithm lives in `ring_core.py`; this module only
+maps WIT calls and errors onto it.
+"""
+
+from typing import List, Tuple
+
+from componentize_py_types import Err
+from wit_world import exports
+from wit_world.imports import types
+
+import ring_core
+
+
+# componentize-py constructs a fresh `Placement` for every exported call, so
+# state kept on `self` would be lost between `set-members` and `owners`. It
+# lives at module level instead, which lasts exactly as long as the host's
+# plugin instance.
+_vnodes = ring_core.DEFAULT_VNODES
+_ring = ring_core.Ring()
+
+
+class Placement(exports.Placement):
+    def configure(self, config: List[Tuple[str, str]]) -> None:
+        global _vnodes
+        for name, value in config:
+            if name != "vnodes":
+                raise Err(types.Error_Invalid(f"config {ring_core.rust_debug(name)}: unknown setting (known: vnodes)"))
+            try:
+                _vnodes = ring_core.parse_vnodes(value)
+            except ring_core.RingError as e:
+                raise Err(types.Error_Invalid(str(e)))
+
+    def set_members(self, members: List[types.Node]) -> None:
+        global _ring
+        try:
+            _ring = ring_core.Ring([m.id for m in members], _vnodes)
+        except ring_core.RingError as e:
+            raise Err(types.Error_Invalid(str(e)))
+
+    def owners(self, keys: List[bytes], replicas: int) -> List[List[str]]:
+        try:
+            return [_ring.owners(bytes(k), replicas) for k in keys]
+        except ring_core.RingError as e:
+            raise Err(types.Error_Invalid(str(e)))

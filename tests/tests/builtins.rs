@@ -1,0 +1,81 @@
+//! Every builtin plugin passes its world's conformance kit, through the same
+//! runtime the node and operator use.
+
+use kvplane::conformance;
+use kvplane::plugin::{PluginDecl, PluginRuntime, PluginSource, World};
+
+fn decl(name: &str, world: World) -> PluginDecl {
+    PluginDecl::new(format!("builtin:{name}"), world, PluginSource::Builtin(name.into()))
+}
+
+fn runtime() -> PluginRuntime {
+    PluginRuntime::new(None).expect("creating the plugin runtime")
+}
+
+#[tokio::test]
+async fn ring_passes_the_key_placement_kit() {
+    let report = conformance::key_placement(&runtime().load_key_placement(decl("ring", World::KeyPlacement)).unwrap()).await;
+    println!("{report}");
+    assert!(report.passed(), "{report}");
+}
+
+#[tokio::test]
+async fn ring_agrees_with_the_native_ring() {
+    let ring = runtime().load_key_placement(decl("ring", World::KeyPlacement)).unwrap();
+    let members: Vec<_> = (0..7)
+        .map(|i| kvplane::plugin::Node { id: format!("n{i}"), endpoint: format!("h{i}:1"), labels: vec![] })
+        .collect();
+    ring.set_members(members.clone()).await.unwrap();
+    let keys: Vec<Vec<u8>> = (0..1000u32).map(|i| i.to_le_bytes().to_vec()).collect();
+    let wasm = ring.owners(keys.clone(), 3).await.unwrap();
+    let native = kvplane::plugin::worlds::native_owners(&members, &keys, 3).unwrap();
+    assert_eq!(wasm, native);
+}
+
+#[tokio::test]
+async fn backoff_passes_the_retry_kit() {
+    let mut d = decl("backoff", World::RetryPolicy);
+    d.config.insert("budget-ms".into(), conformance::RETRY_BUDGET_MS.to_string());
+    let report = conformance::retry_policy(&runtime().load_retry_policy(d).unwrap(), conformance::RETRY_BUDGET_MS).await;
+    println!("{report}");
+    assert!(report.passed(), "{report}");
+}
+
+#[tokio::test]
+async fn gpu_affinity_passes_the_placement_rule_kit() {
+    let report = conformance::placement_rule(&runtime().load_placement_rule(decl("gpu-affinity", World::PlacementRule)).unwrap()).await;
+    println!("{report}");
+    assert!(report.passed(), "{report}");
+}
+
+/// The AIBrix example's annotations turn into the affinity AIBrix users
+/// expect, for both roles of the pool.
+#[tokio::test]
+async fn gpu_affinity_renders_aibrix_annotations() {
+    use kvplane::plugin::worlds::PodRequest;
+    let rule = runtime().load_placement_rule(decl("gpu-affinity", World::PlacementRule)).unwrap();
+    for role in ["cache", "etcd"] {
+        let placement = rule
+            .place(PodRequest {
+                role: role.into(),
+                name: "aibrix-deepseek-33b-kvcache".into(),
+                labels: vec![("kvplane.io/name".into(), "aibrix-deepseek-33b-kvcache".into()), ("kvplane.io/role".into(), role.into())],
+                annotations: vec![
+                    ("kvcache.orchestration.aibrix.ai/node-affinity-gpu-type".into(), "NVIDIA-L20".into()),
+                    ("kvcache.orchestration.aibrix.ai/pod-affinity-workload".into(), "deepseek-coder-33b-instruct".into()),
+                    ("kvplane.io/pod-anti-affinity".into(), "true".into()),
+                ],
+                replicas: 3,
+            })
+            .await
+            .unwrap();
+        let v = kvplane::scheduling::to_pod_spec_json(&placement);
+        let node = &v["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]["matchExpressions"][0];
+        assert_eq!(node, &serde_json::json!({"key": "nvidia.com/gpu.product", "operator": "In", "values": ["NVIDIA-L20"]}), "{role}: {v}");
+        let pod = &v["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0];
+        assert_eq!(pod["labelSelector"]["matchLabels"]["model.aibrix.ai/name"], "deepseek-coder-33b-instruct", "{role}: {v}");
+        assert_eq!(pod["topologyKey"], "kubernetes.io/hostname");
+        let anti = &v["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0];
+        assert_eq!(anti["labelSelector"]["matchLabels"]["kvplane.io/role"], role, "{role}: {v}");
+    }
+}

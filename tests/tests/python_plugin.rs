@@ -1,0 +1,45 @@
+//! The Python twin of `builtin:ring` (componentize-py) passes the same kit,
+//! agrees owner for owner with the Rust ring, and loads from the compile
+//! cache on a second start.
+
+use std::time::{Duration, Instant};
+
+use kvplane::conformance;
+use kvplane::plugin::{Node, PluginDecl, PluginRuntime, PluginSource, World};
+
+fn decl() -> PluginDecl {
+    let mut d = PluginDecl::new("python-ring", World::KeyPlacement, PluginSource::File(kvplane_tests::PYTHON_RING.into()));
+    d.limits.memory_bytes = 256 << 20;
+    d.limits.timeout = Duration::from_secs(10);
+    d
+}
+
+#[tokio::test]
+async fn python_ring_passes_the_kit_agrees_with_rust_and_is_cached() {
+    let cache = tempfile::tempdir().unwrap();
+
+    let started = Instant::now();
+    let first = PluginRuntime::new(Some(cache.path().into())).unwrap().load_key_placement(decl()).unwrap();
+    let compile_time = started.elapsed();
+    assert!(!first.plugin.from_cache, "a new cache directory cannot hold it yet");
+
+    let report = conformance::key_placement(&first).await;
+    println!("{report}");
+    assert!(report.passed(), "{report}");
+
+    let members: Vec<Node> = (0..6).map(|i| Node { id: format!("node-{i}"), endpoint: format!("10.1.0.{i}:9600"), labels: vec![] }).collect();
+    first.set_members(members.clone()).await.unwrap();
+    let keys: Vec<Vec<u8>> = (0..500u32).map(|i| format!("prefix/{i}").into_bytes()).collect();
+    let python = first.owners(keys.clone(), 3).await.unwrap();
+    let rust = kvplane::plugin::worlds::native_owners(&members, &keys, 3).unwrap();
+    assert_eq!(python, rust, "the Python ring must agree with the Rust ring owner for owner");
+
+    // A second process (here: a second runtime) finds the compiled code.
+    let started = Instant::now();
+    let second = PluginRuntime::new(Some(cache.path().into())).unwrap().load_key_placement(decl()).unwrap();
+    let cached_time = started.elapsed();
+    assert!(second.plugin.from_cache, "the second load must come from the compile cache");
+    second.set_members(members).await.unwrap();
+    assert_eq!(second.owners(keys, 3).await.unwrap(), python);
+    println!("python-ring: compile {compile_time:?}, load from cache {cached_time:?}");
+}
