@@ -27,6 +27,7 @@ wasmtime::component::bindgen!({
         default: trappable,
     },
     exports: { default: async },
+    additional_derives: [PartialEq],
     with: {
         "kvplane:plugin/buffers.buffer": crate::plugin::host::BlockBuffer,
         "kvplane:plugin/transport.connection": crate::plugin::transport::Connection,

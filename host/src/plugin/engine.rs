@@ -41,14 +41,15 @@ impl PluginEngine {
         config.epoch_interruption(true);
         config.max_wasm_stack(MAX_WASM_STACK);
         config.async_stack_size(MAX_WASM_STACK + (1 << 20));
-        let engine = Engine::new(&config).context("creating the wasmtime engine")?;
+        let engine = Engine::new(&config).map_err(anyhow::Error::from).context("creating the wasmtime engine")?;
 
         let mut linker = Linker::new(&engine);
         // Guests built by wasm32-wasip2 Rust, componentize-py or
         // componentize-js import parts of WASI even when they never use them;
         // HostState's WasiCtx grants nothing, so linking it is safe.
-        wasmtime_wasi::p2::add_to_linker_async(&mut linker).context("linking WASI")?;
+        wasmtime_wasi::p2::add_to_linker_async(&mut linker).map_err(anyhow::Error::from).context("linking WASI")?;
         super::bindings::PluginHost::add_to_linker::<HostState, wasmtime::component::HasSelf<HostState>>(&mut linker, |s| s)
+            .map_err(anyhow::Error::from)
             .context("linking the kvplane host interfaces")?;
 
         let plugin_engine = Arc::new(PluginEngine { engine, linker, cache_dir });

@@ -125,7 +125,8 @@ impl HostState {
         let mut wasi = WasiCtx::builder();
         wasi.stderr(stderr.clone()).allow_tcp(false).allow_udp(false).allow_ip_name_lookup(false);
         if let Some(dir) = &shared.decl.granted_dir {
-            wasi.preopened_dir(dir, "/data", wasmtime_wasi::DirPerms::READ, wasmtime_wasi::FilePerms::READ)
+            wasi.preopened_dir(dir, "/data", wasmtime_wasi::FsPerms::ReadOnly)
+                .map_err(anyhow::Error::from)
                 .with_context(|| format!("plugin {}: granting directory {}", shared.decl.name, dir.display()))?;
         }
         let limit = shared.decl.limits.memory_bytes;

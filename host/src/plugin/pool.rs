@@ -28,7 +28,7 @@ pub trait GuestExports: Sized + Send + Sync + 'static {
     fn indices(pre: &InstancePre<HostState>) -> wasmtime::Result<Self::Indices>;
     fn load(indices: &Self::Indices, store: &mut Store<HostState>, instance: &wasmtime::component::Instance) -> wasmtime::Result<Self>;
     /// `open` / `configure`: run once on every fresh instance.
-    fn init<'a>(&'a self, store: &'a mut Store<HostState>, config: &'a [(String, String)]) -> BoxFuture<'a, wasmtime::Result<Result<(), WitError>>>;
+    fn init<'a>(&'a self, store: &'a mut Store<HostState>, config: &'a Vec<(String, String)>) -> BoxFuture<'a, wasmtime::Result<Result<(), WitError>>>;
 }
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -43,7 +43,7 @@ macro_rules! guest_exports {
             fn load(indices: &Self::Indices, store: &mut Store<HostState>, instance: &wasmtime::component::Instance) -> wasmtime::Result<Self> {
                 indices.load(store, instance)
             }
-            fn init<'a>(&'a self, store: &'a mut Store<HostState>, config: &'a [(String, String)]) -> BoxFuture<'a, wasmtime::Result<Result<(), WitError>>> {
+            fn init<'a>(&'a self, store: &'a mut Store<HostState>, config: &'a Vec<(String, String)>) -> BoxFuture<'a, wasmtime::Result<Result<(), WitError>>> {
                 Box::pin(self.$init(store, config))
             }
         }
