@@ -67,59 +67,71 @@ mod tests {
 }
 
 /// A real `redis-server` for the tests, on a free loopback port, killed by
-/// PID when dropped.
+/// PID when dropped, and by the kernel if the test process dies first.
 pub mod redis {
     use std::net::{TcpListener, TcpStream};
+    use std::os::unix::process::CommandExt;
     use std::process::{Child, Command, Stdio};
     use std::time::{Duration, Instant};
 
-    /// The longest a test server may live: a test process that dies without
-    /// dropping its guard leaves no server behind for long.
-    const MAX_LIFETIME_SECS: &str = "600";
-
     pub struct RedisServer {
         pub port: u16,
-        child: Child,
+        extra: Vec<String>,
+        child: Option<Child>,
     }
 
     impl RedisServer {
-        /// Start `redis-server` with `extra` arguments; waits until it accepts
-        /// connections. Panics with the reason if it cannot start, since no
-        /// test using it can run.
+        /// Start `redis-server` with `extra` arguments on a free port; waits
+        /// until it accepts connections. Panics with the reason if it cannot
+        /// start, since no test using it can run.
         pub fn start(extra: &[&str]) -> RedisServer {
             let port = TcpListener::bind("127.0.0.1:0")
                 .and_then(|l| l.local_addr())
                 .map(|a| a.port())
                 .expect("finding a free loopback port");
-            let port_arg = port.to_string();
-            let mut args = vec![
-                "-s", "KILL", MAX_LIFETIME_SECS, "redis-server", "--bind", "127.0.0.1", "--port", &port_arg,
-                "--save", "", "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning",
-            ];
-            args.extend_from_slice(extra);
-            let child = Command::new("timeout")
-                .args(&args)
+            let mut server = RedisServer { port, extra: extra.iter().map(|s| s.to_string()).collect(), child: None };
+            server.restart();
+            server
+        }
+
+        /// (Re)start the server on the same port with the same arguments.
+        pub fn restart(&mut self) {
+            self.kill();
+            let mut cmd = Command::new("redis-server");
+            cmd.args(["--bind", "127.0.0.1", "--port", &self.port.to_string(), "--save", "", "--appendonly", "no"])
+                .args(["--daemonize", "no", "--loglevel", "warning"])
+                .args(&self.extra)
                 .stdout(Stdio::null())
-                .stderr(Stdio::inherit())
-                .spawn()
-                .unwrap_or_else(|e| panic!("starting redis-server (install Debian's redis-server): {e}"));
-            let server = RedisServer { port, child };
+                .stderr(Stdio::inherit());
+            // SAFETY: prctl is async-signal-safe; it makes the kernel kill the
+            // server when the test process dies without dropping its guard.
+            unsafe {
+                cmd.pre_exec(|| {
+                    if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+            let child = cmd.spawn().unwrap_or_else(|e| panic!("starting redis-server (install Debian's redis-server): {e}"));
+            self.child = Some(child);
             let started = Instant::now();
-            while TcpStream::connect(("127.0.0.1", port)).is_err() {
-                assert!(started.elapsed() < Duration::from_secs(10), "redis-server did not listen on port {port} within 10 s");
+            while TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+                assert!(started.elapsed() < Duration::from_secs(10), "redis-server did not listen on port {} within 10 s", self.port);
                 std::thread::sleep(Duration::from_millis(20));
             }
-            server
         }
 
         pub fn endpoint(&self) -> String {
             format!("127.0.0.1:{}", self.port)
         }
 
-        /// Kill the server now (a store that goes away).
+        /// Kill the server now, by its PID (a store that goes away).
         pub fn kill(&mut self) {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
+            if let Some(mut child) = self.child.take() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
         }
     }
 

@@ -44,6 +44,13 @@ async fn a_killed_server_is_unavailable_and_a_restarted_one_serves_again() {
         Ok(r) => assert!(r.iter().all(|r| matches!(r, Err(KvError::Unavailable(_)))), "{r:?}"),
         Err(e) => assert!(matches!(e.fault, Fault::Returned(KvError::Unavailable(_))), "{e}"),
     }
+    // The same plugin instance reconnects once the store is back (empty: it
+    // keeps nothing on disk).
+    server.restart();
+    let put = backend.put(vec![(b"k".to_vec(), Bytes::from_static(b"again"))]).await.unwrap();
+    assert!(put[0].is_ok(), "{put:?}");
+    let got = backend.get(vec![b"k".to_vec()]).await.unwrap();
+    assert_eq!(got[0].as_ref().unwrap(), &Bytes::from_static(b"again"));
 }
 
 #[tokio::test]
