@@ -17,13 +17,21 @@ const WIT_FILES: &[(&str, &str)] = &[
 
 const RUST_CARGO_TOML: &str = include_str!("../templates/rust/Cargo.toml.tmpl");
 
-fn rust_source(world: World) -> Option<&'static str> {
-    Some(match world {
-        World::KeyPlacement => include_str!("../templates/rust/key-placement.rs"),
-        World::RetryPolicy => include_str!("../templates/rust/retry-policy.rs"),
-        World::PlacementRule => include_str!("../templates/rust/placement-rule.rs"),
-        World::Backend => return None,
-    })
+/// `src/` of a Rust project: (file, contents).
+fn rust_sources(world: World) -> Vec<(&'static str, String)> {
+    match world {
+        World::KeyPlacement => vec![("lib.rs", include_str!("../templates/rust/key-placement.rs").into())],
+        World::RetryPolicy => vec![("lib.rs", include_str!("../templates/rust/retry-policy.rs").into())],
+        World::PlacementRule => vec![("lib.rs", include_str!("../templates/rust/placement-rule.rs").into())],
+        // A backend starts as a copy of builtin:resp, a complete RESP client
+        // to adapt to another store's protocol.
+        World::Backend => vec![
+            ("lib.rs", include_str!("../../plugins/resp/src/lib.rs").into()),
+            ("client.rs", include_str!("../../plugins/resp/src/client.rs").into()),
+            ("resp.rs", include_str!("../../plugins/resp/src/resp.rs").into()),
+            ("plugin.rs", include_str!("../../plugins/resp/src/plugin.rs").replace("path: \"../../wit\"", "path: \"wit\"")),
+        ],
+    }
 }
 
 fn python_source(world: World) -> Option<&'static str> {
@@ -55,13 +63,13 @@ fn write(path: &Path, contents: &str) -> anyhow::Result<()> {
 /// directory. Refuses to overwrite an existing directory.
 pub fn create(world: World, lang: &str, name: &str, parent: &Path) -> anyhow::Result<PathBuf> {
     check_name(name)?;
-    let source = match lang {
-        "rust" => rust_source(world),
-        "python" => python_source(world),
+    let python = match lang {
+        "rust" => None,
+        "python" => match python_source(world) {
+            Some(source) => Some(source),
+            None => bail!("--world {world} --lang python: no Python template yet; use --lang rust (a complete RESP backend to adapt)"),
+        },
         other => bail!("--lang {other:?}: expected rust or python"),
-    };
-    let Some(source) = source else {
-        bail!("--world {world}: no template yet; start from plugins/resp in the kvplane repository, a complete backend");
     };
     let dir = parent.join(name);
     if dir.exists() {
@@ -71,13 +79,15 @@ pub fn create(world: World, lang: &str, name: &str, parent: &Path) -> anyhow::Re
     for (file, text) in WIT_FILES {
         write(&dir.join("wit").join(file), text)?;
     }
-    match lang {
-        "rust" => {
+    match python {
+        Some(source) => write(&dir.join("app.py"), source)?,
+        None => {
             std::fs::create_dir_all(dir.join("src")).with_context(|| format!("creating {}/src", dir.display()))?;
             write(&dir.join("Cargo.toml"), &RUST_CARGO_TOML.replace("{{name}}", name))?;
-            write(&dir.join("src/lib.rs"), source)?;
+            for (file, text) in rust_sources(world) {
+                write(&dir.join("src").join(file), &text)?;
+            }
         }
-        _ => write(&dir.join("app.py"), source)?,
     }
     write(&dir.join("README.md"), &format!("# {name}\n\nA kvplane `{world}` plugin.\n\n{}\n", next_steps(world, lang, name)))?;
     Ok(dir)
@@ -90,8 +100,9 @@ pub fn next_steps(world: World, lang: &str, name: &str) -> String {
             "Build and test (needs `pip install componentize-py==0.25.1`):\n\n    cd {name}\n    componentize-py -d wit -w {world} componentize app -o {name}.wasm\n    kvplane plugin test {name}.wasm\n"
         ),
         _ => format!(
-            "Build and test (needs `rustup target add wasm32-wasip2`):\n\n    cd {name}\n    cargo build --release --target wasm32-wasip2\n    kvplane plugin test target/wasm32-wasip2/release/{}.wasm\n",
-            name.replace('-', "_")
+            "Build and test (needs `rustup target add wasm32-wasip2`):\n\n    cd {name}\n    cargo build --release --target wasm32-wasip2\n    kvplane plugin test target/wasm32-wasip2/release/{}.wasm{}\n",
+            name.replace('-', "_"),
+            if world == World::Backend { " --endpoint HOST:PORT" } else { "" }
         ),
     }
 }

@@ -99,6 +99,26 @@ fn scaffolded_plugins_build_and_pass_plugin_test() {
         let test = kvplane(&["plugin", "test", dir.join("plugin.wasm").to_str().unwrap()], cache.path());
         assert!(test.status.success(), "plugin test of the python {world} scaffold:\n{}", text(&test));
     }
+    // A backend scaffold is a complete RESP client: it passes the backend kit
+    // against a real redis-server as generated.
+    let redis = kvplane_tests::redis::RedisServer::start(&[]);
+    let out = kvplane(&["plugin", "new", "--world", "backend", "my-backend", "--dir", work.path().to_str().unwrap()], cache.path());
+    assert!(out.status.success(), "{}", text(&out));
+    let build = Command::new(env!("CARGO"))
+        .args(["build", "--release", "--target", "wasm32-wasip2", "--target-dir"])
+        .arg(&target)
+        .current_dir(work.path().join("my-backend"))
+        .env_remove("CARGO_ENCODED_RUSTFLAGS")
+        .env_remove("RUSTFLAGS")
+        .output()
+        .unwrap();
+    assert!(build.status.success(), "building the backend scaffold:\n{}", text(&build));
+    let wasm = target.join("wasm32-wasip2/release/my_backend.wasm");
+    let test = kvplane(&["plugin", "test", wasm.to_str().unwrap(), "--endpoint", &redis.endpoint()], cache.path());
+    assert!(test.status.success(), "plugin test of the backend scaffold:\n{}", text(&test));
+    let out = kvplane(&["plugin", "new", "--world", "backend", "--lang", "python", "py-backend", "--dir", work.path().to_str().unwrap()], cache.path());
+    assert!(!out.status.success() && text(&out).contains("--lang rust"), "{}", text(&out));
+
     let out = kvplane(&["plugin", "new", "--world", "key-placement", "my-key-placement", "--dir", work.path().to_str().unwrap()], cache.path());
     assert!(!out.status.success() && text(&out).contains("already exists"), "{}", text(&out));
 }

@@ -38,8 +38,9 @@ pub mod hostile {
     /// batch get the well-behaved answer. The host must reject the answer.
     pub const HUGE: &[u8] = b"huge";
     /// Probes environment, arguments, files and sockets and reports what it
-    /// was granted as gauges `ambient-*` (1 granted, 0 denied), then answers
-    /// normally.
+    /// was granted as gauges `ambient-*` (1 granted, 0 denied), and whether
+    /// it can read `/data/hello` (containing "hello") and write `/data/escape`
+    /// as `granted-read` / `granted-write`; then answers normally.
     pub const AMBIENT: &[u8] = b"ambient";
     /// Owners in the answer to [`HUGE`].
     pub const HUGE_OWNERS: usize = 200_000;

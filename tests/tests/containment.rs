@@ -193,4 +193,24 @@ async fn no_ambient_authority_reaches_a_plugin() {
             "{probe}: {metrics:?}"
         );
     }
+    assert_eq!(metrics.get("granted-read"), Some(&kvplane::plugin::host::MetricValue::Gauge { value: 0.0 }));
+}
+
+/// A granted directory is readable at /data, read-only, and nothing else
+/// opens up.
+#[tokio::test]
+async fn a_granted_directory_is_readable_and_nothing_more() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("hello"), b"hello").unwrap();
+    let mut d = hostile_decl();
+    d.granted_dir = Some(dir.path().into());
+    let p = loaded(d).await;
+    p.owners(vec![hostile::AMBIENT.to_vec()], 1).await.expect("the probe answers normally");
+    let metrics = p.plugin.shared().metrics_snapshot();
+    let gauge = |name: &str| metrics.get(name).cloned();
+    use kvplane::plugin::host::MetricValue::Gauge;
+    assert_eq!(gauge("granted-read"), Some(Gauge { value: 1.0 }), "{metrics:?}");
+    assert_eq!(gauge("granted-write"), Some(Gauge { value: 0.0 }), "{metrics:?}");
+    assert_eq!(gauge("ambient-read-file"), Some(Gauge { value: 0.0 }), "{metrics:?}");
+    assert!(!dir.path().join("escape").exists());
 }

@@ -42,7 +42,7 @@ pub enum PluginCommand {
     },
     /// Scaffold a plugin project that builds and passes `plugin test` unchanged.
     New {
-        /// key-placement, retry-policy or placement-rule.
+        /// backend, key-placement, retry-policy or placement-rule.
         #[arg(long)]
         world: String,
         /// rust or python.
@@ -63,7 +63,7 @@ pub async fn run(cmd: PluginCommand) -> anyhow::Result<ExitCode> {
             test(&plugin, endpoint, &config, sha256, memory_mib, timeout_ms).await
         }
         PluginCommand::New { world, lang, name, dir } => {
-            let world = World::from_name(&world).with_context(|| format!("--world {world:?}: expected one of key-placement, retry-policy, placement-rule"))?;
+            let world = World::from_name(&world).with_context(|| format!("--world {world:?}: expected one of backend, key-placement, retry-policy, placement-rule"))?;
             let path = kvplane::scaffold::create(world, &lang, &name, &dir)?;
             println!("created {}", path.display());
             println!("{}", kvplane::scaffold::next_steps(world, &lang, &name));
