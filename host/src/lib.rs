@@ -4,10 +4,14 @@
 //! placement, retry, pod placement) runs as WebAssembly components written
 //! against the `kvplane:plugin` WIT contract, loaded by [`plugin`].
 
+pub mod bench;
+pub mod cache;
 pub mod conformance;
 pub mod error;
+pub mod memory;
 pub mod plugin;
 pub mod scaffold;
 pub mod scheduling;
+pub mod server;
 
 pub use error::KvError;

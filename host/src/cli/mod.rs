@@ -1,7 +1,11 @@
 //! Command-line interface.
 
+mod bench;
 mod demo;
+mod kv;
+mod node;
 mod plugin;
+mod size;
 
 use std::process::ExitCode;
 
@@ -16,6 +20,49 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Run a cache node (the main job): with no flags, L1 memory only on 127.0.0.1:9600.
+    Node(node::NodeArgs),
+    /// Store a file's bytes under KEY (FILE `-` reads stdin).
+    Put {
+        #[command(flatten)]
+        conn: kv::ConnectArgs,
+        key: String,
+        file: std::path::PathBuf,
+    },
+    /// Fetch KEY to stdout or a file; exit 1 when absent.
+    Get {
+        #[command(flatten)]
+        conn: kv::ConnectArgs,
+        key: String,
+        #[arg(short, long)]
+        output: Option<std::path::PathBuf>,
+    },
+    /// Say which keys are present; exit 1 if any is absent.
+    Exists {
+        #[command(flatten)]
+        conn: kv::ConnectArgs,
+        #[arg(required = true)]
+        keys: Vec<String>,
+    },
+    /// Remove keys; exit 1 if any was absent.
+    Delete {
+        #[command(flatten)]
+        conn: kv::ConnectArgs,
+        #[arg(required = true)]
+        keys: Vec<String>,
+    },
+    /// Print the node's counters.
+    Stats {
+        #[command(flatten)]
+        conn: kv::ConnectArgs,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Drive a node (or a raw socket or redis-server baseline) and report throughput and latency.
+    Bench(bench::BenchArgs),
+    /// The plain socket sink/source `kvplane bench --target raw` measures the loopback ceiling with.
+    #[command(hide = true)]
+    BenchRawServer(bench::RawServerArgs),
     /// Run the builtin plugins through the runtime and print what they decide.
     Demo,
     /// Inspect, test and scaffold WebAssembly plugins.
@@ -38,6 +85,14 @@ pub fn main() -> ExitCode {
     };
     let result = runtime.block_on(async {
         match cli.command {
+            Command::Node(args) => node::run(args).await,
+            Command::Put { conn, key, file } => kv::put(conn, key, file).await,
+            Command::Get { conn, key, output } => kv::get(conn, key, output).await,
+            Command::Exists { conn, keys } => kv::exists(conn, keys).await,
+            Command::Delete { conn, keys } => kv::delete(conn, keys).await,
+            Command::Stats { conn, json } => kv::stats(conn, json).await,
+            Command::Bench(args) => bench::run(args).await,
+            Command::BenchRawServer(args) => bench::raw_server(args).await,
             Command::Demo => demo::run().await,
             Command::Plugin(cmd) => plugin::run(cmd).await,
         }

@@ -1,0 +1,210 @@
+use super::*;
+
+const KIB: usize = 1 << 10;
+const MIB: usize = 1 << 20;
+
+fn pool(capacity: usize, min: usize, max: usize) -> Arc<MemoryPool> {
+    MemoryPool::new(PoolConfig { capacity_bytes: capacity, min_block_bytes: min, max_block_bytes: max, ..PoolConfig::new(capacity) })
+        .expect("pool")
+}
+
+fn assert_send_sync<T: Send + Sync>() {}
+
+#[test]
+fn blocks_are_send_and_sync() {
+    assert_send_sync::<Block>();
+    assert_send_sync::<BlockMut>();
+    assert_send_sync::<MemoryPool>();
+}
+
+#[test]
+fn requests_round_up_to_their_size_class_and_are_accounted() {
+    let pool = pool(4 * MIB, 4 * KIB, MIB);
+    let a = pool.allocate(5000).expect("5000 bytes");
+    let b = pool.allocate(4096).expect("4 KiB");
+    let c = pool.allocate(0).expect("empty block");
+    assert_eq!(a.len(), 5000);
+    assert_eq!(a.capacity(), 8 * KIB);
+    assert_eq!(c.capacity(), 4 * KIB);
+    let st = pool.stats();
+    assert_eq!(st.blocks, 3);
+    assert_eq!(st.used_bytes, 16 * KIB);
+    assert_eq!(st.requested_bytes, 9096);
+    assert_eq!(st.classes[0], ClassStats { block_bytes: 4 * KIB, blocks: 2, slabs: 1 });
+    assert_eq!(st.classes[1], ClassStats { block_bytes: 8 * KIB, blocks: 1, slabs: 1 });
+    assert_eq!(st.slabs_free, st.slabs_total - 2);
+    drop((a, b, c));
+    let st = pool.stats();
+    assert_eq!((st.blocks, st.used_bytes, st.requested_bytes, st.slabs_free), (0, 0, 0, st.slabs_total));
+}
+
+#[test]
+fn a_block_larger_than_the_largest_class_is_refused_by_name() {
+    let pool = pool(4 * MIB, 4 * KIB, MIB);
+    let err = pool.allocate(MIB + 1).expect_err("too large");
+    assert!(matches!(err, MemoryError::TooLarge { requested, max } if requested == MIB + 1 && max == MIB), "{err}");
+}
+
+#[test]
+fn exhaustion_names_the_request_and_what_is_free() {
+    let pool = pool(2 * MIB, 4 * KIB, MIB);
+    let big = pool.allocate(MIB).expect("first slab");
+    let small = pool.allocate(4 * KIB).expect("second slab, 4 KiB class");
+    let err = pool.allocate(MIB).expect_err("no slab left for a 1 MiB block");
+    match &err {
+        MemoryError::Capacity { requested, class_bytes, free_slab_bytes, free_bytes, capacity_bytes } => {
+            assert_eq!((*requested, *class_bytes, *free_slab_bytes), (MIB, MIB, 0));
+            assert_eq!(*free_bytes, MIB - 4 * KIB);
+            assert_eq!(*capacity_bytes, 2 * MIB);
+        }
+        other => panic!("expected Capacity, got {other}"),
+    }
+    let msg = err.to_string();
+    assert!(msg.contains("1048576 bytes") && msg.contains("exhausted"), "{msg}");
+    assert_eq!(pool.stats().failed_allocations, 1);
+    // The 4 KiB class still has room in its page.
+    let _more_small = pool.allocate(4 * KIB).expect("same class, same page");
+    drop(big);
+    let _big_again = pool.allocate(MIB).expect("freed slab serves again");
+    drop(small);
+}
+
+#[test]
+fn an_emptied_slab_page_moves_to_another_class() {
+    let pool = pool(2 * MIB, 4 * KIB, MIB);
+    // Fill the whole pool with 4 KiB blocks.
+    let mut small: Vec<BlockMut> = (0..512).map(|i| pool.allocate(4 * KIB).unwrap_or_else(|e| panic!("block {i}: {e}"))).collect();
+    assert!(pool.allocate(4 * KIB).is_err(), "pool should be full");
+    assert!(pool.allocate(MIB).is_err(), "no whole page is free");
+    // Freeing every block of one page (the first 256 allocations share one)
+    // returns that page to the arena.
+    small.drain(..256);
+    let st = pool.stats();
+    assert_eq!(st.slabs_free, 1);
+    assert_eq!(st.classes[0].slabs, 1);
+    let big = pool.allocate(MIB).expect("the freed page now serves the 1 MiB class");
+    assert_eq!(pool.stats().classes[8].blocks, 1);
+    drop(big);
+    drop(small);
+    assert_eq!(pool.stats().used_bytes, 0);
+}
+
+#[test]
+fn live_blocks_never_overlap() {
+    let pool = pool(4 * MIB, 4 * KIB, MIB);
+    let sizes = [4 * KIB, 7000, 16 * KIB, 100, 64 * KIB, MIB / 2];
+    let mut blocks = Vec::new();
+    let mut i = 0u8;
+    while let Ok(mut b) = pool.allocate(sizes[i as usize % sizes.len()]) {
+        b.as_mut_slice().fill(i);
+        blocks.push((i, b.freeze()));
+        i = i.wrapping_add(1);
+    }
+    assert!(blocks.len() > 20, "only {} blocks fit", blocks.len());
+    for (i, b) in &blocks {
+        assert!(b.iter().all(|x| x == i), "block {i} was overwritten by another");
+    }
+}
+
+#[test]
+fn memory_returns_only_when_the_last_clone_drops() {
+    let pool = pool(MIB, 4 * KIB, MIB);
+    let mut b = pool.allocate(100).expect("block");
+    b.as_mut_slice().copy_from_slice(&[7; 100]);
+    let shared = b.freeze();
+    let reader = shared.clone();
+    assert_eq!(shared.ref_count(), 2);
+    assert!(reader.ptr_eq(&shared));
+    drop(shared);
+    assert_eq!(pool.stats().blocks, 1, "a reader still holds the block");
+    let bytes = reader.into_bytes();
+    assert_eq!(pool.stats().blocks, 1, "Bytes keeps the block alive");
+    assert_eq!(&bytes[..], &[7; 100][..]);
+    let tail = bytes.slice(50..);
+    drop(bytes);
+    assert_eq!(pool.stats().blocks, 1, "a slice of the Bytes keeps it alive");
+    assert_eq!(&tail[..], &[7; 50][..]);
+    drop(tail);
+    assert_eq!(pool.stats().blocks, 0);
+}
+
+#[test]
+fn truncate_shrinks_the_visible_length_and_the_accounting() {
+    let pool = pool(MIB, 4 * KIB, MIB);
+    let mut b = pool.allocate(3000).expect("block");
+    b.truncate(1000);
+    b.truncate(2000);
+    assert_eq!(b.len(), 1000);
+    assert_eq!(pool.stats().requested_bytes, 1000);
+    drop(b);
+    assert_eq!(pool.stats().requested_bytes, 0);
+}
+
+#[test]
+fn bad_configurations_are_refused_with_the_reason() {
+    let cases = [
+        (PoolConfig { min_block_bytes: 3000, ..PoolConfig::new(MIB) }, "min_block_bytes 3000"),
+        (PoolConfig { max_block_bytes: 2048, ..PoolConfig::new(MIB) }, "max_block_bytes 2048"),
+        (PoolConfig { capacity_bytes: 8 * KIB, max_block_bytes: MIB, ..PoolConfig::new(MIB) }, "smaller than one slab page"),
+    ];
+    for (config, needle) in cases {
+        let err = MemoryPool::new(config).expect_err("invalid config");
+        assert!(err.to_string().contains(needle), "{err} should mention {needle}");
+    }
+}
+
+#[test]
+fn a_small_pool_lowers_its_largest_class_to_fit() {
+    let config = PoolConfig::new(3 * MIB);
+    assert_eq!(config.max_block_bytes, 32 * KIB, "lowered until the pool has {MIN_SLAB_PAGES} slab pages");
+    let pool = MemoryPool::new(config).expect("3 MiB pool");
+    assert_eq!(pool.capacity_bytes(), 3 * MIB);
+    assert!(pool.stats().slabs_total >= MIN_SLAB_PAGES);
+    // Asking for larger blocks explicitly still works; capacity rounds down to whole pages.
+    let pool = MemoryPool::new(PoolConfig { max_block_bytes: 2 * MIB, ..PoolConfig::new(3 * MIB) }).expect("2 MiB blocks");
+    assert_eq!(pool.capacity_bytes(), 2 * MIB, "rounded down to whole slab pages");
+    assert_eq!(PoolConfig::new(1 << 30).max_block_bytes, DEFAULT_MAX_BLOCK_BYTES);
+}
+
+#[test]
+fn refused_huge_pages_and_mlock_degrade_instead_of_failing() {
+    // Whether this machine grants them or not, the pool must come up and work.
+    let config = PoolConfig { huge_pages: true, mlock: true, prefault: true, ..PoolConfig::new(4 * MIB) };
+    let pool = MemoryPool::new(config).expect("pool with huge pages and mlock requested");
+    let mut b = pool.allocate(MIB).expect("block");
+    b.as_mut_slice().fill(1);
+    assert!(b.iter().all(|&x| x == 1));
+    let st = pool.stats();
+    assert_ne!(st.huge_pages, HugePageMode::None, "MAP_HUGETLB or MADV_HUGEPAGE should at least be attempted");
+}
+
+#[test]
+fn concurrent_allocation_hands_each_block_to_one_owner() {
+    let pool = pool(4 * MIB, 4 * KIB, 64 * KIB);
+    let threads: Vec<_> = (0..4u8)
+        .map(|t| {
+            let pool = Arc::clone(&pool);
+            std::thread::spawn(move || {
+                let mut rng = fastrand::Rng::with_seed(t as u64);
+                let mut held: Vec<Block> = Vec::new();
+                for round in 0..3000u32 {
+                    let tag = t.wrapping_mul(61).wrapping_add(round as u8);
+                    if let Ok(mut b) = pool.allocate(rng.usize(1..=64 * KIB)) {
+                        b.as_mut_slice().fill(tag);
+                        held.push(b.freeze());
+                    }
+                    if held.len() > 8 || (!held.is_empty() && rng.bool()) {
+                        let b = held.swap_remove(rng.usize(..held.len()));
+                        let first = b[0];
+                        assert!(b.iter().all(|&x| x == first), "thread {t}: block changed under its owner");
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().expect("allocation thread panicked");
+    }
+    let st = pool.stats();
+    assert_eq!((st.blocks, st.used_bytes, st.slabs_free), (0, 0, st.slabs_total));
+}
