@@ -327,6 +327,23 @@ impl MemoryPool {
     /// previous user left (the caller overwrites them; zeroing would double
     /// the memory traffic of a PUT).
     pub fn allocate(self: &Arc<Self>, len: usize) -> Result<BlockMut, MemoryError> {
+        self.allocate_counted(len, true)
+    }
+
+    /// Like [`allocate`](Self::allocate), but a full pool is not counted as a
+    /// refused allocation: for a caller that frees memory and retries (the
+    /// cache's eviction loop), which reports a final refusal itself with
+    /// [`record_refusal`](Self::record_refusal).
+    pub fn try_allocate(self: &Arc<Self>, len: usize) -> Result<BlockMut, MemoryError> {
+        self.allocate_counted(len, false)
+    }
+
+    /// Counts an allocation that could not be served even after freeing.
+    pub fn record_refusal(&self) {
+        self.lock().failed += 1;
+    }
+
+    fn allocate_counted(self: &Arc<Self>, len: usize, count_failure: bool) -> Result<BlockMut, MemoryError> {
         let (class, shift) = self.class_of(len)?;
         let offset = {
             let mut st = self.lock();
@@ -339,7 +356,9 @@ impl MemoryPool {
                     offset
                 }
                 None => {
-                    st.failed += 1;
+                    if count_failure {
+                        st.failed += 1;
+                    }
                     return Err(MemoryError::Capacity {
                         requested: len,
                         class_bytes: 1 << shift,

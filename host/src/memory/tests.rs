@@ -91,7 +91,8 @@ fn an_emptied_slab_page_moves_to_another_class() {
 
 #[test]
 fn live_blocks_never_overlap() {
-    let pool = pool(4 * MIB, 4 * KIB, MIB);
+    // 16 slab pages shared by five size classes.
+    let pool = pool(16 * MIB, 4 * KIB, MIB);
     let sizes = [4 * KIB, 7000, 16 * KIB, 100, 64 * KIB, MIB / 2];
     let mut blocks = Vec::new();
     let mut i = 0u8;
@@ -169,7 +170,7 @@ fn a_small_pool_lowers_its_largest_class_to_fit() {
 #[test]
 fn refused_huge_pages_and_mlock_degrade_instead_of_failing() {
     // Whether this machine grants them or not, the pool must come up and work.
-    let config = PoolConfig { huge_pages: true, mlock: true, prefault: true, ..PoolConfig::new(4 * MIB) };
+    let config = PoolConfig { huge_pages: true, mlock: true, prefault: true, max_block_bytes: MIB, ..PoolConfig::new(4 * MIB) };
     let pool = MemoryPool::new(config).expect("pool with huge pages and mlock requested");
     let mut b = pool.allocate(MIB).expect("block");
     b.as_mut_slice().fill(1);
