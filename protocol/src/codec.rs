@@ -299,7 +299,7 @@ pub fn decode_body(header: &FrameHeader, meta: Bytes, limits: &Limits) -> Result
             Meta::Complete(Message::Response(Response::HelloAck(HelloAck { version, features, limits })))
         }
         Opcode::Put => {
-            let count = r.count(limits, "put.count")?;
+            let count = r.count(limits, "put.count", 10)?;
             let mut slots = Vec::with_capacity(count);
             let mut total = 0u64;
             for i in 0..count {
@@ -345,7 +345,7 @@ pub fn decode_body(header: &FrameHeader, meta: Bytes, limits: &Limits) -> Result
         }
         Opcode::PutResult | Opcode::ExistsResult | Opcode::DeleteResult => {
             no_payload("results")?;
-            let count = r.count(limits, "results.count")?;
+            let count = r.count(limits, "results.count", 2)?;
             let mut results = Vec::with_capacity(count);
             for _ in 0..count {
                 results.push(match ErrorCode::from_u16(r.u16("results.status")?) {
@@ -360,7 +360,7 @@ pub fn decode_body(header: &FrameHeader, meta: Bytes, limits: &Limits) -> Result
             }))
         }
         Opcode::GetResult => {
-            let count = r.count(limits, "get_result.count")?;
+            let count = r.count(limits, "get_result.count", 10)?;
             let mut slots = Vec::with_capacity(count);
             let mut total = 0u64;
             for _ in 0..count {
@@ -400,6 +400,7 @@ pub fn decode_body(header: &FrameHeader, meta: Bytes, limits: &Limits) -> Result
             if count > MAX_STATS_ENTRIES {
                 return Err(ProtocolError::malformed("stats_result.count", format!("{count} entries, over the limit of {MAX_STATS_ENTRIES}")));
             }
+            r.fits(count, 11, "stats_result.count")?;
             let mut entries = Vec::with_capacity(count);
             for _ in 0..count {
                 let len = r.u16("stats_result.name_len")? as usize;
@@ -415,8 +416,11 @@ pub fn decode_body(header: &FrameHeader, meta: Bytes, limits: &Limits) -> Result
             let raw = r.u16("error.code")?;
             let code = ErrorCode::from_u16(raw).ok_or_else(|| ProtocolError::malformed("error.code", "0 is success, not an error"))?;
             let len = r.u16("error.message_len")? as usize;
+            if len > MAX_ERROR_MESSAGE_BYTES {
+                return Err(ProtocolError::malformed("error.message", format!("{len} bytes, over the limit of {MAX_ERROR_MESSAGE_BYTES}")));
+            }
             let message = r.bytes(len, "error.message")?;
-            let message = String::from_utf8_lossy(&message).into_owned();
+            let message = String::from_utf8(message.to_vec()).map_err(|_| ProtocolError::malformed("error.message", "not UTF-8"))?;
             Meta::Complete(Message::Response(Response::Error { code, message }))
         }
     };
@@ -535,14 +539,28 @@ impl Reader {
         Ok(self.buf.slice(start..start + n))
     }
 
-    /// A batch count, checked against the batch limit before anything is
-    /// reserved for it.
-    fn count(&mut self, limits: &Limits, field: &'static str) -> Result<usize, ProtocolError> {
+    /// A batch count, checked against the batch limit and against the bytes
+    /// left in the meta (each entry takes at least `min_entry` bytes) before
+    /// anything is reserved for it: a peer that declares four billion
+    /// entries in a 28-byte frame gets an error, not an allocation.
+    fn count(&mut self, limits: &Limits, field: &'static str, min_entry: usize) -> Result<usize, ProtocolError> {
         let count = self.u32(field)?;
         if count > limits.max_batch_keys {
             return Err(ProtocolError::TooManyKeys { count: count as u64, limit: limits.max_batch_keys as u64 });
         }
+        self.fits(count as usize, min_entry, field)?;
         Ok(count as usize)
+    }
+
+    fn fits(&self, count: usize, min_entry: usize, field: &'static str) -> Result<(), ProtocolError> {
+        let left = self.buf.len() - self.pos;
+        if count.saturating_mul(min_entry) > left {
+            return Err(ProtocolError::malformed(
+                field,
+                format!("{count} entries of at least {min_entry} bytes do not fit in the {left} bytes left"),
+            ));
+        }
+        Ok(())
     }
 
     fn key(&mut self, index: usize, limits: &Limits) -> Result<Bytes, ProtocolError> {
@@ -558,7 +576,7 @@ impl Reader {
     }
 
     fn keys(&mut self, limits: &Limits, field: &'static str) -> Result<Vec<Bytes>, ProtocolError> {
-        let count = self.count(limits, field)?;
+        let count = self.count(limits, field, 2)?;
         let mut keys = Vec::with_capacity(count);
         for i in 0..count {
             keys.push(self.key(i, limits)?);

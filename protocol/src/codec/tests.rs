@@ -159,11 +159,12 @@ fn key_and_batch_limits_are_typed_errors() {
 
 #[test]
 fn a_truncated_meta_names_the_field() {
-    // A GET whose meta claims two keys but carries one.
+    // A GET whose meta claims two keys but carries one and half a length.
     let mut body = Vec::new();
     body.extend_from_slice(&2u32.to_le_bytes());
     body.extend_from_slice(&1u16.to_le_bytes());
     body.push(b'a');
+    body.push(1);
     let mut header = [0u8; HEADER_LEN];
     FrameHeader { version: 1, opcode: Opcode::Get as u8, flags: 0, request_id: 3, body_len: body.len() as u32, meta_len: body.len() as u32 }
         .write(&mut header);
@@ -204,4 +205,34 @@ fn long_error_messages_are_cut_on_a_character_boundary() {
     let (frame, _) = decode(&wire, &Limits::default()).expect("ok").expect("complete");
     let Message::Response(Response::Error { message, .. }) = frame.message else { panic!("not an error") };
     assert!(message.len() <= MAX_ERROR_MESSAGE_BYTES && message.chars().all(|c| c == 'é'));
+}
+
+#[test]
+fn a_huge_declared_count_in_a_tiny_frame_is_refused_before_allocating() {
+    // A GET_RESULT claiming u32::MAX entries in 4 bytes of meta, read with the
+    // client's unbounded batch limit.
+    let mut header = [0u8; HEADER_LEN];
+    FrameHeader { version: 1, opcode: Opcode::GetResult as u8, flags: 0, request_id: 1, body_len: 4, meta_len: 4 }.write(&mut header);
+    let mut wire = header.to_vec();
+    wire.extend_from_slice(&u32::MAX.to_le_bytes());
+    let limits = Limits { max_batch_keys: u32::MAX, ..Limits::default() };
+    let e = decode_err(wire, &limits);
+    assert_eq!(e.code(), ErrorCode::Malformed);
+    assert!(e.to_string().contains("do not fit"), "{e}");
+}
+
+#[test]
+fn an_error_message_over_the_limit_or_not_utf8_is_refused() {
+    for (len, byte) in [(MAX_ERROR_MESSAGE_BYTES + 1, b'a'), (10, 0xff)] {
+        let mut body = Vec::new();
+        body.extend_from_slice(&25u16.to_le_bytes());
+        body.extend_from_slice(&(len as u16).to_le_bytes());
+        body.extend(std::iter::repeat(byte).take(len));
+        let mut header = [0u8; HEADER_LEN];
+        FrameHeader { version: 1, opcode: Opcode::Error as u8, flags: 0, request_id: 1, body_len: body.len() as u32, meta_len: body.len() as u32 }
+            .write(&mut header);
+        let mut wire = header.to_vec();
+        wire.extend_from_slice(&body);
+        assert_eq!(decode_err(wire, &Limits::default()).code(), ErrorCode::Malformed);
+    }
 }
