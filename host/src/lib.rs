@@ -9,6 +9,7 @@ pub mod cache;
 pub mod conformance;
 pub mod error;
 pub mod memory;
+pub mod operator;
 pub mod plugin;
 pub mod scaffold;
 pub mod scheduling;

@@ -240,6 +240,14 @@ async fn every_bad_input_gets_a_typed_answer_and_the_node_keeps_serving() {
         r.send(&Frame::request(8, Request::Ping));
         assert!(matches!(r.recv(), Some(Frame { request_id: 8, message: Message::Response(Response::Pong) })));
 
+        // An answer frame (with a payload) sent as a request: refused, and its
+        // payload skipped so it is not taken for the next frame.
+        let answer = encode(&Frame::response(14, Response::Get { results: vec![Ok(Block::new(block(5, 100)))] })).unwrap().to_vec();
+        r.send_bytes(&answer);
+        r.expect_error(ErrorCode::Invalid);
+        r.send(&Frame::request(15, Request::Ping));
+        assert!(matches!(r.recv(), Some(Frame { request_id: 15, message: Message::Response(Response::Pong) })));
+
         // Duplicate keys and an overlong key: typed errors, connection kept.
         r.send(&Frame::request(9, Request::Get { keys: vec![key("a"), key("a")] }));
         r.expect_error(ErrorCode::DuplicateKey);

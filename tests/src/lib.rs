@@ -142,3 +142,5 @@ pub mod redis {
         }
     }
 }
+
+pub mod control_plane;

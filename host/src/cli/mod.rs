@@ -4,6 +4,7 @@ mod bench;
 mod demo;
 mod kv;
 mod node;
+mod operator;
 mod plugin;
 mod size;
 
@@ -63,6 +64,10 @@ enum Command {
     /// The plain socket sink/source `kvplane bench --target raw` measures the loopback ceiling with.
     #[command(hide = true)]
     BenchRawServer(bench::RawServerArgs),
+    /// Run the KVCache operator (leader-elected; KUBECONFIG or in-cluster credentials).
+    Operator(operator::OperatorArgs),
+    /// Print the KVCache CustomResourceDefinition (YAML).
+    Crd,
     /// Run the builtin plugins through the runtime and print what they decide.
     Demo,
     /// Inspect, test and scaffold WebAssembly plugins.
@@ -76,6 +81,10 @@ pub fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    // Every TLS client in the process (Kubernetes API, OCI registries, plugin
+    // URLs) uses ring; installing it once avoids a run-time choice between
+    // providers that features elsewhere in the build might enable.
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -93,6 +102,8 @@ pub fn main() -> ExitCode {
             Command::Stats { conn, json } => kv::stats(conn, json).await,
             Command::Bench(args) => bench::run(args).await,
             Command::BenchRawServer(args) => bench::raw_server(args).await,
+            Command::Operator(args) => operator::run(args).await,
+            Command::Crd => operator::crd(),
             Command::Demo => demo::run().await,
             Command::Plugin(cmd) => plugin::run(cmd).await,
         }

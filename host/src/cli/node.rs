@@ -48,6 +48,11 @@ pub struct NodeArgs {
     /// Connections served at once.
     #[arg(long, default_value_t = 1024)]
     max_connections: usize,
+    /// Node configuration written by the operator (backend, plugin
+    /// declarations); every declared plugin is fetched, digest-checked and
+    /// compiled before the node serves.
+    #[arg(long)]
+    config: Option<PathBuf>,
     /// Largest frame accepted.
     #[arg(long, default_value = "128MiB", value_parser = parse_size)]
     max_frame: usize,
@@ -80,6 +85,15 @@ pub async fn run(args: NodeArgs) -> anyhow::Result<ExitCode> {
             anyhow::bail!("--token-file {} is empty", path.display());
         }
         config.token = Some(token);
+    }
+    if let Some(path) = &args.config {
+        let file = kvplane::server::config::read(path)?;
+        let runtime = kvplane::plugin::PluginRuntime::with_default_cache()?;
+        let verified = kvplane::server::config::verify_plugins(&file, path, &runtime).await?;
+        for p in &verified {
+            eprintln!("plugin {} ({}) verified: {} sha256 {}", p.name, p.world, p.origin, p.sha256);
+        }
+        eprintln!("backend {} (second tier not yet served by this node build; the memory tier serves alone)", file.backend);
     }
     let policy = config.cache.policy;
     let node = Node::start(config).await?;

@@ -258,6 +258,9 @@ where
             }
             Meta::Complete(Message::Request(request)) => self.answer(request, started),
             Meta::Complete(Message::Response(_)) | Meta::Get(_) => {
+                // Skip whatever payload the answer frame carries, so the
+                // next frame is read from where the client put it.
+                skip(&mut self.reader, header.payload_len() as u64).await?;
                 self.state.metrics.protocol_errors.fetch_add(1, Ordering::Relaxed);
                 Response::Error { code: ErrorCode::Invalid, message: format!("opcode {:#04x} is an answer, not a request", header.opcode) }
             }

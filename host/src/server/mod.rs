@@ -6,6 +6,7 @@
 //! them up to a drain deadline.
 
 mod admin;
+pub mod config;
 mod connection;
 pub mod metrics;
 

@@ -1,0 +1,317 @@
+//! The reconciler: one pass takes a KVCache to its desired children and
+//! writes what it saw into the status.
+//!
+//! Each pass is idempotent: it resolves the spec, runs the placement rules,
+//! renders the children and server-side-applies each of them under one field
+//! manager. A deleted child is simply applied again (the owner watches bring
+//! the KVCache back into the queue the moment a child disappears); drift in
+//! a field the operator owns is overwritten by the same apply. Children carry
+//! owner references, so deleting the KVCache deletes them: no finalizer is
+//! needed, and none is added.
+
+use std::collections::BTreeMap;
+use std::fmt::Debug;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::core::v1::{ConfigMap, Service};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, OwnerReference, Time};
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::controller::Action;
+use kube::runtime::events::{Event, EventType};
+use kube::{Resource, ResourceExt};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use super::crd::{KVCache, KVCacheStatus};
+use super::plugins::{resolve_and_place, PluginFailure};
+use super::render::{render, Names};
+use super::resolve::{resolve, Metadata, Resolved};
+use super::Context;
+
+/// The field manager of every apply.
+pub const FIELD_MANAGER: &str = "kvplane-operator";
+
+/// Requeue while something is not ready yet (status changes of owned
+/// StatefulSets also wake the reconciler; this is the safety net).
+const REQUEUE_NOT_READY: Duration = Duration::from_secs(10);
+/// Periodic resync of a healthy KVCache.
+const REQUEUE_READY: Duration = Duration::from_secs(300);
+/// Retry of a failing placement rule or plugin source.
+const REQUEUE_PLUGIN_FAILURE: Duration = Duration::from_secs(30);
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReconcileError {
+    #[error("applying {kind} {name}: {source}")]
+    Apply {
+        kind: &'static str,
+        name: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("writing the status: {0}")]
+    Status(#[source] kube::Error),
+    #[error("the KVCache has no namespace")]
+    NoNamespace,
+}
+
+/// What applying one child did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Applied {
+    /// It did not exist and this KVCache had never been reconciled.
+    Created,
+    /// It did not exist although an earlier pass had created it: repaired.
+    Recreated,
+    /// It existed and the apply changed it (a spec edit or drift).
+    Updated,
+    Unchanged,
+}
+
+fn owner_reference(kv: &KVCache) -> OwnerReference {
+    OwnerReference {
+        api_version: "kvplane.io/v1alpha1".into(),
+        kind: "KVCache".into(),
+        name: kv.name_any(),
+        uid: kv.uid().unwrap_or_default(),
+        controller: Some(true),
+        block_owner_deletion: Some(true),
+    }
+}
+
+async fn apply<K>(api: &Api<K>, obj: &K, seen_before: bool) -> Result<(Applied, K), kube::Error>
+where
+    K: Resource<DynamicType = ()> + Clone + Debug + Serialize + DeserializeOwned,
+{
+    let name = obj.meta().name.clone().unwrap_or_default();
+    let before = api.get_metadata_opt(&name).await?;
+    let after = api.patch(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(obj)).await?;
+    let applied = match before {
+        None if seen_before => Applied::Recreated,
+        None => Applied::Created,
+        Some(b) if b.metadata.resource_version != after.meta().resource_version => Applied::Updated,
+        Some(_) => Applied::Unchanged,
+    };
+    Ok((applied, after))
+}
+
+/// One reconcile pass.
+pub async fn reconcile(kv: Arc<KVCache>, ctx: Arc<Context>) -> Result<Action, ReconcileError> {
+    let started = Instant::now();
+    let result = reconcile_inner(&kv, &ctx).await;
+    ctx.metrics.observe(started.elapsed(), result.is_ok());
+    result
+}
+
+async fn reconcile_inner(kv: &KVCache, ctx: &Context) -> Result<Action, ReconcileError> {
+    let ns = kv.namespace().ok_or(ReconcileError::NoNamespace)?;
+    let name = kv.name_any();
+    let kvs: Api<KVCache> = Api::namespaced(ctx.client.clone(), &ns);
+    let old_status = kv.status.clone().unwrap_or_default();
+    // A KVCache with an observedGeneration was reconciled before: a child
+    // missing now was deleted, not never created.
+    let seen_before = old_status.observed_generation.is_some();
+    let mut status = old_status.clone();
+    status.observed_generation = kv.metadata.generation;
+    let oref = kv.object_ref(&());
+
+    let resolved = match resolve(kv) {
+        Ok(r) => r,
+        Err(e) => {
+            let message = e.to_string();
+            set_condition(&mut status, "Ready", false, "InvalidSpec", &message, kv);
+            set_condition(&mut status, "Degraded", true, "InvalidSpec", &message, kv);
+            publish(ctx, &oref, EventType::Warning, "InvalidSpec", "Reconcile", message).await;
+            write_status(&kvs, &name, &old_status, &status).await?;
+            return Ok(Action::await_change());
+        }
+    };
+    status.backend = Some(resolved.backend.name().to_string());
+
+    let annotations: BTreeMap<String, String> = kv.annotations().clone();
+    let placements = match resolve_and_place(&ctx.client, &ctx.runtime, &resolved, &annotations).await {
+        Ok((placements, digests)) => {
+            let n = digests.len();
+            status.plugins = digests;
+            set_condition(&mut status, "PluginsResolved", true, "Resolved", &format!("{n} plugins fetched, verified and loaded"), kv);
+            placements
+        }
+        Err(PluginFailure { reason, message }) => {
+            // Running pods stay as they are: nothing is applied until the
+            // plugins resolve again.
+            set_condition(&mut status, "PluginsResolved", false, reason, &message, kv);
+            set_condition(&mut status, "Degraded", true, reason, &message, kv);
+            set_condition(&mut status, "Ready", false, "PluginsNotResolved", &message, kv);
+            if status != old_status {
+                publish(ctx, &oref, EventType::Warning, reason, "ResolvePlugins", message).await;
+            }
+            write_status(&kvs, &name, &old_status, &status).await?;
+            return Ok(Action::requeue(REQUEUE_PLUGIN_FAILURE));
+        }
+    };
+
+    let children = render(&resolved, &placements, &owner_reference(kv));
+    let client = ctx.client.clone();
+    let cms: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
+    let svcs: Api<Service> = Api::namespaced(client.clone(), &ns);
+    let stss: Api<StatefulSet> = Api::namespaced(client.clone(), &ns);
+    let mut outcomes: Vec<(&'static str, String, Applied)> = Vec::new();
+    macro_rules! apply_child {
+        ($api:expr, $obj:expr, $kind:literal) => {{
+            let obj = $obj;
+            let child_name = obj.metadata.name.clone().unwrap_or_default();
+            let (applied, after) = apply($api, obj, seen_before)
+                .await
+                .map_err(|source| ReconcileError::Apply { kind: $kind, name: child_name.clone(), source })?;
+            outcomes.push(($kind, child_name, applied));
+            after
+        }};
+    }
+    apply_child!(&cms, &children.config, "ConfigMap");
+    let mut etcd_ready = None;
+    if let Some(etcd) = &children.etcd {
+        apply_child!(&svcs, &etcd.peers, "Service");
+        apply_child!(&svcs, &etcd.client, "Service");
+        let sts = apply_child!(&stss, &etcd.members, "StatefulSet");
+        etcd_ready = Some(ready_replicas(&sts));
+    }
+    apply_child!(&svcs, &children.cache_headless, "Service");
+    apply_child!(&svcs, &children.rpc, "Service");
+    let cache = apply_child!(&stss, &children.cache, "StatefulSet");
+
+    for (kind, child, applied) in &outcomes {
+        let (reason, note) = match applied {
+            Applied::Created => ("Created", format!("created {kind} {child}")),
+            Applied::Recreated => ("Repaired", format!("{kind} {child} was missing; recreated it")),
+            Applied::Updated => ("Updated", format!("{kind} {child} differed from the spec; applied the spec")),
+            Applied::Unchanged => continue,
+        };
+        publish(ctx, &oref, EventType::Normal, reason, "Apply", note).await;
+    }
+    let repaired: Vec<String> = outcomes
+        .iter()
+        .filter(|(_, _, a)| *a == Applied::Recreated)
+        .map(|(k, n, _)| format!("{k} {n}"))
+        .collect();
+
+    fill_status(&mut status, kv, &resolved, ready_replicas(&cache), etcd_ready, &repaired);
+    let ready = status.conditions.iter().any(|c| c.type_ == "Ready" && c.status == "True");
+    write_status(&kvs, &name, &old_status, &status).await?;
+    Ok(Action::requeue(if ready { REQUEUE_READY } else { REQUEUE_NOT_READY }))
+}
+
+fn ready_replicas(sts: &StatefulSet) -> i32 {
+    sts.status.as_ref().and_then(|s| s.ready_replicas).unwrap_or(0)
+}
+
+fn fill_status(status: &mut KVCacheStatus, kv: &KVCache, r: &Resolved, cache_ready: i32, etcd_ready: Option<i32>, repaired: &[String]) {
+    status.replicas = r.cache.replicas;
+    status.ready_replicas = cache_ready;
+    status.endpoints = r
+        .service_ports
+        .iter()
+        .map(|p| format!("{}.{}.svc:{}", Names::rpc(&r.name), r.namespace, p.port))
+        .collect();
+    let etcd_ok = match (&r.metadata, etcd_ready) {
+        (Metadata::Etcd(plan), Some(ready)) => {
+            let want = plan.workload.replicas;
+            let msg = format!("{ready}/{want} etcd members ready");
+            let ok = ready >= want;
+            set_condition(status, "EtcdReady", ok, if ok { "MembersReady" } else { "MembersNotReady" }, &msg, kv);
+            ok
+        }
+        (Metadata::ExternalEtcd(c), _) => {
+            set_condition(status, "EtcdReady", true, "External", &format!("external etcd at {}", c.address), kv);
+            true
+        }
+        (Metadata::ExternalRedis(c), _) => {
+            set_condition(status, "EtcdReady", true, "External", &format!("metadata in the external Redis at {}", c.address), kv);
+            true
+        }
+        (Metadata::Etcd(_), None) => false,
+    };
+    let want = r.cache.replicas;
+    let cache_ok = cache_ready >= want;
+    let msg = format!("{cache_ready}/{want} cache pods ready");
+    set_condition(status, "CacheReady", cache_ok, if cache_ok { "PodsReady" } else { "PodsNotReady" }, &msg, kv);
+    if etcd_ok && cache_ok {
+        set_condition(status, "Ready", true, "AllReady", "the etcd cluster and every cache pod are ready", kv);
+    } else {
+        let mut waiting = Vec::new();
+        if !etcd_ok {
+            waiting.push("etcd members");
+        }
+        if !cache_ok {
+            waiting.push("cache pods");
+        }
+        set_condition(status, "Ready", false, "Waiting", &format!("waiting for {}", waiting.join(" and ")), kv);
+    }
+    if !repaired.is_empty() {
+        set_condition(status, "Degraded", true, "ChildRepaired", &format!("recreated {}", repaired.join(", ")), kv);
+    } else if etcd_ok && cache_ok {
+        set_condition(status, "Degraded", false, "AsExpected", "nothing is missing", kv);
+    } else if status.conditions.iter().any(|c| c.type_ == "Ready" && c.status == "True") {
+        set_condition(status, "Degraded", true, "NotReady", "was ready before; some pods are not ready now", kv);
+    } else {
+        set_condition(status, "Degraded", false, "Starting", "pods are starting", kv);
+    }
+}
+
+/// Sets a condition, keeping its transition time when the status is unchanged.
+fn set_condition(status: &mut KVCacheStatus, type_: &str, ok: bool, reason: &str, message: &str, kv: &KVCache) {
+    let value = if ok { "True" } else { "False" };
+    let now = Time(k8s_openapi::jiff::Timestamp::now());
+    let generation = kv.metadata.generation;
+    match status.conditions.iter_mut().find(|c| c.type_ == type_) {
+        Some(c) => {
+            if c.status != value {
+                c.last_transition_time = now;
+            }
+            c.status = value.into();
+            c.reason = reason.into();
+            c.message = message.into();
+            c.observed_generation = generation;
+        }
+        None => status.conditions.push(Condition {
+            type_: type_.into(),
+            status: value.into(),
+            reason: reason.into(),
+            message: message.into(),
+            last_transition_time: now,
+            observed_generation: generation,
+        }),
+    }
+}
+
+/// Writes the status when it changed: an unchanged status is not written,
+/// so the write does not wake the reconciler again.
+async fn write_status(api: &Api<KVCache>, name: &str, old: &KVCacheStatus, new: &KVCacheStatus) -> Result<(), ReconcileError> {
+    if comparable(old) == comparable(new) {
+        return Ok(());
+    }
+    let patch = serde_json::json!({ "status": new });
+    api.patch_status(name, &PatchParams::default(), &Patch::Merge(&patch)).await.map_err(ReconcileError::Status)?;
+    Ok(())
+}
+
+/// A status without transition times, for change detection.
+fn comparable(s: &KVCacheStatus) -> KVCacheStatus {
+    let mut s = s.clone();
+    for c in &mut s.conditions {
+        c.last_transition_time = Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH);
+    }
+    s
+}
+
+async fn publish(ctx: &Context, oref: &k8s_openapi::api::core::v1::ObjectReference, type_: EventType, reason: &str, action: &str, note: String) {
+    let event = Event { type_, reason: reason.into(), note: Some(note), action: action.into(), secondary: None };
+    if let Err(e) = ctx.recorder.publish(&event, oref).await {
+        tracing::warn!(error = %e, reason, "could not publish an event");
+    }
+}
+
+/// What the controller does after a failed pass: log it and retry soon.
+pub fn error_policy(kv: Arc<KVCache>, error: &ReconcileError, _ctx: Arc<Context>) -> Action {
+    tracing::warn!(kvcache = %kv.name_any(), namespace = ?kv.namespace(), %error, "reconcile failed; retrying");
+    Action::requeue(Duration::from_secs(5))
+}
