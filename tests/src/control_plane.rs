@@ -250,7 +250,7 @@ impl ControlPlane {
             // The `kubernetes` service's endpoints may not point at loopback:
             // keep them empty rather than log a failed sync every 10 s.
             .arg("--endpoint-reconciler-type=none")
-            .arg("--service-cluster-ip-range=10.0.0.0/24")
+            .arg("--service-cluster-ip-range=10.96.0.0/16")
             .arg("--service-account-issuer=https://kubernetes.default.svc.cluster.local")
             .arg(format!("--service-account-key-file={}", sa_pub_file.display()))
             .arg(format!("--service-account-signing-key-file={}", sa_key_file.display()));
@@ -680,7 +680,7 @@ impl Pki {
         let serving_key = KeyPair::generate().expect("generating the serving key");
         let names: Vec<String> = [
             "127.0.0.1",
-            "10.0.0.1",
+            "10.96.0.1",
             "localhost",
             "kubernetes",
             "kubernetes.default",

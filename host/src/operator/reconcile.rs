@@ -156,15 +156,29 @@ async fn reconcile_inner(kv: &KVCache, ctx: &Context) -> Result<Action, Reconcil
     let svcs: Api<Service> = Api::namespaced(client.clone(), &ns);
     let stss: Api<StatefulSet> = Api::namespaced(client.clone(), &ns);
     let mut outcomes: Vec<(&'static str, String, Applied)> = Vec::new();
+    // A child the API server refuses (quota, a full service IP range, an
+    // admission webhook) is reported in the status before the pass fails.
     macro_rules! apply_child {
         ($api:expr, $obj:expr, $kind:literal) => {{
             let obj = $obj;
             let child_name = obj.metadata.name.clone().unwrap_or_default();
-            let (applied, after) = apply($api, obj, seen_before)
-                .await
-                .map_err(|source| ReconcileError::Apply { kind: $kind, name: child_name.clone(), source })?;
-            outcomes.push(($kind, child_name, applied));
-            after
+            match apply($api, obj, seen_before).await {
+                Ok((applied, after)) => {
+                    outcomes.push(($kind, child_name, applied));
+                    after
+                }
+                Err(source) => {
+                    let error = ReconcileError::Apply { kind: $kind, name: child_name, source };
+                    let message = error.to_string();
+                    set_condition(&mut status, "Ready", false, "ApplyFailed", &message, kv);
+                    set_condition(&mut status, "Degraded", true, "ApplyFailed", &message, kv);
+                    if status != old_status {
+                        publish(ctx, &oref, EventType::Warning, "ApplyFailed", "Apply", message).await;
+                    }
+                    write_status(&kvs, &name, &old_status, &status).await?;
+                    return Err(error);
+                }
+            }
         }};
     }
     apply_child!(&cms, &children.config, "ConfigMap");
