@@ -193,14 +193,18 @@ async fn reconcile_inner(kv: &KVCache, ctx: &Context) -> Result<Action, Reconcil
     apply_child!(&svcs, &children.rpc, "Service");
     let cache = apply_child!(&stss, &children.cache, "StatefulSet");
 
-    for (kind, child, applied) in &outcomes {
-        let (reason, note) = match applied {
-            Applied::Created => ("Created", format!("created {kind} {child}")),
-            Applied::Recreated => ("Repaired", format!("{kind} {child} was missing; recreated it")),
-            Applied::Updated => ("Updated", format!("{kind} {child} differed from the spec; applied the spec")),
-            Applied::Unchanged => continue,
-        };
-        publish(ctx, &oref, EventType::Normal, reason, "Apply", note).await;
+    // One Event per kind of outcome and pass (not one per child): creating
+    // a pool is one story, and at 500 KVCaches the Events would otherwise
+    // be a third of the operator's API traffic.
+    for (outcome, reason, verb) in [
+        (Applied::Created, "Created", "created"),
+        (Applied::Recreated, "Repaired", "recreated missing"),
+        (Applied::Updated, "Updated", "applied the spec to drifted or edited"),
+    ] {
+        let names: Vec<String> = outcomes.iter().filter(|(_, _, a)| *a == outcome).map(|(k, n, _)| format!("{k} {n}")).collect();
+        if !names.is_empty() {
+            publish(ctx, &oref, EventType::Normal, reason, "Apply", format!("{verb} {}", names.join(", "))).await;
+        }
     }
     let repaired: Vec<String> = outcomes
         .iter()
