@@ -84,6 +84,21 @@ where
     K: Resource<DynamicType = ()> + Clone + Debug + Serialize + DeserializeOwned,
 {
     let name = obj.meta().name.clone().unwrap_or_default();
+    if !seen_before {
+        // First pass for this KVCache: its children are being created, so
+        // the read that tells "recreated" and "updated" apart is skipped
+        // (half the requests when many KVCaches arrive at once). A child
+        // that already existed (an operator restarted mid-pass) is told
+        // apart by its creation time.
+        let started = k8s_openapi::jiff::Timestamp::now();
+        let after = api.patch(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(obj)).await?;
+        let fresh = after
+            .meta()
+            .creation_timestamp
+            .as_ref()
+            .is_some_and(|t| t.0.as_second() >= started.as_second() - 5);
+        return Ok((if fresh { Applied::Created } else { Applied::Unchanged }, after));
+    }
     let before = api.get_metadata_opt(&name).await?;
     let after = api.patch(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(obj)).await?;
     let applied = match before {
