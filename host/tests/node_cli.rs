@@ -41,11 +41,16 @@ struct NodeProcess {
 
 impl NodeProcess {
     fn start(extra: &[&str]) -> NodeProcess {
+        NodeProcess::start_with_env(extra, &[])
+    }
+
+    fn start_with_env(extra: &[&str], env: &[(&str, std::path::PathBuf)]) -> NodeProcess {
         let port = free_port();
         let endpoint = format!("127.0.0.1:{port}");
         let mut child = kvplane()
             .args(["node", "--listen", &endpoint, "--admin", "none", "--memory", "64MiB"])
             .args(extra)
+            .envs(env.iter().map(|(k, v)| (*k, v.as_os_str())))
             .stderr(Stdio::piped())
             .spawn()
             .expect("starting kvplane node");
@@ -188,4 +193,82 @@ fn the_bench_drivers_move_blocks_through_the_raw_socket_and_redis_baselines() {
         assert!(r["blocks"].as_u64().unwrap() > 0, "{r}");
         assert_eq!(r["misses"], 0, "{r}");
     }
+}
+
+/// A plain HTTP server (Python's http.server) on loopback, killed by PID.
+struct HttpServer {
+    child: Child,
+    port: u16,
+}
+
+impl HttpServer {
+    fn serve(dir: &std::path::Path) -> HttpServer {
+        let port = free_port();
+        let mut cmd = Command::new("python3");
+        cmd.args(["-m", "http.server", "--bind", "127.0.0.1", &port.to_string(), "--directory"])
+            .arg(dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        // SAFETY: prctl is async-signal-safe; the server dies with the test.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        let child = cmd.spawn().expect("python3 -m http.server");
+        let started = Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(started.elapsed() < Duration::from_secs(10), "http.server did not listen");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        HttpServer { child, port }
+    }
+}
+
+impl Drop for HttpServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn a_node_verifies_the_plugins_of_its_config_and_refuses_a_digest_mismatch() {
+    let dir = tempfile::tempdir().unwrap();
+    let www = dir.path().join("www");
+    std::fs::create_dir(&www).unwrap();
+    let ring = kvplane::plugin::builtin::bytes("ring").expect("builtin ring");
+    std::fs::write(www.join("ring.wasm"), ring).unwrap();
+    let sha = kvplane::plugin::load::sha256_hex(ring);
+    let http = HttpServer::serve(&www);
+    let url = format!("http://127.0.0.1:{}/ring.wasm", http.port);
+    let config = |sha256: &str| {
+        serde_json::json!({
+            "backend": "kvplane",
+            "plugins": [
+                {"name": "backoff", "kind": "retry", "source": {"builtin": "backoff"}},
+                {"name": "ring", "kind": "keyPlacement", "source": {"url": url}, "sha256": sha256},
+            ],
+        })
+        .to_string()
+    };
+    let good = dir.path().join("good.json");
+    std::fs::write(&good, config(&sha)).unwrap();
+    let node = NodeProcess::start_with_env(&["--config", good.to_str().unwrap()], &[("KVPLANE_CACHE_DIR", dir.path().join("cache"))]);
+    let out = run(&["stats", "--endpoint", &node.endpoint]);
+    assert!(out.status.success(), "{}", text(&out));
+    drop(node);
+
+    let bad = dir.path().join("bad.json");
+    std::fs::write(&bad, config(&"0".repeat(64))).unwrap();
+    let out = kvplane()
+        .args(["node", "--listen", &format!("127.0.0.1:{}", free_port()), "--admin", "none", "--memory", "64MiB", "--config"])
+        .arg(&bad)
+        .env("KVPLANE_CACHE_DIR", dir.path().join("cache"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "a node started with a plugin whose digest does not match");
+    let t = text(&out);
+    assert!(t.contains("plugin ring") && t.contains(&sha) && t.contains("pins 0000"), "{t}");
 }
