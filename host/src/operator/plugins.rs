@@ -90,7 +90,9 @@ pub async fn fetch(client: &Client, namespace: &str, p: &PluginSpec) -> Result<(
 /// Largest component fetched over HTTP: a Python component is ~18 MB.
 const MAX_COMPONENT_BYTES: u64 = 256 << 20;
 
-fn fetch_url(url: &str) -> Result<Vec<u8>, String> {
+/// Fetches a component over http(s), bounded in size; shared with the node,
+/// which fetches the same declarations itself.
+pub(crate) fn fetch_url(url: &str) -> Result<Vec<u8>, String> {
     let mut resp = ureq::get(url).call().map_err(|e| format!("GET {url}: {e}"))?;
     let body = resp.body_mut().with_config().limit(MAX_COMPONENT_BYTES).read_to_vec().map_err(|e| format!("GET {url}: reading the body: {e}"))?;
     Ok(body)

@@ -102,8 +102,8 @@ where
     let before = api.get_metadata_opt(&name).await?;
     let after = api.patch(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(obj)).await?;
     let applied = match before {
-        None if seen_before => Applied::Recreated,
-        None => Applied::Created,
+        // Not the first pass (handled above), so a missing child was deleted.
+        None => Applied::Recreated,
         Some(b) if b.metadata.resource_version != after.meta().resource_version => Applied::Updated,
         Some(_) => Applied::Unchanged,
     };

@@ -59,11 +59,9 @@ pub async fn verify_plugins(file: &NodeFile, config_path: &Path, runtime: &Plugi
             (path.display().to_string(), Arc::from(bytes))
         } else if let Some(url) = &p.source.url {
             let url = url.clone();
-            let bytes = tokio::task::spawn_blocking(move || -> anyhow::Result<Vec<u8>> {
-                let mut resp = ureq::get(&url).call().with_context(|| format!("GET {url}"))?;
-                Ok(resp.body_mut().with_config().limit(256 << 20).read_to_vec()?)
-            })
-            .await??;
+            let bytes = tokio::task::spawn_blocking(move || crate::operator::plugins::fetch_url(&url))
+                .await?
+                .map_err(|e| anyhow::anyhow!("plugin {}: {e}", p.name))?;
             (p.source.url.clone().unwrap_or_default(), Arc::from(bytes))
         } else if let Some(reference) = &p.source.oci {
             let bytes = crate::operator::oci::pull_wasm(reference).await.with_context(|| format!("plugin {}", p.name))?;
