@@ -24,41 +24,22 @@ const COMPONENTIZE_PY_VERSION: &str = "0.25.1";
 const PYTHON_RING_DIR: &str = "examples/plugins/python-ring";
 
 fn main() {
-    let manifest_dir =
-        PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
-    let root = manifest_dir
-        .parent()
-        .expect("the tests crate sits one level below the workspace root")
-        .to_path_buf();
+    let manifest_dir = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
+    let root = manifest_dir.parent().expect("the tests crate sits one level below the workspace root").to_path_buf();
     let out_dir = PathBuf::from(env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
 
     // Paths relative to this package; the nested build covers its own
     // dependencies, but a bumped wit-bindgen in Cargo.lock must reach it too.
-    for path in [
-        "build.rs",
-        "fixtures/hostile",
-        "fixtures/future-major",
-        "../wit",
-        "../Cargo.lock",
-    ] {
+    for path in ["build.rs", "fixtures/hostile", "fixtures/future-major", "../wit", "../Cargo.lock"] {
         println!("cargo:rerun-if-changed={path}");
     }
 
     let (hostile, future_major) = build_rust_fixtures(&root);
     let python_ring = build_python_ring(&root, &out_dir);
 
-    println!(
-        "cargo:rustc-env=KVPLANE_FIXTURE_HOSTILE={}",
-        hostile.display()
-    );
-    println!(
-        "cargo:rustc-env=KVPLANE_FIXTURE_FUTURE_MAJOR={}",
-        future_major.display()
-    );
-    println!(
-        "cargo:rustc-env=KVPLANE_PYTHON_RING={}",
-        python_ring.display()
-    );
+    println!("cargo:rustc-env=KVPLANE_FIXTURE_HOSTILE={}", hostile.display());
+    println!("cargo:rustc-env=KVPLANE_FIXTURE_FUTURE_MAJOR={}", future_major.display());
+    println!("cargo:rustc-env=KVPLANE_PYTHON_RING={}", python_ring.display());
 }
 
 /// Prints `message` where cargo shows a failed build script's output and stops.
@@ -76,12 +57,7 @@ fn build_rust_fixtures(root: &Path) -> (PathBuf, PathBuf) {
         .arg("--manifest-path")
         .arg(root.join("Cargo.toml"))
         .args(["--release", "--target", "wasm32-wasip2"])
-        .args([
-            "-p",
-            "kvplane-fixture-hostile",
-            "-p",
-            "kvplane-fixture-future-major",
-        ])
+        .args(["-p", "kvplane-fixture-hostile", "-p", "kvplane-fixture-future-major"])
         .arg("--target-dir")
         .arg(&target_dir)
         // Flags meant for the host build (coverage, sanitizers, target-cpu)
@@ -90,26 +66,18 @@ fn build_rust_fixtures(root: &Path) -> (PathBuf, PathBuf) {
         .env_remove("RUSTFLAGS");
     match cmd.status() {
         Ok(s) if s.success() => {}
-        Ok(s) => fail(&format!(
-            "building the Wasm test fixtures failed ({s}); is the target installed? `rustup target add wasm32-wasip2`"
-        )),
+        Ok(s) => fail(&format!("building the Wasm test fixtures failed ({s}); is the target installed? `rustup target add wasm32-wasip2`")),
         Err(e) => fail(&format!("could not run cargo to build the Wasm test fixtures: {e}")),
     }
     let release = target_dir.join("wasm32-wasip2").join("release");
     let found = |name: &str| {
         let path = release.join(name);
         if !path.is_file() {
-            fail(&format!(
-                "cargo succeeded but did not produce {}",
-                path.display()
-            ));
+            fail(&format!("cargo succeeded but did not produce {}", path.display()));
         }
         path
     };
-    (
-        found("kvplane_fixture_hostile.wasm"),
-        found("kvplane_fixture_future_major.wasm"),
-    )
+    (found("kvplane_fixture_hostile.wasm"), found("kvplane_fixture_future_major.wasm"))
 }
 
 fn build_python_ring(root: &Path, out_dir: &Path) -> PathBuf {
@@ -124,13 +92,10 @@ fn build_python_ring(root: &Path, out_dir: &Path) -> PathBuf {
                 );
             }
         }
-        Ok(o) => fail(&format!(
-            "componentize-py is not usable ({}); it builds the Python plugin the tests load: {install_hint}",
-            o.status
-        )),
-        Err(e) if e.kind() == ErrorKind::NotFound => fail(&format!(
-            "componentize-py was not found on PATH; it builds the Python plugin the tests load: {install_hint}"
-        )),
+        Ok(o) => fail(&format!("componentize-py is not usable ({}); it builds the Python plugin the tests load: {install_hint}", o.status)),
+        Err(e) if e.kind() == ErrorKind::NotFound => {
+            fail(&format!("componentize-py was not found on PATH; it builds the Python plugin the tests load: {install_hint}"))
+        }
         Err(e) => fail(&format!("could not run componentize-py: {e}; {install_hint}")),
     }
 
@@ -140,28 +105,18 @@ fn build_python_ring(root: &Path, out_dir: &Path) -> PathBuf {
     let source = root.join(PYTHON_RING_DIR);
     let staged = out_dir.join("python-ring-src");
     if staged.exists() {
-        fs::remove_dir_all(&staged)
-            .unwrap_or_else(|e| fail(&format!("clearing {}: {e}", staged.display())));
+        fs::remove_dir_all(&staged).unwrap_or_else(|e| fail(&format!("clearing {}: {e}", staged.display())));
     }
-    fs::create_dir_all(&staged)
-        .unwrap_or_else(|e| fail(&format!("creating {}: {e}", staged.display())));
-    let entries = fs::read_dir(&source)
-        .unwrap_or_else(|e| fail(&format!("reading {}: {e}", source.display())));
+    fs::create_dir_all(&staged).unwrap_or_else(|e| fail(&format!("creating {}: {e}", staged.display())));
+    let entries = fs::read_dir(&source).unwrap_or_else(|e| fail(&format!("reading {}: {e}", source.display())));
     for entry in entries {
-        let path = entry
-            .unwrap_or_else(|e| fail(&format!("reading {}: {e}", source.display())))
-            .path();
-        let name = path
-            .file_name()
-            .and_then(|n| n.to_str())
-            .unwrap_or_default()
-            .to_owned();
+        let path = entry.unwrap_or_else(|e| fail(&format!("reading {}: {e}", source.display()))).path();
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_owned();
         // Files, not the directory: pytest's __pycache__ there must not
         // trigger a rebuild.
         if name.ends_with(".py") && !name.starts_with("test_") {
             println!("cargo:rerun-if-changed={}", path.display());
-            fs::copy(&path, staged.join(&name))
-                .unwrap_or_else(|e| fail(&format!("copying {}: {e}", path.display())));
+            fs::copy(&path, staged.join(&name)).unwrap_or_else(|e| fail(&format!("copying {}: {e}", path.display())));
         }
     }
 
@@ -178,11 +133,7 @@ fn build_python_ring(root: &Path, out_dir: &Path) -> PathBuf {
         .status();
     match status {
         Ok(s) if s.success() && output.is_file() => output,
-        Ok(s) => fail(&format!(
-            "componentize-py failed to build {PYTHON_RING_DIR} ({s})"
-        )),
-        Err(e) => fail(&format!(
-            "could not run componentize-py: {e}; {install_hint}"
-        )),
+        Ok(s) => fail(&format!("componentize-py failed to build {PYTHON_RING_DIR} ({s})")),
+        Err(e) => fail(&format!("could not run componentize-py: {e}; {install_hint}")),
     }
 }

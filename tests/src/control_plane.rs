@@ -93,14 +93,11 @@ impl Versions {
     pub fn resolve(&self, version: &str) -> String {
         let v = version.trim_start_matches('v');
         match v.split('.').count() {
-            2 => self
-                .kubernetes
-                .iter()
-                .find(|full| full.rsplit_once('.').map(|(minor, _)| minor) == Some(v))
-                .cloned()
-                .unwrap_or_else(|| {
+            2 => {
+                self.kubernetes.iter().find(|full| full.rsplit_once('.').map(|(minor, _)| minor) == Some(v)).cloned().unwrap_or_else(|| {
                     panic!("no Kubernetes {v}.N in K8S_VERSIONS ({}) of {}", self.kubernetes.join(" "), Versions::file().display())
-                }),
+                })
+            }
             3 => v.to_string(),
             _ => panic!("not a Kubernetes version: {version:?} (want 1.MINOR or 1.MINOR.PATCH)"),
         }
@@ -392,9 +389,7 @@ impl ControlPlane {
         let ns = self.create("/api/v1/namespaces", &json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}));
         if self.scheduling {
             let path = format!("/api/v1/namespaces/{name}/serviceaccounts/default");
-            self.wait_for(&format!("service account {name}/default"), Duration::from_secs(30), || {
-                self.request("GET", &path, None).ok()
-            });
+            self.wait_for(&format!("service account {name}/default"), Duration::from_secs(30), || self.request("GET", &path, None).ok());
         }
         ns
     }
@@ -453,10 +448,7 @@ impl ControlPlane {
         let path = format!("/api/v1/nodes/{name}");
         self.wait_for(&format!("node {name} Ready"), timeout, || {
             let node = self.request("GET", &path, None).ok()?;
-            let ready = node["status"]["conditions"]
-                .as_array()?
-                .iter()
-                .any(|c| c["type"] == "Ready" && c["status"] == "True");
+            let ready = node["status"]["conditions"].as_array()?.iter().any(|c| c["type"] == "Ready" && c["status"] == "True");
             ready.then_some(node)
         })
     }
@@ -512,10 +504,7 @@ impl ControlPlane {
     fn spawn(&mut self, name: &'static str, mut cmd: Command) {
         let log = self.dir().join(format!("{name}.log"));
         let file = fs::File::create(&log).unwrap_or_else(|e| panic!("creating {}: {e}", log.display()));
-        cmd.stdin(Stdio::null())
-            .stdout(file.try_clone().expect("duplicating a log file handle"))
-            .stderr(file)
-            .current_dir(self.dir());
+        cmd.stdin(Stdio::null()).stdout(file.try_clone().expect("duplicating a log file handle")).stderr(file).current_dir(self.dir());
         let parent = std::process::id();
         // SAFETY: prctl and getppid are async-signal-safe; the kernel kills
         // the component when the thread that forked it (the spawner thread,
@@ -623,8 +612,7 @@ fn spawn_from_keeper_thread(cmd: Command) -> std::io::Result<Child> {
 /// N distinct free loopback ports (held together while choosing, so they
 /// differ from each other).
 fn free_ports<const N: usize>() -> [u16; N] {
-    let listeners: Vec<TcpListener> =
-        (0..N).map(|_| TcpListener::bind("127.0.0.1:0").expect("finding a free loopback port")).collect();
+    let listeners: Vec<TcpListener> = (0..N).map(|_| TcpListener::bind("127.0.0.1:0").expect("finding a free loopback port")).collect();
     std::array::from_fn(|i| listeners[i].local_addr().expect("a bound port").port())
 }
 
@@ -633,11 +621,7 @@ fn api_agent(ca_der: &[u8]) -> ureq::Agent {
     let ca = ureq::tls::Certificate::from_der(ca_der).to_owned();
     let tls = ureq::tls::TlsConfig::builder().root_certs(ureq::tls::RootCerts::new_with_certs(&[ca])).build();
     ureq::Agent::new_with_config(
-        ureq::Agent::config_builder()
-            .tls_config(tls)
-            .http_status_as_error(false)
-            .timeout_global(Some(Duration::from_secs(30)))
-            .build(),
+        ureq::Agent::config_builder().tls_config(tls).http_status_as_error(false).timeout_global(Some(Duration::from_secs(30))).build(),
     )
 }
 
@@ -646,11 +630,7 @@ fn api_agent(ca_der: &[u8]) -> ureq::Agent {
 fn health_agent() -> ureq::Agent {
     let tls = ureq::tls::TlsConfig::builder().disable_verification(true).build();
     ureq::Agent::new_with_config(
-        ureq::Agent::config_builder()
-            .tls_config(tls)
-            .http_status_as_error(false)
-            .timeout_global(Some(Duration::from_secs(5)))
-            .build(),
+        ureq::Agent::config_builder().tls_config(tls).http_status_as_error(false).timeout_global(Some(Duration::from_secs(5))).build(),
     )
 }
 

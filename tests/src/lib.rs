@@ -58,11 +58,7 @@ mod tests {
     fn every_fixture_is_a_component() {
         for path in [super::HOSTILE, super::FUTURE_MAJOR, super::PYTHON_RING] {
             let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{path}: {e}"));
-            assert_eq!(
-                bytes.get(..8),
-                Some(&COMPONENT_PREAMBLE[..]),
-                "{path} is not a Wasm component"
-            );
+            assert_eq!(bytes.get(..8), Some(&COMPONENT_PREAMBLE[..]), "{path} is not a Wasm component");
         }
     }
 }
@@ -86,10 +82,8 @@ pub mod redis {
         /// until it accepts connections. Panics with the reason if it cannot
         /// start, since no test using it can run.
         pub fn start(extra: &[&str]) -> RedisServer {
-            let port = TcpListener::bind("127.0.0.1:0")
-                .and_then(|l| l.local_addr())
-                .map(|a| a.port())
-                .expect("finding a free loopback port");
+            let port =
+                TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("finding a free loopback port");
             let mut server = RedisServer { port, extra: extra.iter().map(|s| s.to_string()).collect(), child: None };
             server.restart();
             server

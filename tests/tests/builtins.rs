@@ -1,8 +1,8 @@
 //! Every builtin plugin passes its world's conformance kit, through the same
 //! runtime the node and operator use.
 
-use kvplane::conformance;
-use kvplane::plugin::{PluginDecl, PluginRuntime, PluginSource, World};
+use kvplane_plugin_kit::conformance;
+use kvplane_runtime::{PluginDecl, PluginRuntime, PluginSource, World};
 
 fn decl(name: &str, world: World) -> PluginDecl {
     PluginDecl::new(format!("builtin:{name}"), world, PluginSource::Builtin(name.into()))
@@ -22,13 +22,12 @@ async fn ring_passes_the_key_placement_kit() {
 #[tokio::test]
 async fn ring_agrees_with_the_native_ring() {
     let ring = runtime().load_key_placement(decl("ring", World::KeyPlacement)).unwrap();
-    let members: Vec<_> = (0..7)
-        .map(|i| kvplane::plugin::Node { id: format!("n{i}"), endpoint: format!("h{i}:1"), labels: vec![] })
-        .collect();
+    let members: Vec<_> =
+        (0..7).map(|i| kvplane_runtime::Node { id: format!("n{i}"), endpoint: format!("h{i}:1"), labels: vec![] }).collect();
     ring.set_members(members.clone()).await.unwrap();
     let keys: Vec<Vec<u8>> = (0..1000u32).map(|i| i.to_le_bytes().to_vec()).collect();
     let wasm = ring.owners(keys.clone(), 3).await.unwrap();
-    let native = kvplane::plugin::worlds::native_owners(&members, &keys, 3).unwrap();
+    let native = kvplane_runtime::worlds::native_owners(&members, &keys, 3).unwrap();
     assert_eq!(wasm, native);
 }
 
@@ -52,7 +51,7 @@ async fn gpu_affinity_passes_the_placement_rule_kit() {
 /// expect, for both roles of the pool.
 #[tokio::test]
 async fn gpu_affinity_renders_aibrix_annotations() {
-    use kvplane::plugin::worlds::PodRequest;
+    use kvplane_runtime::worlds::PodRequest;
     let rule = runtime().load_placement_rule(decl("gpu-affinity", World::PlacementRule)).unwrap();
     for role in ["cache", "etcd"] {
         let placement = rule
@@ -69,8 +68,9 @@ async fn gpu_affinity_renders_aibrix_annotations() {
             })
             .await
             .unwrap();
-        let v = kvplane::scheduling::to_pod_spec_json(&placement);
-        let node = &v["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]["matchExpressions"][0];
+        let v = kvplane_operator::placement::to_pod_spec_json(&placement);
+        let node =
+            &v["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]["matchExpressions"][0];
         assert_eq!(node, &serde_json::json!({"key": "nvidia.com/gpu.product", "operator": "In", "values": ["NVIDIA-L20"]}), "{role}: {v}");
         let pod = &v["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0];
         assert_eq!(pod["labelSelector"]["matchLabels"]["model.aibrix.ai/name"], "deepseek-coder-33b-instruct", "{role}: {v}");

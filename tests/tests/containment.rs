@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use kvplane::plugin::{Fault, FailurePolicy, KeyPlacement, LoadError, Node, PluginDecl, PluginRuntime, PluginSource, World};
+use kvplane_runtime::{FailurePolicy, Fault, KeyPlacement, LoadError, Node, PluginDecl, PluginRuntime, PluginSource, World};
 use kvplane_tests::hostile;
 
 fn runtime() -> PluginRuntime {
@@ -34,7 +34,7 @@ async fn still_serves(p: &KeyPlacement) {
     assert_eq!(owners, vec![vec!["m0".to_owned(), "m1".to_owned()]]);
 }
 
-async fn provoke(p: &KeyPlacement, key: &[u8]) -> kvplane::plugin::PluginError {
+async fn provoke(p: &KeyPlacement, key: &[u8]) -> kvplane_runtime::PluginError {
     p.owners(vec![key.to_vec()], 2).await.expect_err("the hostile call must fail")
 }
 
@@ -66,7 +66,9 @@ async fn a_panic_is_a_trap_with_the_panic_message() {
     let p = loaded(hostile_decl()).await;
     let e = provoke(&p, hostile::PANIC).await;
     match &e.fault {
-        Fault::Trap { message } => assert!(message.contains("hostile fixture: asked to panic"), "{e}"),
+        Fault::Trap { message } => {
+            assert!(message.contains("hostile fixture: asked to panic"), "{e}")
+        }
         other => panic!("expected a trap, got {other:?}"),
     }
     still_serves(&p).await;
@@ -90,7 +92,9 @@ async fn an_oversized_answer_is_rejected() {
     let p = loaded(d).await;
     let e = provoke(&p, hostile::HUGE).await;
     match &e.fault {
-        Fault::BadOutput(why) => assert!(why.contains(&hostile::HUGE_OWNERS.to_string()) && why.contains("expected 2"), "{e}"),
+        Fault::BadOutput(why) => {
+            assert!(why.contains(&hostile::HUGE_OWNERS.to_string()) && why.contains("expected 2"), "{e}")
+        }
         other => panic!("expected BadOutput, got {other:?}"),
     }
     still_serves(&p).await;
@@ -111,11 +115,11 @@ async fn fail_open_gives_the_native_ring_instead_of_the_error() {
     d.failure_policy = FailurePolicy::FailOpen;
     let p = loaded(d).await;
     let owners = p.owners(vec![hostile::PANIC.to_vec()], 2).await.expect("fail-open hides the trap");
-    let native = kvplane::plugin::worlds::native_owners(&members(), &[hostile::PANIC.to_vec()], 2).unwrap();
+    let native = kvplane_runtime::worlds::native_owners(&members(), &[hostile::PANIC.to_vec()], 2).unwrap();
     assert_eq!(owners, native);
     // A contract error is an answer, not a breakage: it still reaches the caller.
     let e = p.owners(vec![b"fine".to_vec()], 0).await.expect_err("zero replicas");
-    assert!(matches!(e.fault, Fault::Returned(kvplane::KvError::Invalid(_))), "{e}");
+    assert!(matches!(e.fault, Fault::Returned(kvplane_protocol::KvError::Invalid(_))), "{e}");
 }
 
 #[test]
@@ -136,13 +140,13 @@ fn a_sha256_mismatch_is_refused_before_compiling() {
         LoadError::Sha256Mismatch { declared, actual, .. } => {
             assert_eq!(declared, &"0".repeat(64));
             let bytes = std::fs::read(kvplane_tests::HOSTILE).unwrap();
-            assert_eq!(actual, &kvplane::plugin::load::sha256_hex(&bytes));
+            assert_eq!(actual, &kvplane_runtime::load::sha256_hex(&bytes));
         }
         other => panic!("expected Sha256Mismatch, got {other}"),
     }
     // The right digest loads.
     let mut ok = hostile_decl();
-    ok.sha256 = Some(kvplane::plugin::load::sha256_hex(&std::fs::read(kvplane_tests::HOSTILE).unwrap()));
+    ok.sha256 = Some(kvplane_runtime::load::sha256_hex(&std::fs::read(kvplane_tests::HOSTILE).unwrap()));
     runtime().load_key_placement(ok).expect("the matching sha256 loads");
 }
 
@@ -159,7 +163,10 @@ fn files_that_are_not_components_are_refused() {
     std::fs::write(&truncated, &bytes[..bytes.len() / 2]).unwrap();
 
     let load = |path: &std::path::Path| {
-        runtime().load_key_placement(PluginDecl::new("bad", World::KeyPlacement, PluginSource::File(path.into()))).err().expect("must be refused")
+        runtime()
+            .load_key_placement(PluginDecl::new("bad", World::KeyPlacement, PluginSource::File(path.into())))
+            .err()
+            .expect("must be refused")
     };
     assert!(matches!(load(&text), LoadError::NotWasm { .. }));
     let e = load(&core);
@@ -186,14 +193,12 @@ async fn no_ambient_authority_reaches_a_plugin() {
     let p = loaded(hostile_decl()).await;
     p.owners(vec![hostile::AMBIENT.to_vec()], 1).await.expect("the probe answers normally");
     let metrics = p.plugin.shared().metrics_snapshot();
-    for probe in ["ambient-env-vars", "ambient-args", "ambient-read-root-dir", "ambient-read-file", "ambient-write-file", "ambient-tcp-connect"] {
-        assert_eq!(
-            metrics.get(probe),
-            Some(&kvplane::plugin::host::MetricValue::Gauge { value: 0.0 }),
-            "{probe}: {metrics:?}"
-        );
+    for probe in
+        ["ambient-env-vars", "ambient-args", "ambient-read-root-dir", "ambient-read-file", "ambient-write-file", "ambient-tcp-connect"]
+    {
+        assert_eq!(metrics.get(probe), Some(&kvplane_runtime::host::MetricValue::Gauge { value: 0.0 }), "{probe}: {metrics:?}");
     }
-    assert_eq!(metrics.get("granted-read"), Some(&kvplane::plugin::host::MetricValue::Gauge { value: 0.0 }));
+    assert_eq!(metrics.get("granted-read"), Some(&kvplane_runtime::host::MetricValue::Gauge { value: 0.0 }));
 }
 
 /// A granted directory is readable at /data, read-only, and nothing else
@@ -208,7 +213,7 @@ async fn a_granted_directory_is_readable_and_nothing_more() {
     p.owners(vec![hostile::AMBIENT.to_vec()], 1).await.expect("the probe answers normally");
     let metrics = p.plugin.shared().metrics_snapshot();
     let gauge = |name: &str| metrics.get(name).cloned();
-    use kvplane::plugin::host::MetricValue::Gauge;
+    use kvplane_runtime::host::MetricValue::Gauge;
     assert_eq!(gauge("granted-read"), Some(Gauge { value: 1.0 }), "{metrics:?}");
     assert_eq!(gauge("granted-write"), Some(Gauge { value: 0.0 }), "{metrics:?}");
     assert_eq!(gauge("ambient-read-file"), Some(Gauge { value: 0.0 }), "{metrics:?}");

@@ -36,7 +36,11 @@ fn serves_objects(minor: &str) {
 
     // A real API server: a create of an existing object conflicts...
     let again = cp
-        .request("POST", "/api/v1/namespaces", Some(&json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "kvplane-test"}})))
+        .request(
+            "POST",
+            "/api/v1/namespaces",
+            Some(&json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "kvplane-test"}})),
+        )
         .expect_err("creating a namespace twice");
     assert_eq!(again.status, 409, "{again}");
     // ...and an anonymous request is refused (401 or, with anonymous auth, 403).
@@ -146,7 +150,6 @@ fn v1_34_schedules_onto_fake_gpu_node() {
 /// The tests above cover each minor the versions file lists.
 #[test]
 fn every_listed_version_is_tested() {
-    let minors: Vec<String> =
-        Versions::load().kubernetes.iter().map(|v| v.rsplit_once('.').unwrap().0.to_string()).collect();
+    let minors: Vec<String> = Versions::load().kubernetes.iter().map(|v| v.rsplit_once('.').unwrap().0.to_string()).collect();
     assert_eq!(minors, ["1.31", "1.34"], "add tests for the versions in {}", Versions::file().display());
 }

@@ -4,8 +4,8 @@
 
 use std::time::{Duration, Instant};
 
-use kvplane::conformance;
-use kvplane::plugin::{Node, PluginDecl, PluginRuntime, PluginSource, World};
+use kvplane_plugin_kit::conformance;
+use kvplane_runtime::{Node, PluginDecl, PluginRuntime, PluginSource, World};
 
 fn decl() -> PluginDecl {
     let mut d = PluginDecl::new("python-ring", World::KeyPlacement, PluginSource::File(kvplane_tests::PYTHON_RING.into()));
@@ -27,11 +27,12 @@ async fn python_ring_passes_the_kit_agrees_with_rust_and_is_cached() {
     println!("{report}");
     assert!(report.passed(), "{report}");
 
-    let members: Vec<Node> = (0..6).map(|i| Node { id: format!("node-{i}"), endpoint: format!("10.1.0.{i}:9600"), labels: vec![] }).collect();
+    let members: Vec<Node> =
+        (0..6).map(|i| Node { id: format!("node-{i}"), endpoint: format!("10.1.0.{i}:9600"), labels: vec![] }).collect();
     first.set_members(members.clone()).await.unwrap();
     let keys: Vec<Vec<u8>> = (0..500u32).map(|i| format!("prefix/{i}").into_bytes()).collect();
     let python = first.owners(keys.clone(), 3).await.unwrap();
-    let rust = kvplane::plugin::worlds::native_owners(&members, &keys, 3).unwrap();
+    let rust = kvplane_runtime::worlds::native_owners(&members, &keys, 3).unwrap();
     assert_eq!(python, rust, "the Python ring must agree with the Rust ring owner for owner");
 
     // A second process (here: a second runtime) finds the compiled code.

@@ -4,9 +4,9 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use kvplane::conformance;
-use kvplane::plugin::{Backend, Fault, PluginDecl, PluginRuntime, PluginSource, World};
-use kvplane::KvError;
+use kvplane_plugin_kit::conformance;
+use kvplane_protocol::KvError;
+use kvplane_runtime::{Backend, Fault, PluginDecl, PluginRuntime, PluginSource, World};
 use kvplane_tests::redis::RedisServer;
 
 fn decl(server: &RedisServer, extra: &[(&str, &str)]) -> PluginDecl {

@@ -45,9 +45,7 @@ impl Guest for Backoff {
     }
 
     fn decide(failure: Failure) -> Decision {
-        let action = POLICY.with(|p| {
-            p.borrow().decide(kind(&failure.error), failure.attempt, failure.elapsed_ms, failure.jitter_seed)
-        });
+        let action = POLICY.with(|p| p.borrow().decide(kind(&failure.error), failure.attempt, failure.elapsed_ms, failure.jitter_seed));
         match action {
             Action::RetryAfter(ms) => Decision::RetryAfter(ms),
             Action::FailOver => Decision::FailOver,

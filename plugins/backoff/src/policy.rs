@@ -93,10 +93,7 @@ impl Policy {
             }
         }
         if p.max_delay_ms < p.base_ms {
-            return Err(format!(
-                "config max-delay-ms={}: smaller than base-ms={}, so backoff could never grow",
-                p.max_delay_ms, p.base_ms
-            ));
+            return Err(format!("config max-delay-ms={}: smaller than base-ms={}, so backoff could never grow", p.max_delay_ms, p.base_ms));
         }
         Ok(p)
     }
@@ -171,10 +168,7 @@ mod tests {
     #[test]
     fn defaults_match_the_documented_values() {
         let p = Policy::from_config(&[]).expect("empty config is valid");
-        assert_eq!(
-            p,
-            Policy { base_ms: 10, max_delay_ms: 2000, max_attempts: 5, budget_ms: 10_000, failover_after: 2 }
-        );
+        assert_eq!(p, Policy { base_ms: 10, max_delay_ms: 2000, max_attempts: 5, budget_ms: 10_000, failover_after: 2 });
     }
 
     #[test]
@@ -222,12 +216,8 @@ mod tests {
 
     #[test]
     fn delays_stay_within_the_cap_and_use_the_whole_range() {
-        let p = Policy::from_config(&cfg(&[
-            ("max-attempts", "40"),
-            ("budget-ms", "18446744073709551615"),
-            ("failover-after", "1000"),
-        ]))
-        .unwrap();
+        let p = Policy::from_config(&cfg(&[("max-attempts", "40"), ("budget-ms", "18446744073709551615"), ("failover-after", "1000")]))
+            .unwrap();
         for attempt in 1..40 {
             let cap = p.cap_ms(attempt);
             let mut max_seen = 0;
@@ -256,12 +246,7 @@ mod tests {
             cfg(&[]),
             cfg(&[("budget-ms", "250"), ("max-attempts", "50"), ("base-ms", "20"), ("max-delay-ms", "200")]),
             cfg(&[("budget-ms", "0")]),
-            cfg(&[
-                ("budget-ms", "3000"),
-                ("max-attempts", "1000"),
-                ("max-delay-ms", "5000"),
-                ("failover-after", "1000"),
-            ]),
+            cfg(&[("budget-ms", "3000"), ("max-attempts", "1000"), ("max-delay-ms", "5000"), ("failover-after", "1000")]),
         ];
         let mut seeds = Seeds(42);
         for config in &configs {

@@ -17,8 +17,7 @@ pub mod rules;
 use std::cell::RefCell;
 
 use exports::kvplane::plugin::scheduling::{
-    Error, Guest, LabelSelector, NodeAffinity, NodeOperator, NodeRequirement, Placement, PodAffinity, PodRequest,
-    PodTerm,
+    Error, Guest, LabelSelector, NodeAffinity, NodeOperator, NodeRequirement, Placement, PodAffinity, PodRequest, PodTerm,
 };
 use rules::{PodRule, Rules, Settings};
 
@@ -67,10 +66,7 @@ impl Guest for GpuAffinity {
     }
 
     fn place(request: PodRequest) -> Result<Placement, Error> {
-        SETTINGS
-            .with(|s| rules::rules(&s.borrow(), &request.labels, &request.annotations))
-            .map(render)
-            .map_err(Error::Invalid)
+        SETTINGS.with(|s| rules::rules(&s.borrow(), &request.labels, &request.annotations)).map(render).map_err(Error::Invalid)
     }
 }
 
@@ -152,12 +148,8 @@ mod tests {
         let p = <GpuAffinity as Guest>::place(request("cache", &[])).expect("no annotations");
         assert!(is_empty(&p));
 
-        let err =
-            <GpuAffinity as Guest>::place(request("cache", &[("kvplane.io/pod-anti-affinity", "yes")])).unwrap_err();
-        assert!(
-            matches!(&err, Error::Invalid(m) if m.starts_with("annotation kvplane.io/pod-anti-affinity=\"yes\"")),
-            "{err:?}"
-        );
+        let err = <GpuAffinity as Guest>::place(request("cache", &[("kvplane.io/pod-anti-affinity", "yes")])).unwrap_err();
+        assert!(matches!(&err, Error::Invalid(m) if m.starts_with("annotation kvplane.io/pod-anti-affinity=\"yes\"")), "{err:?}");
 
         let err = <GpuAffinity as Guest>::configure(pairs(&[("zone", "a")])).unwrap_err();
         assert!(matches!(&err, Error::Invalid(m) if m.contains("config zone=")), "{err:?}");

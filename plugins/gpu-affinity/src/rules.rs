@@ -121,11 +121,7 @@ fn gpu_types(found: &Found) -> Result<Vec<String>, String> {
 /// The rules the annotations ask for, for a pod carrying `labels`. `role` is
 /// deliberately not consulted: cache and etcd pods follow the same
 /// annotations.
-pub fn rules(
-    settings: &Settings,
-    labels: &[(String, String)],
-    annotations: &[(String, String)],
-) -> Result<Rules, String> {
+pub fn rules(settings: &Settings, labels: &[(String, String)], annotations: &[(String, String)]) -> Result<Rules, String> {
     let mut out = Rules::default();
 
     let node_key = lookup(annotations, NODE_KEY);
@@ -171,8 +167,7 @@ pub fn rules(
                 if labels.is_empty() {
                     return Err(a.invalid("the pod request has no labels to select the pool's own pods with"));
                 }
-                out.pod_anti_affinity =
-                    Some(PodRule { match_labels: labels.to_vec(), topology_key: settings.topology_key.clone() });
+                out.pod_anti_affinity = Some(PodRule { match_labels: labels.to_vec(), topology_key: settings.topology_key.clone() });
             }
             "false" => {}
             _ => return Err(a.invalid("expected \"true\" or \"false\"")),
@@ -215,10 +210,7 @@ mod tests {
     fn no_annotations_means_no_rules() {
         assert_eq!(run(&[]), Ok(Rules::default()));
         // Unrelated annotations, including other AIBrix ones, are not ours.
-        assert_eq!(
-            run(&[("kvcache.orchestration.aibrix.ai/backend", "vineyard"), ("team", "ml")]),
-            Ok(Rules::default())
-        );
+        assert_eq!(run(&[("kvcache.orchestration.aibrix.ai/backend", "vineyard"), ("team", "ml")]), Ok(Rules::default()));
     }
 
     #[test]
@@ -244,10 +236,7 @@ mod tests {
     #[test]
     fn comma_list_gives_several_values() {
         let r = run(&[(A_GPU, "NVIDIA-A100-SXM4-80GB, NVIDIA-H100-80GB-HBM3,NVIDIA-L20")]).unwrap();
-        assert_eq!(
-            r.node,
-            node("nvidia.com/gpu.product", &["NVIDIA-A100-SXM4-80GB", "NVIDIA-H100-80GB-HBM3", "NVIDIA-L20"])
-        );
+        assert_eq!(r.node, node("nvidia.com/gpu.product", &["NVIDIA-A100-SXM4-80GB", "NVIDIA-H100-80GB-HBM3", "NVIDIA-L20"]));
         let r = run(&[(K_GPU, "L20,H100,L20")]).unwrap();
         assert_eq!(r.node, node("nvidia.com/gpu.product", &["L20", "H100"]), "duplicates dropped, order kept");
     }
@@ -364,10 +353,7 @@ mod tests {
         let cases: &[(&[(&str, &str)], &str)] = &[
             (&[("topology-key", "")], "config topology-key=\"\": not a label key"),
             (&[("topology-key", "zone key")], "config topology-key=\"zone key\": not a label key"),
-            (
-                &[("topology-key", "a"), ("topology-key", "b")],
-                "config topology-key=\"b\": topology-key is set more than once",
-            ),
+            (&[("topology-key", "a"), ("topology-key", "b")], "config topology-key=\"b\": topology-key is set more than once"),
             (&[("node-key", "x")], "config node-key=\"x\": unknown setting"),
         ];
         for (config, want) in cases {

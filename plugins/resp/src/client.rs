@@ -73,9 +73,8 @@ impl Settings {
             seen.push(name);
             match name.as_str() {
                 "endpoint" => {
-                    let ok = value
-                        .rsplit_once(':')
-                        .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p != 0));
+                    let ok =
+                        value.rsplit_once(':').is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p != 0));
                     if !ok {
                         return Err(invalid("expected host:port with a port in 1..=65535"));
                     }
@@ -203,10 +202,7 @@ fn read_get<C: Conn>(conn: &mut C) -> KeyReply<C::Received> {
     })?;
     let end = conn.read_exact(2).map_err(Broken::same)?;
     if end != b"\r\n" {
-        return Err(Broken::internal(format!(
-            "reply to GET: expected CRLF after the {len}-byte value, got \"{}\"",
-            end.escape_ascii()
-        )));
+        return Err(Broken::internal(format!("reply to GET: expected CRLF after the {len}-byte value, got \"{}\"", end.escape_ascii())));
     }
     Ok(Ok(value))
 }
@@ -349,7 +345,9 @@ impl<D: Dial> Client<D> {
         }
         let mut results = Vec::with_capacity(count);
         for i in 0..count {
-            let Some(conn) = self.conn.as_mut() else { break };
+            let Some(conn) = self.conn.as_mut() else {
+                break;
+            };
             match read(conn, i) {
                 Ok(result) => results.push(result),
                 Err(Broken { this, rest }) => {

@@ -93,7 +93,9 @@ impl Reply {
     /// dump arbitrary server bytes into logs.
     pub fn describe(&self) -> String {
         match self {
-            Reply::Simple(s) => format!("status +{}", String::from_utf8_lossy(&s[..s.len().min(64)])),
+            Reply::Simple(s) => {
+                format!("status +{}", String::from_utf8_lossy(&s[..s.len().min(64)]))
+            }
             Reply::Error(e) => format!("error -{e}"),
             Reply::Integer(n) => format!("integer :{n}"),
             Reply::Bulk(n) => format!("bulk string of {n} bytes"),
@@ -120,9 +122,7 @@ impl std::fmt::Display for Malformed {
 /// spaces in numbers, so accepting them would only hide a desynchronised
 /// stream. RESP3 type bytes are refused because kvplane never sends HELLO.
 pub fn parse_line(line: &[u8]) -> Result<Reply, Malformed> {
-    let body = line
-        .strip_suffix(b"\r\n")
-        .ok_or_else(|| Malformed(format!("reply line not terminated by CRLF: {}", preview(line))))?;
+    let body = line.strip_suffix(b"\r\n").ok_or_else(|| Malformed(format!("reply line not terminated by CRLF: {}", preview(line))))?;
     let (&kind, rest) = body.split_first().ok_or_else(|| Malformed("empty reply line".to_owned()))?;
     if rest.contains(&b'\r') || rest.contains(&b'\n') {
         return Err(Malformed(format!("stray CR or LF inside reply line: {}", preview(line))));
@@ -278,10 +278,7 @@ mod tests {
         assert_eq!(parse_line(b"$65536\r\n"), Ok(Reply::Bulk(65536)));
         assert_eq!(parse_line(b"*2\r\n"), Ok(Reply::Array(2)));
         assert_eq!(parse_line(b"*-1\r\n"), Ok(Reply::NullArray));
-        assert_eq!(
-            parse_line(b"-ERR unknown command 'FOO'\r\n"),
-            Ok(Reply::Error("ERR unknown command 'FOO'".to_owned()))
-        );
+        assert_eq!(parse_line(b"-ERR unknown command 'FOO'\r\n"), Ok(Reply::Error("ERR unknown command 'FOO'".to_owned())));
         assert_eq!(
             parse_line(b"-WRONGTYPE Operation against a key holding the wrong kind of value\r\n"),
             Ok(Reply::Error("WRONGTYPE Operation against a key holding the wrong kind of value".to_owned()))
@@ -291,26 +288,26 @@ mod tests {
     #[test]
     fn refuses_malformed_lines() {
         for line in [
-            &b"+OK\n"[..],           // bare LF
-            b"+OK",                  // unterminated
-            b"\r\n",                 // no type byte
-            b"",                     // nothing
-            b"$\r\n",                // no length
-            b"$-2\r\n",              // negative length other than -1
-            b"$+5\r\n",              // sign
-            b"$ 5\r\n",              // space
-            b"$5x\r\n",              // trailing junk
+            &b"+OK\n"[..],                // bare LF
+            b"+OK",                       // unterminated
+            b"\r\n",                      // no type byte
+            b"",                          // nothing
+            b"$\r\n",                     // no length
+            b"$-2\r\n",                   // negative length other than -1
+            b"$+5\r\n",                   // sign
+            b"$ 5\r\n",                   // space
+            b"$5x\r\n",                   // trailing junk
             b"$99999999999999999999\r\n", // overflows u64
-            b":\r\n",                // empty integer
-            b":-\r\n",               // sign only
-            b":+1\r\n",              // plus sign
-            b":1.5\r\n",             // not an integer
-            b":9223372036854775808\r\n", // overflows i64
-            b"*x\r\n",               // bad array length
-            b"_\r\n",                // RESP3 null
-            b"%1\r\n",               // RESP3 map
-            b"hello\r\n",            // not RESP at all
-            b"+O\rK\r\n",            // stray CR
+            b":\r\n",                     // empty integer
+            b":-\r\n",                    // sign only
+            b":+1\r\n",                   // plus sign
+            b":1.5\r\n",                  // not an integer
+            b":9223372036854775808\r\n",  // overflows i64
+            b"*x\r\n",                    // bad array length
+            b"_\r\n",                     // RESP3 null
+            b"%1\r\n",                    // RESP3 map
+            b"hello\r\n",                 // not RESP at all
+            b"+O\rK\r\n",                 // stray CR
         ] {
             assert!(parse_line(line).is_err(), "accepted {:?}", line.escape_ascii().to_string());
         }

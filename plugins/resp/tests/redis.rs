@@ -110,10 +110,7 @@ impl Drop for Server {
 fn start(extra: &[&str]) -> Option<Server> {
     // A missing server fails the test rather than skipping it: a skipped
     // test must never count as a pass.
-    assert!(
-        Command::new("redis-server").arg("--version").output().is_ok(),
-        "redis-server is not installed (Debian package redis-server)"
-    );
+    assert!(Command::new("redis-server").arg("--version").output().is_ok(), "redis-server is not installed (Debian package redis-server)");
     let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let child = Command::new("redis-server")
         .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
@@ -145,10 +142,7 @@ fn raw(server: &Server, commands: &[&[&[u8]]]) -> Vec<String> {
     }
     conn.write(&out).unwrap();
     conn.flush().unwrap();
-    commands
-        .iter()
-        .map(|_| String::from_utf8(conn.read_until(b'\n', 1024).unwrap()).unwrap().trim_end().to_owned())
-        .collect()
+    commands.iter().map(|_| String::from_utf8(conn.read_until(b'\n', 1024).unwrap()).unwrap().trim_end().to_owned()).collect()
 }
 
 #[test]
@@ -160,11 +154,7 @@ fn round_trip_binary_keys_and_large_values() {
     let tricky = b"\r\n$-1\r\n*2\r\n".to_vec();
     let empty = Vec::new();
     let k = |s: &[u8]| s.to_vec();
-    let put = c.put(&[
-        (vec![0, 0xff, b'\r', b'\n'], &big[..]),
-        (k(b"tricky"), &tricky[..]),
-        (k(b""), &empty[..]),
-    ]);
+    let put = c.put(&[(vec![0, 0xff, b'\r', b'\n'], &big[..]), (k(b"tricky"), &tricky[..]), (k(b""), &empty[..])]);
     assert_eq!(put, vec![Ok(()), Ok(()), Ok(())]);
     let got = c.get(&[vec![0, 0xff, b'\r', b'\n'], k(b"absent"), k(b"tricky"), k(b"")]);
     assert_eq!(got, vec![Ok(big), Err(Fail::NotFound), Ok(tricky), Ok(empty)]);
@@ -202,7 +192,9 @@ fn wrongtype_fails_one_key_and_the_pipeline_stays_in_sync() {
 
 #[test]
 fn auth_and_select_at_connect() {
-    let Some(server) = start(&["--requirepass", "s3cret"]) else { return };
+    let Some(server) = start(&["--requirepass", "s3cret"]) else {
+        return;
+    };
     let mut none = client(&server, &[]);
     assert!(matches!(none.connect(), Err(Fail::Invalid(m)) if m.contains("NOAUTH")));
     let mut wrong = client(&server, &[("password", "nope")]);

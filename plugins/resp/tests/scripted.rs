@@ -214,10 +214,7 @@ fn config_errors_name_key_value_and_reason() {
     assert_eq!(invalid_text(&[("endpoint", "redis")]), "config endpoint=redis: expected host:port with a port in 1..=65535");
     assert!(invalid_text(&[("endpoint", "redis:0")]).starts_with("config endpoint=redis:0: "));
     assert!(invalid_text(&[("endpoint", ":6379")]).starts_with("config endpoint=:6379: "));
-    assert_eq!(
-        invalid_text(&[EP, ("database", "-1")]),
-        "config database=-1: expected a database index, a non-negative integer"
-    );
+    assert_eq!(invalid_text(&[EP, ("database", "-1")]), "config database=-1: expected a database index, a non-negative integer");
     assert!(invalid_text(&[EP, ("ttl-seconds", "0")]).starts_with("config ttl-seconds=0: "));
     assert!(invalid_text(&[EP, ("ttl-seconds", "1h")]).starts_with("config ttl-seconds=1h: "));
     assert_eq!(
@@ -324,10 +321,8 @@ fn empty_batches_touch_nothing() {
 
 #[test]
 fn handshake_sends_auth_select_ping_in_one_round_trip() {
-    let mut h = Harness::new(
-        &[EP, ("username", "alice"), ("password", "s3cret"), ("database", "3")],
-        vec![Ok(script(b"+OK\r\n+OK\r\n+PONG\r\n"))],
-    );
+    let mut h =
+        Harness::new(&[EP, ("username", "alice"), ("password", "s3cret"), ("database", "3")], vec![Ok(script(b"+OK\r\n+OK\r\n+PONG\r\n"))]);
     h.client.connect().unwrap();
     assert_eq!(
         h.calls(),
@@ -376,9 +371,7 @@ fn handshake_refusals_are_invalid_unless_temporary() {
 fn server_error_fails_only_its_key_and_keeps_the_connection() {
     let mut h = Harness::new(
         &[EP],
-        vec![Ok(conn(
-            b"$1\r\na\r\n-WRONGTYPE Operation against a key holding the wrong kind of value\r\n$1\r\nc\r\n:1\r\n",
-        ))],
+        vec![Ok(conn(b"$1\r\na\r\n-WRONGTYPE Operation against a key holding the wrong kind of value\r\n$1\r\nc\r\n:1\r\n"))],
     );
     let results = h.client.get(&keys(&[b"a", b"list", b"c"]));
     assert_eq!(
@@ -446,7 +439,9 @@ fn malformed_reply_names_what_was_expected_and_drops_the_connection() {
     assert!(matches!(&h.client.exists(&keys(&[b"a"]))[0], Err(Fail::Internal(m)) if m.contains("expected :0 or :1")));
 
     let mut h = Harness::new(&[EP], vec![Ok(conn(b"$x\r\n"))]);
-    assert!(matches!(&h.client.get(&keys(&[b"a"]))[0], Err(Fail::Internal(m)) if m.starts_with("malformed reply to GET: invalid bulk string length")));
+    assert!(
+        matches!(&h.client.get(&keys(&[b"a"]))[0], Err(Fail::Internal(m)) if m.starts_with("malformed reply to GET: invalid bulk string length"))
+    );
 }
 
 #[test]

@@ -130,9 +130,7 @@ mod tests {
     }
 
     fn primaries(ring: &Ring, keys: u32) -> Vec<String> {
-        (0..keys)
-            .map(|k| ring.owners(format!("key-{k}").as_bytes(), 1).unwrap()[0].to_owned())
-            .collect()
+        (0..keys).map(|k| ring.owners(format!("key-{k}").as_bytes(), 1).unwrap()[0].to_owned()).collect()
     }
 
     #[test]
@@ -159,10 +157,7 @@ mod tests {
         assert_eq!(ring.owners(b"k", 0), Err(RingError::ZeroReplicas));
         let empty = Ring::new::<String>(&[], 8).unwrap();
         assert_eq!(empty.owners(b"k", 1), Err(RingError::NoMembers));
-        assert_eq!(
-            Ring::new(&["a", "a"], 8).unwrap_err(),
-            RingError::DuplicateMember("a".into())
-        );
+        assert_eq!(Ring::new(&["a", "a"], 8).unwrap_err(), RingError::DuplicateMember("a".into()));
     }
 
     /// One member of N joining or leaving moves about 1/N of the keys, and
@@ -179,10 +174,7 @@ mod tests {
             assert!(moved.iter().all(|&i| a[i] == newcomer), "a key moved between old members");
             let fraction = moved.len() as f64 / keys as f64;
             let ideal = 1.0 / (n + 1) as f64;
-            assert!(
-                (fraction - ideal).abs() < ideal * 0.35,
-                "join of 1 to {n}: {fraction:.3} of keys moved, ideal {ideal:.3}"
-            );
+            assert!((fraction - ideal).abs() < ideal * 0.35, "join of 1 to {n}: {fraction:.3} of keys moved, ideal {ideal:.3}");
             // A member in the middle leaving: only its keys move, about 1/N.
             let mut fewer = ids(n);
             let leaver = fewer.remove(n / 2);
@@ -191,10 +183,7 @@ mod tests {
             assert!(moved.iter().all(|&i| b[i] == leaver), "a key of a staying member moved");
             let fraction = moved.len() as f64 / keys as f64;
             let ideal = 1.0 / n as f64;
-            assert!(
-                (fraction - ideal).abs() < ideal * 0.35,
-                "leave of 1 from {n}: {fraction:.3} of keys moved, ideal {ideal:.3}"
-            );
+            assert!((fraction - ideal).abs() < ideal * 0.35, "leave of 1 from {n}: {fraction:.3} of keys moved, ideal {ideal:.3}");
         }
     }
 

@@ -57,14 +57,7 @@ impl Guest for RingPlacement {
     fn owners(keys: Vec<Vec<u8>>, replicas: u32) -> Result<Vec<Vec<String>>, Error> {
         STATE.with(|s| {
             let s = s.borrow();
-            keys.iter()
-                .map(|k| {
-                    s.ring
-                        .owners(k, replicas)
-                        .map(|o| o.into_iter().map(str::to_owned).collect())
-                        .map_err(to_error)
-                })
-                .collect()
+            keys.iter().map(|k| s.ring.owners(k, replicas).map(|o| o.into_iter().map(str::to_owned).collect()).map_err(to_error)).collect()
         })
     }
 }

@@ -1,0 +1,140 @@
+//! The loopback ceiling: a plain socket sink and source.
+//!
+//! It moves the same bytes in the same batches as the node, with nothing but
+//! a 9-byte request header (`u8 op`, `u32 count`, `u32 size`, little-endian)
+//! and a 1-byte acknowledgement: what is left is the cost of the sockets
+//! themselves. PUT (`b'P'`): the payload follows the header and the server
+//! reads it into a buffer reused across requests, then acknowledges. GET
+//! (`b'G'`): the server answers with `count × size` bytes in one write.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context as _};
+use bytes::{Bytes, BytesMut};
+use kvplane_protocol::io::{read_bytes, write_frame};
+use kvplane_protocol::EncodedFrame;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
+
+use super::{dial, BoxRead, BoxWrite};
+
+const HEADER: usize = 9;
+/// The largest request the sink accepts (count × size), so a stray client
+/// cannot make it allocate without bound.
+const MAX_REQUEST_BYTES: u64 = 1 << 30;
+
+pub struct RawClient {
+    reader: BoxRead,
+    writer: BoxWrite,
+}
+
+fn header(op: u8, count: usize, size: usize) -> Vec<u8> {
+    let mut h = Vec::with_capacity(HEADER);
+    h.push(op);
+    h.extend_from_slice(&(count as u32).to_le_bytes());
+    h.extend_from_slice(&(size as u32).to_le_bytes());
+    h
+}
+
+impl RawClient {
+    pub async fn connect(endpoint: &str) -> anyhow::Result<RawClient> {
+        let (reader, writer) = dial(endpoint).await?;
+        Ok(RawClient { reader, writer })
+    }
+
+    /// Sends `count` copies of `value` in one vectored write.
+    pub async fn put_value(&mut self, count: usize, value: &Bytes) -> anyhow::Result<()> {
+        let frame = EncodedFrame { head: header(b'P', count, value.len()), payloads: vec![value.clone(); count] };
+        write_frame(&mut self.writer, &frame).await?;
+        let ack = self.reader.read_u8().await.context("reading the sink's acknowledgement")?;
+        if ack != 1 {
+            bail!("raw sink answered {ack}, expected 1");
+        }
+        Ok(())
+    }
+
+    /// Asks for `count × size` bytes and reads them into a fresh buffer, as
+    /// the kvplane client does with a GET answer.
+    pub async fn get(&mut self, count: usize, size: usize) -> anyhow::Result<()> {
+        let frame = EncodedFrame { head: header(b'G', count, size), payloads: vec![] };
+        write_frame(&mut self.writer, &frame).await?;
+        let data = read_bytes(&mut self.reader, count * size).await?;
+        std::hint::black_box(&data);
+        Ok(())
+    }
+}
+
+/// Where the raw server listens.
+pub struct RawServerConfig {
+    pub listen: Option<String>,
+    pub unix: Option<PathBuf>,
+}
+
+/// Serves the sink/source until the process is stopped.
+pub async fn serve(config: RawServerConfig) -> anyhow::Result<()> {
+    let mut tasks = tokio::task::JoinSet::new();
+    if let Some(addr) = &config.listen {
+        let l = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
+        tasks.spawn(async move {
+            loop {
+                let (s, _) = l.accept().await?;
+                s.set_nodelay(true)?;
+                let (r, w) = s.into_split();
+                tokio::spawn(connection(r, w));
+            }
+            #[allow(unreachable_code)]
+            anyhow::Ok(())
+        });
+    }
+    if let Some(path) = &config.unix {
+        let _ = std::fs::remove_file(path);
+        let l = tokio::net::UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
+        tasks.spawn(async move {
+            loop {
+                let (s, _) = l.accept().await?;
+                let (r, w) = s.into_split();
+                tokio::spawn(connection(r, w));
+            }
+            #[allow(unreachable_code)]
+            anyhow::Ok(())
+        });
+    }
+    if tasks.is_empty() {
+        bail!("give --listen and/or --unix");
+    }
+    while let Some(r) = tasks.join_next().await {
+        r??;
+    }
+    Ok(())
+}
+
+async fn connection<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(r: R, mut w: W) -> anyhow::Result<()> {
+    let mut r = BufReader::with_capacity(256 << 10, r);
+    let mut sink = BytesMut::new();
+    let mut source = Bytes::new();
+    loop {
+        let mut h = [0u8; HEADER];
+        if r.read_exact(&mut h).await.is_err() {
+            return Ok(());
+        }
+        let count = u32::from_le_bytes([h[1], h[2], h[3], h[4]]) as u64;
+        let size = u32::from_le_bytes([h[5], h[6], h[7], h[8]]) as u64;
+        let total = count * size;
+        if total > MAX_REQUEST_BYTES {
+            bail!("request of {total} bytes over the sink's limit");
+        }
+        match h[0] {
+            b'P' => {
+                sink.resize(total as usize, 0);
+                r.read_exact(&mut sink).await?;
+                w.write_all(&[1]).await?;
+            }
+            b'G' => {
+                if source.len() != total as usize {
+                    source = Bytes::from(vec![0xa5; total as usize]);
+                }
+                w.write_all(&source).await?;
+            }
+            op => bail!("unknown raw op {op}"),
+        }
+    }
+}

@@ -1,0 +1,121 @@
+//! The `kvplane` binary: a thin shell that parses the command line and wires
+//! the capability crates together (node, operator, plugin runtime and kit,
+//! client, bench). No capability lives here.
+
+#![forbid(unsafe_code)]
+
+mod bench;
+mod kv;
+mod node;
+mod operator;
+mod plugin;
+mod size;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "kvplane", version, about = "KV-cache platform for LLM inference")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run a cache node (the main job): with no flags, L1 memory only on 127.0.0.1:9600.
+    Node(node::NodeArgs),
+    /// Store a file's bytes under KEY (FILE `-` reads stdin).
+    Put {
+        #[command(flatten)]
+        conn: kv::ConnectArgs,
+        key: String,
+        file: std::path::PathBuf,
+    },
+    /// Fetch KEY to stdout or a file; exit 1 when absent.
+    Get {
+        #[command(flatten)]
+        conn: kv::ConnectArgs,
+        key: String,
+        #[arg(short, long)]
+        output: Option<std::path::PathBuf>,
+    },
+    /// Say which keys are present; exit 1 if any is absent.
+    Exists {
+        #[command(flatten)]
+        conn: kv::ConnectArgs,
+        #[arg(required = true)]
+        keys: Vec<String>,
+    },
+    /// Remove keys; exit 1 if any was absent.
+    Delete {
+        #[command(flatten)]
+        conn: kv::ConnectArgs,
+        #[arg(required = true)]
+        keys: Vec<String>,
+    },
+    /// Print the node's counters.
+    Stats {
+        #[command(flatten)]
+        conn: kv::ConnectArgs,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Drive a node (or a raw socket or redis-server baseline) and report throughput and latency.
+    Bench(bench::BenchArgs),
+    /// The plain socket sink/source `kvplane bench --target raw` measures the loopback ceiling with.
+    #[command(hide = true)]
+    BenchRawServer(bench::RawServerArgs),
+    /// Run the KVCache operator (leader-elected; KUBECONFIG or in-cluster credentials).
+    Operator(operator::OperatorArgs),
+    /// Print the KVCache CustomResourceDefinition (YAML).
+    Crd,
+    /// Run the builtin plugins through the runtime and print what they decide.
+    Demo,
+    /// Inspect, test and scaffold WebAssembly plugins.
+    #[command(subcommand)]
+    Plugin(plugin::PluginCommand),
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("KVPLANE_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    // Every TLS client in the process (Kubernetes API, OCI registries, plugin
+    // URLs) uses ring; installing it once avoids a run-time choice between
+    // providers that features elsewhere in the build might enable.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: starting the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        match cli.command {
+            Command::Node(args) => node::run(args).await,
+            Command::Put { conn, key, file } => kv::put(conn, key, file).await,
+            Command::Get { conn, key, output } => kv::get(conn, key, output).await,
+            Command::Exists { conn, keys } => kv::exists(conn, keys).await,
+            Command::Delete { conn, keys } => kv::delete(conn, keys).await,
+            Command::Stats { conn, json } => kv::stats(conn, json).await,
+            Command::Bench(args) => bench::run(args).await,
+            Command::BenchRawServer(args) => bench::raw_server(args).await,
+            Command::Operator(args) => operator::run(args).await,
+            Command::Crd => operator::crd(),
+            Command::Demo => kvplane_bench::demo::run().await,
+            Command::Plugin(cmd) => plugin::run(cmd).await,
+        }
+    });
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

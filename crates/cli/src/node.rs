@@ -1,0 +1,147 @@
+//! `kvplane node`: the main job.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context as _;
+use clap::Args;
+use kvplane_node::cache::{CacheConfig, EvictionPolicy};
+use kvplane_node::memory::PoolConfig;
+use kvplane_node::server::{Node, NodeConfig};
+use prometheus_client::registry::Registry;
+
+use super::size::parse_size;
+
+#[derive(Args)]
+pub struct NodeArgs {
+    /// TCP address for clients ("none" to disable).
+    #[arg(long, default_value = "127.0.0.1:9600")]
+    listen: String,
+    /// Unix socket path for clients on this host.
+    #[arg(long)]
+    unix: Option<PathBuf>,
+    /// Address of /metrics and /healthz ("none" to disable).
+    #[arg(long, default_value = "127.0.0.1:9601")]
+    admin: String,
+    /// Size of the preallocated block pool (e.g. 512MiB, 4GiB; 1G is 10^9
+    /// bytes). Default: the config file's `memory`, else 1GiB.
+    #[arg(long, value_parser = parse_size)]
+    memory: Option<usize>,
+    /// Largest block the node stores (default: 16MiB, lowered for pools under 1GiB
+    /// so they keep at least 64 slab pages).
+    #[arg(long, value_parser = parse_size)]
+    max_block: Option<usize>,
+    /// Eviction policy: s3-fifo or lru.
+    #[arg(long, default_value = "s3-fifo")]
+    eviction: EvictionPolicy,
+    /// Back the pool with huge pages (warns and continues without when refused).
+    #[arg(long)]
+    huge_pages: bool,
+    /// Lock the pool in RAM (warns and continues unlocked when refused).
+    #[arg(long)]
+    mlock: bool,
+    /// Fault the whole pool in at start.
+    #[arg(long)]
+    prefault: bool,
+    /// Require this bearer token (file contents, trailing newline ignored) from every client.
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+    /// Connections served at once.
+    #[arg(long, default_value_t = 1024)]
+    max_connections: usize,
+    /// Node configuration written by the operator (backend, plugin
+    /// declarations); every declared plugin is fetched, digest-checked and
+    /// compiled before the node serves.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Largest frame accepted.
+    #[arg(long, default_value = "128MiB", value_parser = parse_size)]
+    max_frame: usize,
+}
+
+fn addr(flag: &str, value: &str) -> anyhow::Result<Option<SocketAddr>> {
+    if value == "none" {
+        return Ok(None);
+    }
+    value.parse().map(Some).with_context(|| format!("--{flag} {value:?}: expected HOST:PORT (an IP address) or none"))
+}
+
+/// The memory tier's size when neither the flag nor the file sets it.
+const DEFAULT_MEMORY: usize = 1 << 30;
+
+pub async fn run(args: NodeArgs) -> anyhow::Result<ExitCode> {
+    // The file first: its plugins are verified before anything is bound,
+    // and its settings are the defaults the flags override.
+    let mut registry = Registry::default();
+    let mut file_memory = None;
+    if let Some(path) = &args.config {
+        let file = kvplane_node::server::config::read(path)?;
+        let runtime = kvplane_runtime::PluginRuntime::with_default_cache()?;
+        let verified = kvplane_node::server::config::verify_plugins(&file, path, &runtime).await?;
+        for p in &verified {
+            eprintln!("plugin {} ({}) verified: {} sha256 {}", p.name, p.world, p.origin, p.sha256);
+        }
+        eprintln!("backend {} (second tier not yet served by this node build; the memory tier serves alone)", file.backend.name());
+        runtime.metrics().register(&mut registry);
+        file_memory = file
+            .memory
+            .map(|m| usize::try_from(m.bytes()))
+            .transpose()
+            .context("the config file's memory does not fit in this machine's address space")?;
+    }
+    let memory = args.memory.or(file_memory).unwrap_or(DEFAULT_MEMORY);
+    let mut config =
+        NodeConfig { listen: addr("listen", &args.listen)?, admin: addr("admin", &args.admin)?, unix: args.unix, ..NodeConfig::default() };
+    config.pool = PoolConfig { huge_pages: args.huge_pages, mlock: args.mlock, prefault: args.prefault, ..PoolConfig::new(memory) };
+    if let Some(max_block) = args.max_block {
+        let class = max_block.max(1).next_power_of_two();
+        if class > memory {
+            anyhow::bail!("--max-block {max_block} (a {class}-byte size class) does not fit in --memory {memory}");
+        }
+        config.pool.max_block_bytes = class.max(config.pool.min_block_bytes);
+    }
+    config.cache = CacheConfig { policy: args.eviction, ..CacheConfig::default() };
+    config.max_connections = args.max_connections;
+    config.limits.max_frame_bytes = u32::try_from(args.max_frame).context("--max-frame must be below 4GiB")?;
+    if let Some(path) = &args.token_file {
+        let token = std::fs::read_to_string(path).with_context(|| format!("reading --token-file {}", path.display()))?;
+        let token = token.trim_end_matches(['\n', '\r']).to_string();
+        if token.is_empty() {
+            anyhow::bail!("--token-file {} is empty", path.display());
+        }
+        config.token = Some(token);
+    }
+    let policy = config.cache.policy;
+    let node = Node::start_with_registry(config, registry).await?;
+    let mut parts = Vec::new();
+    if let Some(a) = node.tcp_addr() {
+        parts.push(format!("tcp {a}"));
+    }
+    if let Some(p) = node.unix_path() {
+        parts.push(format!("unix {}", p.display()));
+    }
+    if let Some(a) = node.admin_addr() {
+        parts.push(format!("admin http://{a}/metrics"));
+    }
+    eprintln!(
+        "kvplane node serving: {} | memory {} MiB, eviction {policy} | Ctrl-C or SIGTERM drains and stops",
+        parts.join(", "),
+        memory >> 20
+    );
+    wait_for_signal().await?;
+    eprintln!("kvplane node: draining");
+    let drained = node.shutdown().await;
+    eprintln!("kvplane node: stopped{}", if drained { "" } else { " (drain deadline passed)" });
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn wait_for_signal() -> anyhow::Result<()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    tokio::select! {
+        _ = term.recv() => {}
+        r = tokio::signal::ctrl_c() => r.context("installing the SIGINT handler")?,
+    }
+    Ok(())
+}

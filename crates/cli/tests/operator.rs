@@ -1,0 +1,317 @@
+//! The operator against a real control plane (etcd, kube-apiserver,
+//! kube-controller-manager, kube-scheduler and kwok's simulated nodes, built
+//! by scripts/control-plane/build): the operator runs as the `kvplane
+//! operator` process a Deployment would run, and the tests watch what it
+//! does through the API server.
+
+use std::os::unix::process::CommandExt;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvplane_tests::control_plane::{ControlPlane, Options};
+use serde_json::{json, Value};
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// A `kvplane operator` process, killed by PID when dropped.
+struct Operator {
+    child: Child,
+    log: std::path::PathBuf,
+}
+
+impl Operator {
+    fn start(cp: &ControlPlane, identity: &str, lease: &str) -> Operator {
+        let log = cp.dir().join(format!("operator-{identity}.log"));
+        let out = std::fs::File::create(&log).expect("operator log");
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvplane"));
+        cmd.args(["operator", "--install-crd", "--admin", "none", "--identity", identity, "--leader-lease", lease])
+            .env("KUBECONFIG", cp.kubeconfig_path())
+            .env("KVPLANE_CACHE_DIR", cp.dir().join("plugin-cache"))
+            .env("KVPLANE_LOG", "info,kube=warn")
+            .stdout(Stdio::null())
+            .stderr(out);
+        // SAFETY: prctl is async-signal-safe; the operator dies with the test.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        Operator { child: cmd.spawn().expect("starting kvplane operator"), log }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Operator {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn kvcache_path(ns: &str, name: &str) -> String {
+    format!("/apis/kvplane.io/v1alpha1/namespaces/{ns}/kvcaches/{name}")
+}
+
+fn wait_crd(cp: &ControlPlane, op: &Operator) {
+    let started = Instant::now();
+    while cp.request("GET", "/apis/kvplane.io/v1alpha1/kvcaches", None).is_err() {
+        assert!(started.elapsed() < WAIT, "the operator did not install the KVCache CRD; its log:\n{}", op.log());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn condition(kv: &Value, type_: &str) -> Option<(String, String, String)> {
+    kv["status"]["conditions"].as_array()?.iter().find(|c| c["type"] == type_).map(|c| {
+        (
+            c["status"].as_str().unwrap_or("").to_string(),
+            c["reason"].as_str().unwrap_or("").to_string(),
+            c["message"].as_str().unwrap_or("").to_string(),
+        )
+    })
+}
+
+fn wait_condition(cp: &ControlPlane, ns: &str, name: &str, type_: &str, status: &str, op: &Operator) -> Value {
+    let path = kvcache_path(ns, name);
+    let started = Instant::now();
+    loop {
+        if let Ok(kv) = cp.request("GET", &path, None) {
+            if condition(&kv, type_).is_some_and(|(s, _, _)| s == status) {
+                return kv;
+            }
+            if started.elapsed() > Duration::from_secs(90) {
+                panic!("{ns}/{name}: {type_} never became {status}; status: {}\noperator log:\n{}", kv["status"], op.log());
+            }
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn children(ns: &str, name: &str) -> Vec<String> {
+    vec![
+        format!("/api/v1/namespaces/{ns}/configmaps/{name}-config"),
+        format!("/api/v1/namespaces/{ns}/services/{name}-etcd"),
+        format!("/api/v1/namespaces/{ns}/services/{name}-etcd-client"),
+        format!("/apis/apps/v1/namespaces/{ns}/statefulsets/{name}-etcd"),
+        format!("/api/v1/namespaces/{ns}/services/{name}-cache-headless"),
+        format!("/api/v1/namespaces/{ns}/services/{name}"),
+        format!("/apis/apps/v1/namespaces/{ns}/statefulsets/{name}-cache"),
+    ]
+}
+
+fn seed_example() -> Value {
+    let yaml = include_str!("../../../examples/kvcache/aibrix-seed.yaml");
+    serde_yaml::from_str(yaml).expect("the seed example parses")
+}
+
+/// GPU nodes and the model workload the seed example wants to be next to.
+fn gpu_cluster(cp: &ControlPlane) {
+    cp.create_fake_node("l20-a", &[("nvidia.com/gpu.product", "NVIDIA-L20")]);
+    cp.create_fake_node("l20-b", &[("nvidia.com/gpu.product", "NVIDIA-L20")]);
+    cp.create_fake_node("a100-a", &[("nvidia.com/gpu.product", "NVIDIA-A100")]);
+    for n in ["l20-a", "l20-b", "a100-a"] {
+        cp.wait_node_ready(n, WAIT);
+    }
+}
+
+fn workload_pod(cp: &ControlPlane, ns: &str, model: &str, node: &str) {
+    cp.create(
+        &format!("/api/v1/namespaces/{ns}/pods"),
+        &json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": format!("{model}-0"), "labels": {"model.aibrix.ai/name": model}},
+            "spec": {"nodeName": node, "containers": [{"name": "vllm", "image": "vllm/vllm-openai"}]},
+        }),
+    );
+    cp.wait_pod_running(ns, &format!("{model}-0"), WAIT);
+}
+
+fn pods_of(cp: &ControlPlane, ns: &str, kv: &str, role: &str) -> Vec<Value> {
+    let path = format!("/api/v1/namespaces/{ns}/pods?labelSelector=kvplane.io/kvcache={kv},kvplane.io/role={role}");
+    cp.get(&path)["items"].as_array().cloned().unwrap_or_default()
+}
+
+fn events_for(cp: &ControlPlane, ns: &str, name: &str) -> Vec<(String, String)> {
+    let path = format!("/apis/events.k8s.io/v1/namespaces/{ns}/events?fieldSelector=regarding.name={name}");
+    cp.get(&path)["items"]
+        .as_array()
+        .map(|items| {
+            items.iter().map(|e| (e["reason"].as_str().unwrap_or("").to_string(), e["note"].as_str().unwrap_or("").to_string())).collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The full life of the seed example: created, ready, placed on the right
+/// GPU nodes next to the workload, healed after every kind of child is
+/// deleted, rolled by spec edits, reported on bad input, and cleaned up.
+fn seed_example_lifecycle(version: &str) {
+    let cp = ControlPlane::start(Options { version, scheduling: true });
+    let ns = "aibrix-system";
+    let name = "aibrix-deepseek-33b-kvcache";
+    cp.create_namespace(ns);
+    gpu_cluster(&cp);
+    workload_pod(&cp, ns, "aibrix-deepseek-33b", "l20-b");
+    let op = Operator::start(&cp, "op-a", "none");
+    wait_crd(&cp, &op);
+
+    // Create: every child exists and the status turns Ready.
+    let created = Instant::now();
+    cp.create(&format!("/apis/kvplane.io/v1alpha1/namespaces/{ns}/kvcaches"), &seed_example());
+    for path in children(ns, name) {
+        cp.wait_for(&format!("child {path}"), WAIT, || cp.request("GET", &path, None).ok());
+    }
+    eprintln!("{version}: all children created in {:?}", created.elapsed());
+    let kv = wait_condition(&cp, ns, name, "Ready", "True", &op);
+    eprintln!("{version}: Ready in {:?}", created.elapsed());
+    assert_eq!(kv["status"]["backend"], "vineyard");
+    assert_eq!(kv["status"]["readyReplicas"], 1);
+    assert_eq!(kv["status"]["observedGeneration"], kv["metadata"]["generation"]);
+    assert_eq!(kv["status"]["endpoints"][0], format!("{name}.{ns}.svc:9600"));
+    assert!(kv["status"]["plugins"][0]["sha256"].as_str().is_some_and(|s| s.len() == 64), "{}", kv["status"]);
+    for type_ in ["EtcdReady", "CacheReady", "PluginsResolved"] {
+        assert_eq!(condition(&kv, type_).map(|c| c.0).as_deref(), Some("True"), "{type_}: {}", kv["status"]);
+    }
+    // Placed: on an L20 node, next to the workload (pod affinity on its host).
+    let cache_pods = pods_of(&cp, ns, name, "cache");
+    assert_eq!(cache_pods.len(), 1);
+    assert_eq!(cache_pods[0]["spec"]["nodeName"], "l20-b", "cache pod must share the workload's L20 node");
+    for pod in pods_of(&cp, ns, name, "etcd") {
+        let node = pod["spec"]["nodeName"].as_str().unwrap_or("");
+        assert!(node.starts_with("l20-"), "etcd pod on {node}, not an L20 node");
+    }
+    assert!(events_for(&cp, ns, name).iter().any(|(r, _)| r == "Created"), "no Created event");
+
+    // Delete each kind of child: repaired.
+    let mut repairs = Vec::new();
+    for path in children(ns, name) {
+        let uid = cp.get(&path)["metadata"]["uid"].clone();
+        cp.request("DELETE", &path, None).expect("delete child");
+        let started = Instant::now();
+        cp.wait_for(&format!("repair of {path}"), WAIT, || {
+            cp.request("GET", &path, None).ok().filter(|o| o["metadata"]["uid"] != uid && o["metadata"]["deletionTimestamp"].is_null())
+        });
+        repairs.push(started.elapsed());
+    }
+    eprintln!("{version}: repairs {repairs:?}");
+    assert!(events_for(&cp, ns, name).iter().any(|(r, _)| r == "Repaired"), "no Repaired event");
+    wait_condition(&cp, ns, name, "Ready", "True", &op);
+
+    // Spec edits roll out: image, env, resources, replicas.
+    let patch = json!({"spec": {"replicas": 2, "cacheSpec": {
+        "image": "aibrix/vineyardd:20250101",
+        "env": [{"name": "VINEYARD_LOG", "value": "debug"}],
+        "resources": {"limits": {"memory": "4Gi"}, "requests": {"memory": "4Gi"}},
+    }}});
+    cp.request("PATCH", &kvcache_path(ns, name), Some(&patch)).expect("edit the spec");
+    let sts_path = format!("/apis/apps/v1/namespaces/{ns}/statefulsets/{name}-cache");
+    let sts = cp.wait_for("the edit to reach the StatefulSet", WAIT, || {
+        let sts = cp.request("GET", &sts_path, None).ok()?;
+        (sts["spec"]["replicas"] == 2).then_some(sts)
+    });
+    let c = &sts["spec"]["template"]["spec"]["containers"][0];
+    assert_eq!(c["image"], "aibrix/vineyardd:20250101");
+    assert!(c["env"].as_array().unwrap().iter().any(|e| e["name"] == "VINEYARD_LOG"));
+    assert_eq!(c["resources"]["limits"]["memory"], "4Gi");
+    let kv = wait_condition(&cp, ns, name, "Ready", "True", &op);
+    assert_eq!(kv["status"]["readyReplicas"], 2);
+
+    // A spec the schema refuses: rejected with the field named.
+    let mut bad = seed_example();
+    bad["metadata"]["name"] = json!("bad-source");
+    bad["spec"]["plugins"] = json!([{"name": "p", "kind": "retry", "source": {"builtin": "backoff", "url": "https://example.com/p.wasm"}}]);
+    let err = cp.request("POST", &format!("/apis/kvplane.io/v1alpha1/namespaces/{ns}/kvcaches"), Some(&bad)).expect_err("refused");
+    assert_eq!(err.status, 422, "{err}");
+    assert!(err.body.contains("source: set exactly one of builtin, configMap, oci, url"), "{err}");
+    let mut bad = seed_example();
+    bad["metadata"]["name"] = json!("bad-replicas");
+    bad["spec"]["replicas"] = json!(-1);
+    let err = cp.request("POST", &format!("/apis/kvplane.io/v1alpha1/namespaces/{ns}/kvcaches"), Some(&bad)).expect_err("refused");
+    assert!(err.body.contains("spec.replicas"), "{err}");
+    // A spec only the operator can judge: accepted, and the status says why it is not served.
+    let mut even = seed_example();
+    even["metadata"]["name"] = json!("even-etcd");
+    even["spec"]["etcdReplicas"] = json!(2);
+    cp.create(&format!("/apis/kvplane.io/v1alpha1/namespaces/{ns}/kvcaches"), &even);
+    let kv = wait_condition(&cp, ns, "even-etcd", "Ready", "False", &op);
+    let (_, reason, message) = condition(&kv, "Ready").unwrap();
+    assert_eq!(reason, "InvalidSpec");
+    assert!(message.contains("spec.metadata.etcd.replicas"), "{message}");
+
+    // A broken plugin: a condition, and the running pool is left alone.
+    let sts_before = cp.get(&sts_path);
+    let patch = json!({"spec": {"plugins": [{"name": "placement", "kind": "placementRule",
+        "source": {"builtin": "gpu-affinity"}, "sha256": "0".repeat(64)}]}});
+    cp.request("PATCH", &kvcache_path(ns, name), Some(&patch)).expect("declare a pinned plugin");
+    let kv = wait_condition(&cp, ns, name, "PluginsResolved", "False", &op);
+    let (_, reason, message) = condition(&kv, "PluginsResolved").unwrap();
+    assert_eq!(reason, "DigestMismatch", "{message}");
+    assert!(message.contains("plugin placement") && message.contains("pins 0000"), "{message}");
+    assert_eq!(condition(&kv, "Degraded").map(|c| c.0).as_deref(), Some("True"));
+    std::thread::sleep(Duration::from_secs(2));
+    let sts_after = cp.get(&sts_path);
+    assert_eq!(sts_before["metadata"]["generation"], sts_after["metadata"]["generation"], "a broken plugin changed the running pool");
+    assert_eq!(pods_of(&cp, ns, name, "cache").len(), 2);
+    // Fixed again: resolved.
+    cp.request("PATCH", &kvcache_path(ns, name), Some(&json!({"spec": {"plugins": null}}))).unwrap();
+    wait_condition(&cp, ns, name, "PluginsResolved", "True", &op);
+
+    // Deleted: every child goes (owner references + the garbage collector).
+    cp.request("DELETE", &kvcache_path(ns, name), None).expect("delete the KVCache");
+    for path in children(ns, name) {
+        cp.wait_for(&format!("{path} to be garbage-collected"), WAIT, || cp.request("GET", &path, None).err().filter(|e| e.status == 404));
+    }
+    drop(op);
+}
+
+#[test]
+fn seed_example_lifecycle_on_kubernetes_1_34() {
+    seed_example_lifecycle("1.34");
+}
+
+#[test]
+fn seed_example_lifecycle_on_kubernetes_1_31() {
+    seed_example_lifecycle("1.31");
+}
+
+/// Killed right after the KVCache is created (mid-reconcile, or before it
+/// started), a restarted operator converges; two replicas never both lead.
+#[test]
+fn a_restarted_operator_converges_and_only_the_leader_reconciles() {
+    let cp = ControlPlane::start(Options { version: "1.34", scheduling: true });
+    let ns = "restart";
+    cp.create_namespace(ns);
+    cp.create_fake_node("node-a", &[]);
+    cp.wait_node_ready("node-a", WAIT);
+    let mut a = Operator::start(&cp, "op-a", "default/kvplane-operator");
+    wait_crd(&cp, &a);
+    let lease = cp.wait_for("op-a to take the lease", WAIT, || {
+        let l = cp.request("GET", "/apis/coordination.k8s.io/v1/namespaces/default/leases/kvplane-operator", None).ok()?;
+        (l["spec"]["holderIdentity"] == "op-a").then_some(l)
+    });
+    assert_eq!(lease["spec"]["leaseDurationSeconds"], 15);
+    let b = Operator::start(&cp, "op-b", "default/kvplane-operator");
+
+    let kv = json!({"apiVersion": "kvplane.io/v1alpha1", "kind": "KVCache",
+        "metadata": {"name": "pool", "namespace": ns},
+        "spec": {"cache": {"replicas": 2}, "metadata": {"etcd": {"replicas": 3}}}});
+    cp.create(&format!("/apis/kvplane.io/v1alpha1/namespaces/{ns}/kvcaches"), &kv);
+    std::thread::sleep(Duration::from_millis(150));
+    a.kill();
+    // op-b takes over once the lease expires, and converges the pool.
+    let kv = wait_condition(&cp, ns, "pool", "Ready", "True", &b);
+    assert_eq!(kv["status"]["readyReplicas"], 2);
+    let lease = cp.get("/apis/coordination.k8s.io/v1/namespaces/default/leases/kvplane-operator");
+    assert_eq!(lease["spec"]["holderIdentity"], "op-b");
+    assert!(lease["spec"]["leaseTransitions"].as_i64().unwrap_or(0) >= 1);
+    // op-b waited while op-a led.
+    assert!(b.log().contains("another replica leads"), "{}", b.log());
+    let etcd = cp.get(&format!("/apis/apps/v1/namespaces/{ns}/statefulsets/pool-etcd"));
+    assert_eq!(etcd["status"]["readyReplicas"], 3);
+}

@@ -1,0 +1,227 @@
+//! The pooled, batching client.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use kvplane_protocol::{Block, ErrorCode, KvError, Limits, PutEntry, Request, Response, HEADER_LEN};
+
+use crate::connection::Connection;
+use crate::endpoint::Endpoint;
+
+/// How to reach a node.
+#[derive(Debug, Clone)]
+pub struct ClientConfig {
+    pub endpoint: Endpoint,
+    /// Connections kept open; calls are spread over them round-robin.
+    pub connections: usize,
+    /// Bearer token for a node started with `--token-file`.
+    pub token: Option<String>,
+    /// Limit on connecting and on waiting for any one answer.
+    pub timeout: Duration,
+}
+
+impl ClientConfig {
+    pub fn new(endpoint: Endpoint) -> ClientConfig {
+        ClientConfig { endpoint, connections: 4, token: None, timeout: Duration::from_secs(30) }
+    }
+}
+
+/// The answer to a prefix match.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefixMatch {
+    /// How many leading keys of the chain are present.
+    pub matched: usize,
+    /// How long the node pins them (zero when no lease was asked or granted).
+    pub lease: Duration,
+}
+
+/// A pool of connections to one node.
+pub struct Client {
+    config: ClientConfig,
+    slots: Vec<tokio::sync::Mutex<Option<Arc<Connection>>>>,
+    next: AtomicUsize,
+    limits: Limits,
+}
+
+impl Client {
+    /// Opens the first connection (so a wrong address or token fails here,
+    /// not at the first request); the others open on first use.
+    pub async fn connect(config: ClientConfig) -> Result<Client, KvError> {
+        let first = Connection::open(&config.endpoint, config.token.as_deref(), config.timeout).await?;
+        let limits = first.hello_ack().limits;
+        let slots: Vec<_> = (0..config.connections.max(1)).map(|_| tokio::sync::Mutex::new(None)).collect();
+        *slots[0].lock().await = Some(Arc::new(first));
+        Ok(Client { config, slots, next: AtomicUsize::new(0), limits })
+    }
+
+    /// The node's limits, as announced in the handshake.
+    pub fn limits(&self) -> Limits {
+        self.limits
+    }
+
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.config.endpoint
+    }
+
+    async fn connection(&self) -> Result<Arc<Connection>, KvError> {
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.slots.len();
+        let mut slot = self.slots[i].lock().await;
+        if let Some(c) = slot.as_ref().filter(|c| c.is_open()) {
+            return Ok(Arc::clone(c));
+        }
+        let c = Arc::new(Connection::open(&self.config.endpoint, self.config.token.as_deref(), self.config.timeout).await?);
+        *slot = Some(Arc::clone(&c));
+        Ok(c)
+    }
+
+    /// One request on one pooled connection.
+    pub async fn call(&self, request: Request) -> Result<Response, KvError> {
+        self.connection().await?.call(request).await
+    }
+
+    /// Stores blocks. Per-key results in input order; the outer error means
+    /// the batch could not be sent or answered at all.
+    pub async fn put(&self, entries: Vec<(Bytes, Bytes)>) -> Result<Vec<Result<(), KvError>>, KvError> {
+        let mut results = Vec::with_capacity(entries.len());
+        for chunk in self.split_put(entries) {
+            let n = chunk.len();
+            match self.call(Request::Put { entries: chunk }).await? {
+                Response::Put { results: r } if r.len() == n => results.extend(r.into_iter().map(per_key)),
+                other => return Err(unexpected("PUT", n, &other)),
+            }
+        }
+        Ok(results)
+    }
+
+    /// Fetches blocks; a missing key is `Err(KvError::NotFound)` in its slot.
+    pub async fn get(&self, keys: Vec<Bytes>) -> Result<Vec<Result<Bytes, KvError>>, KvError> {
+        let mut results = Vec::with_capacity(keys.len());
+        for chunk in self.split_keys(keys) {
+            let n = chunk.len();
+            match self.call(Request::Get { keys: chunk }).await? {
+                Response::Get { results: r } if r.len() == n => {
+                    results.extend(r.into_iter().map(|r| r.map(|b| b.data).map_err(|c| c.into_kv_error(""))))
+                }
+                other => return Err(unexpected("GET", n, &other)),
+            }
+        }
+        Ok(results)
+    }
+
+    /// Which keys are present.
+    pub async fn exists(&self, keys: Vec<Bytes>) -> Result<Vec<bool>, KvError> {
+        self.presence(keys, true).await
+    }
+
+    /// Removes keys; `true` where the key was present.
+    pub async fn delete(&self, keys: Vec<Bytes>) -> Result<Vec<bool>, KvError> {
+        self.presence(keys, false).await
+    }
+
+    async fn presence(&self, keys: Vec<Bytes>, exists: bool) -> Result<Vec<bool>, KvError> {
+        let mut out = Vec::with_capacity(keys.len());
+        let op = if exists { "EXISTS" } else { "DELETE" };
+        for chunk in self.split_keys(keys) {
+            let n = chunk.len();
+            let answer = self.call(if exists { Request::Exists { keys: chunk } } else { Request::Delete { keys: chunk } }).await?;
+            let results = match answer {
+                Response::Exists { results } | Response::Delete { results } if results.len() == n => results,
+                other => return Err(unexpected(op, n, &other)),
+            };
+            for r in results {
+                out.push(match r {
+                    Ok(()) => true,
+                    Err(ErrorCode::NotFound) => false,
+                    Err(code) => return Err(code.into_kv_error(format!("{op} of one key"))),
+                });
+            }
+        }
+        Ok(out)
+    }
+
+    /// How many leading blocks of a prompt's chain the node holds, pinning
+    /// them for `lease` (zero: no pin) so the GET that follows finds them.
+    pub async fn match_prefix(&self, keys: Vec<Bytes>, lease: Duration) -> Result<PrefixMatch, KvError> {
+        let lease_ms = u32::try_from(lease.as_millis()).unwrap_or(u32::MAX);
+        if keys.len() > self.limits.max_batch_keys as usize {
+            return Err(KvError::Invalid(format!(
+                "a chain of {} keys exceeds the node's batch limit of {}",
+                keys.len(),
+                self.limits.max_batch_keys
+            )));
+        }
+        match self.call(Request::MatchPrefix { keys, lease_ms }).await? {
+            Response::MatchPrefix { matched, lease_ms } => {
+                Ok(PrefixMatch { matched: matched as usize, lease: Duration::from_millis(lease_ms as u64) })
+            }
+            other => Err(unexpected("MATCH_PREFIX", 1, &other)),
+        }
+    }
+
+    /// The node's counters, by name.
+    pub async fn stats(&self) -> Result<Vec<(String, u64)>, KvError> {
+        match self.call(Request::Stats).await? {
+            Response::Stats { entries } => Ok(entries.into_iter().map(|e| (e.name, e.value)).collect()),
+            other => Err(unexpected("STATS", 1, &other)),
+        }
+    }
+
+    /// One round trip.
+    pub async fn ping(&self) -> Result<Duration, KvError> {
+        let start = std::time::Instant::now();
+        match self.call(Request::Ping).await? {
+            Response::Pong => Ok(start.elapsed()),
+            other => Err(unexpected("PING", 1, &other)),
+        }
+    }
+
+    /// Splits a PUT so that no frame exceeds the node's frame or batch limit.
+    fn split_put(&self, entries: Vec<(Bytes, Bytes)>) -> Vec<Vec<PutEntry>> {
+        let max_frame = self.limits.max_frame_bytes as usize;
+        let max_keys = self.limits.max_batch_keys.max(1) as usize;
+        let mut chunks = Vec::new();
+        let mut chunk = Vec::new();
+        let mut size = HEADER_LEN + 4;
+        for (key, data) in entries {
+            let entry_size = 2 + key.len() + 8 + data.len();
+            if !chunk.is_empty() && (chunk.len() == max_keys || size + entry_size > max_frame) {
+                chunks.push(std::mem::take(&mut chunk));
+                size = HEADER_LEN + 4;
+            }
+            size += entry_size;
+            chunk.push(PutEntry { key, block: Block::new(data) });
+        }
+        if !chunk.is_empty() {
+            chunks.push(chunk);
+        }
+        chunks
+    }
+
+    fn split_keys(&self, keys: Vec<Bytes>) -> Vec<Vec<Bytes>> {
+        let max_keys = self.limits.max_batch_keys.max(1) as usize;
+        if keys.len() <= max_keys {
+            return vec![keys];
+        }
+        keys.chunks(max_keys).map(<[Bytes]>::to_vec).collect()
+    }
+}
+
+fn per_key(r: Result<(), ErrorCode>) -> Result<(), KvError> {
+    r.map_err(|c| c.into_kv_error(""))
+}
+
+fn unexpected(op: &str, n: usize, answer: &Response) -> KvError {
+    KvError::Internal(format!("node answered a {op} of {n} keys with an unexpected {answer:?}", answer = short(answer)))
+}
+
+fn short(r: &Response) -> String {
+    match r {
+        Response::Put { results } | Response::Exists { results } | Response::Delete { results } => {
+            format!("{} results", results.len())
+        }
+        Response::Get { results } => format!("GET answer of {} results", results.len()),
+        other => format!("{other:?}"),
+    }
+}

@@ -1,0 +1,24 @@
+//! An async client for kvplane nodes.
+//!
+//! One [`Client`] holds a small pool of connections to one node; every call
+//! picks a connection, and many calls may be in flight on one connection at
+//! once (pipelining: requests carry ids, answers are matched by id). Batches
+//! larger than the node's announced limits are split transparently.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), kvplane_client::KvError> {
+//! use bytes::Bytes;
+//! let client = kvplane_client::Client::connect(kvplane_client::ClientConfig::new("127.0.0.1:9600".parse()?)).await?;
+//! client.put(vec![(Bytes::from("block-0"), Bytes::from(vec![0u8; 65536]))]).await?;
+//! let blocks = client.get(vec![Bytes::from("block-0")]).await?;
+//! # Ok(()) }
+//! ```
+
+mod client;
+mod connection;
+mod endpoint;
+
+pub use client::{Client, ClientConfig, PrefixMatch};
+pub use connection::Connection;
+pub use endpoint::Endpoint;
+pub use kvplane_protocol::{ErrorKind, KvError, Limits};

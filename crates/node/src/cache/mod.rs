@@ -1,0 +1,268 @@
+//! The L1 block cache: KV blocks in pool memory, keyed by opaque byte keys.
+//!
+//! # Why it is shaped this way
+//!
+//! * **Eviction follows memory, not entry counts.** The pool is the only
+//!   limit that matters (blocks differ in size, and readers keep evicted
+//!   blocks alive), so [`BlockCache::allocate`] asks the pool first and
+//!   evicts only while the pool says no, one entry at a time.
+//! * **Sharded locks.** Keys are spread over shards by a fast keyed hash
+//!   (computed once per key and reused by the shard's table and the S3-FIFO
+//!   ghost), each shard behind its own mutex, so concurrent requests for
+//!   different keys rarely meet. Eviction visits the shards round-robin;
+//!   the hash spreads keys evenly, so this approximates a global order at a
+//!   fraction of the cost of keeping one.
+//! * **Readers are never disturbed.** A [`CachedBlock`] holds a counted
+//!   reference to pool memory, so removing, replacing or evicting its entry
+//!   never reuses the bytes under it; eviction also skips entries a reader
+//!   holds, since dropping them would free nothing.
+//! * **Leases.** [`BlockCache::match_prefix`] can pin the prefix it reports,
+//!   so the blocks an engine was just told about are still there when it
+//!   comes back for them. A pin is only a time stamp: an expired one is
+//!   ignored, needs no cleanup to stop protecting the entry, and holds no
+//!   memory of its own. The time comes from [`CacheConfig::clock`], so tests
+//!   expire a lease by advancing a [`ManualClock`] rather than by sleeping.
+
+mod clock;
+mod list;
+mod lru;
+mod policy;
+mod s3fifo;
+mod shard;
+mod stats;
+
+use std::fmt;
+use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use crate::memory::{Block, BlockMut, MemoryError, MemoryPool};
+use shard::Shard;
+
+pub use clock::{Clock, ManualClock, SystemClock};
+pub use policy::{EvictionPolicy, ParsePolicyError};
+pub use stats::CacheStats;
+
+/// Default shard count: enough that a few dozen request threads rarely
+/// share a lock, few enough that per-shard queues stay statistically useful.
+pub const DEFAULT_SHARDS: usize = 16;
+
+/// Longest lease honoured; a longer one is cut to this. It keeps the pin
+/// arithmetic from overflowing on absurd requests and bounds how long a
+/// misbehaving client can hold memory hostage.
+pub const MAX_LEASE: Duration = Duration::from_secs(24 * 60 * 60);
+
+#[derive(Debug, Clone)]
+pub struct CacheConfig {
+    /// Number of independently locked shards (0 is taken as 1).
+    pub shards: usize,
+    pub policy: EvictionPolicy,
+    /// Where pin leases read the time: [`SystemClock`] unless a test
+    /// injects a [`ManualClock`].
+    pub clock: Arc<dyn Clock>,
+}
+
+impl Default for CacheConfig {
+    fn default() -> Self {
+        CacheConfig { shards: DEFAULT_SHARDS, policy: EvictionPolicy::default(), clock: Arc::new(SystemClock) }
+    }
+}
+
+/// A block found in the cache. Holding it keeps the bytes valid whatever
+/// happens to the entry afterwards.
+#[derive(Debug, Clone)]
+pub struct CachedBlock {
+    pub block: Block,
+    /// CRC32C of the block, as given to [`BlockCache::insert`].
+    pub crc: u32,
+}
+
+/// A shard's lock on its own cache lines, so two busy shards do not slow
+/// each other through false sharing.
+#[repr(align(128))]
+struct ShardSlot(Mutex<Shard>);
+
+/// The cache; share it as `Arc<BlockCache>`.
+pub struct BlockCache {
+    pool: Arc<MemoryPool>,
+    policy: EvictionPolicy,
+    /// Keyed per process: keys come from clients, and a fixed hash would let
+    /// one craft keys that all land in a single shard.
+    hasher: foldhash::fast::RandomState,
+    shards: Box<[ShardSlot]>,
+    /// Next shard to evict from.
+    cursor: AtomicUsize,
+    clock: Arc<dyn Clock>,
+}
+
+impl fmt::Debug for BlockCache {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BlockCache")
+            .field("policy", &self.policy)
+            .field("shards", &self.shards.len())
+            .field("pool", &self.pool)
+            .finish_non_exhaustive()
+    }
+}
+
+impl BlockCache {
+    pub fn new(pool: Arc<MemoryPool>, config: CacheConfig) -> BlockCache {
+        let shards = (0..config.shards.max(1)).map(|_| ShardSlot(Mutex::new(Shard::new(config.policy)))).collect();
+        BlockCache {
+            pool,
+            policy: config.policy,
+            hasher: foldhash::fast::RandomState::default(),
+            shards,
+            cursor: AtomicUsize::new(0),
+            clock: config.clock,
+        }
+    }
+
+    pub fn pool(&self) -> &Arc<MemoryPool> {
+        &self.pool
+    }
+
+    pub fn policy(&self) -> EvictionPolicy {
+        self.policy
+    }
+
+    /// A writable block for a PUT: tries the pool, and while it is full
+    /// evicts entries (policy order) that are not pinned and not being read,
+    /// until the allocation succeeds. When nothing evictable is left the
+    /// answer is [`KvError::Capacity`](kvplane_protocol::KvError::Capacity) naming the
+    /// size asked for.
+    ///
+    /// Blocks of one size class only free memory for another class once a
+    /// whole slab page empties, so a request of an unusual size may evict
+    /// more than one entry's worth.
+    pub fn allocate(&self, len: usize) -> Result<BlockMut, kvplane_protocol::KvError> {
+        let mut evicted = 0u64;
+        loop {
+            match self.pool.try_allocate(len) {
+                Ok(block) => return Ok(block),
+                Err(err @ MemoryError::Capacity { .. }) => {
+                    if !self.evict_one() {
+                        self.pool.record_refusal();
+                        return Err(kvplane_protocol::KvError::Capacity(format!(
+                            "no room for a block of {len} bytes: nothing left to evict (every cached block is \
+                             pinned by a prefix lease or being read; {evicted} evicted for this request): {err}"
+                        )));
+                    }
+                    evicted += 1;
+                }
+                Err(err) => return Err(err.into()),
+            }
+        }
+    }
+
+    /// Stores (or replaces) `key`. A replaced block's memory returns to the
+    /// pool when its last reader drops it. A replacement keeps the key's pin:
+    /// the lease promised the key to an engine, whichever copy it reads.
+    pub fn insert(&self, key: Bytes, block: Block, crc: u32) {
+        let hash = self.hash(&key);
+        let released = self.shard(hash).insert(hash, key, block, crc);
+        // Dropped here, outside the shard lock: the last drop takes the
+        // pool's lock.
+        drop(released);
+    }
+
+    /// Counts a hit or a miss and records the access for the policy.
+    pub fn get(&self, key: &[u8]) -> Option<CachedBlock> {
+        let hash = self.hash(key);
+        self.shard(hash).get(hash, key)
+    }
+
+    /// Presence only: no hit or miss counted, no access recorded, so probes
+    /// (replication, admin tools) do not skew the policy.
+    pub fn contains(&self, key: &[u8]) -> bool {
+        let hash = self.hash(key);
+        self.shard(hash).contains(hash, key)
+    }
+
+    /// True when the key was present.
+    pub fn remove(&self, key: &[u8]) -> bool {
+        let hash = self.hash(key);
+        let removed = self.shard(hash).remove(hash, key);
+        removed.is_some()
+    }
+
+    /// How many leading keys of the ordered chain are present (stops at the
+    /// first absent one: a KV prefix is useless past a gap).
+    ///
+    /// With `lease = Some(d)`, each matched entry is pinned until now + `d`
+    /// (a pin is extended, never shortened; `d` is capped at [`MAX_LEASE`]):
+    /// eviction skips it while the pin holds, and once it expires the entry
+    /// is evictable again.
+    ///
+    /// No hit, miss or access is recorded: the engine follows up with `get`
+    /// on the blocks it uses, and counting both would reward a block twice
+    /// for one use.
+    pub fn match_prefix<K: AsRef<[u8]>>(&self, keys: &[K], lease: Option<Duration>) -> usize {
+        let now = self.clock.now();
+        let until = lease.map(|d| now + d.min(MAX_LEASE));
+        let mut matched = 0;
+        for key in keys {
+            let key = key.as_ref();
+            let hash = self.hash(key);
+            if !self.shard(hash).pin(hash, key, until, now) {
+                break;
+            }
+            matched += 1;
+        }
+        matched
+    }
+
+    pub fn stats(&self) -> CacheStats {
+        let now = self.clock.now();
+        let mut stats = CacheStats::default();
+        for slot in self.shards.iter() {
+            lock(slot).add_stats(now, &mut stats);
+        }
+        stats
+    }
+
+    /// Evicts one entry from the first shard, round-robin, that has an
+    /// evictable one. False when no shard has any.
+    fn evict_one(&self) -> bool {
+        let n = self.shards.len();
+        let start = self.cursor.fetch_add(1, Ordering::Relaxed) % n;
+        let now = self.clock.now();
+        for i in 0..n {
+            let victim = lock(&self.shards[(start + i) % n]).evict(now);
+            // The guard is gone by now: the last drop takes the pool's lock.
+            if let Some(block) = victim {
+                drop(block);
+                return true;
+            }
+        }
+        false
+    }
+
+    fn hash(&self, key: &[u8]) -> u64 {
+        self.hasher.hash_one(key)
+    }
+
+    /// The shard for `hash`. Takes bits 20..52 (multiply-shift, so any shard
+    /// count works), away from the low bits the shard's table indexes with
+    /// and the top 7 bits it tags with; taking those would leave every
+    /// key of a shard agreeing on them and degrade its table.
+    fn shard(&self, hash: u64) -> MutexGuard<'_, Shard> {
+        let mid = (hash >> 20) & 0xffff_ffff;
+        let idx = ((mid * self.shards.len() as u64) >> 32) as usize;
+        lock(&self.shards[idx])
+    }
+}
+
+/// A poisoned shard means a panic while it was locked. Shard operations run
+/// no caller code and do no I/O, so that panic was a broken invariant, not a
+/// half-applied request; serving on beats failing every later request for
+/// that shard's share of the keys.
+fn lock(slot: &ShardSlot) -> MutexGuard<'_, Shard> {
+    slot.0.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,238 @@
+//! One shard: a hash table of slot indices over a slot array, the policy's
+//! queues threaded through the same slots, the pins, and the counters.
+//!
+//! Everything a request touches for one key lives behind one mutex, so a
+//! lookup, its policy update and its statistics cost a single lock.
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::time::Instant;
+
+use bytes::Bytes;
+use hashbrown::HashTable;
+
+use super::list::NIL;
+use super::policy::{EvictionPolicy, Policy};
+use super::stats::{CacheStats, Counters};
+use super::CachedBlock;
+use crate::memory::Block;
+
+/// A cached block and what the cache knows about it.
+pub(super) struct Entry {
+    pub(super) key: Bytes,
+    /// Hash of `key` under the cache's hasher; kept so the table can grow
+    /// and the ghost can remember the key without hashing again.
+    pub(super) hash: u64,
+    pub(super) block: Block,
+    pub(super) crc: u32,
+    /// `Some` while the pin is counted in [`Shard::pinned`]. It can be in the
+    /// past for a moment (until the expiry heap catches up); eviction
+    /// compares it with the clock, so such a pin no longer protects anything.
+    pub(super) pin_until: Option<Instant>,
+    /// S3-FIFO's 2-bit access counter (unused by LRU).
+    pub(super) freq: u8,
+    /// S3-FIFO: on the main queue rather than the small one.
+    pub(super) in_main: bool,
+}
+
+/// A slot of the array: list links plus the entry, if occupied.
+pub(super) struct Node {
+    pub(super) prev: u32,
+    pub(super) next: u32,
+    /// Bumped each time the slot is freed, so a pin expiry recorded for a
+    /// previous occupant is recognised as stale.
+    generation: u32,
+    pub(super) entry: Option<Entry>,
+}
+
+impl Node {
+    /// Bytes the entry charges to its queue.
+    pub(super) fn size(&self) -> u64 {
+        self.entry.as_ref().map_or(0, |e| e.block.len() as u64)
+    }
+}
+
+/// Pin expiry: (when, slot, generation of the slot's occupant).
+type PinExpiry = Reverse<(Instant, u32, u32)>;
+
+pub(super) struct Shard {
+    /// Slot indices, keyed by `Entry::hash`, compared by `Entry::key`.
+    table: HashTable<u32>,
+    nodes: Vec<Node>,
+    free: Vec<u32>,
+    policy: Policy,
+    bytes: u64,
+    counters: Counters,
+    /// One item per pin set or extended; the earliest expiry on top. Only
+    /// for the `pinned` statistic: eviction reads `Entry::pin_until`.
+    pins: BinaryHeap<PinExpiry>,
+    /// Entries whose `pin_until` is `Some`.
+    pinned: u64,
+}
+
+impl Shard {
+    pub(super) fn new(policy: EvictionPolicy) -> Self {
+        Shard {
+            table: HashTable::new(),
+            nodes: Vec::new(),
+            free: Vec::new(),
+            policy: Policy::new(policy),
+            bytes: 0,
+            counters: Counters::default(),
+            pins: BinaryHeap::new(),
+            pinned: 0,
+        }
+    }
+
+    fn find(&self, hash: u64, key: &[u8]) -> Option<u32> {
+        let nodes = &self.nodes;
+        self.table.find(hash, |&idx| nodes[idx as usize].entry.as_ref().is_some_and(|e| e.key.as_ref() == key)).copied()
+    }
+
+    pub(super) fn get(&mut self, hash: u64, key: &[u8]) -> Option<CachedBlock> {
+        let Some(idx) = self.find(hash, key) else {
+            self.counters.misses += 1;
+            return None;
+        };
+        let entry = self.nodes[idx as usize].entry.as_ref()?;
+        let found = CachedBlock { block: entry.block.clone(), crc: entry.crc };
+        self.policy.touch(&mut self.nodes, idx);
+        self.counters.hits += 1;
+        Some(found)
+    }
+
+    pub(super) fn contains(&self, hash: u64, key: &[u8]) -> bool {
+        self.find(hash, key).is_some()
+    }
+
+    /// Stores or replaces; returns the block the caller must drop once the
+    /// shard is unlocked (the replaced one, or the new one if it was refused).
+    pub(super) fn insert(&mut self, hash: u64, key: Bytes, block: Block, crc: u32) -> Option<Block> {
+        self.counters.inserts += 1;
+        if let Some(idx) = self.find(hash, &key) {
+            // Unlink first: the queues charge an entry's size when it is
+            // linked and unlinked, so the size must not change while linked.
+            self.policy.unlink(&mut self.nodes, idx);
+            let Some(entry) = self.nodes[idx as usize].entry.as_mut() else {
+                return Some(block);
+            };
+            self.bytes = self.bytes - entry.block.len() as u64 + block.len() as u64;
+            entry.crc = crc;
+            let old = std::mem::replace(&mut entry.block, block);
+            self.policy.relink(&mut self.nodes, idx);
+            return Some(old);
+        }
+        let idx = match self.free.pop() {
+            Some(idx) => idx,
+            // Slot indices are u32 with NIL reserved; the pool cannot hold
+            // that many blocks, so only the same block inserted under
+            // billions of keys gets here.
+            None if self.nodes.len() >= NIL as usize => return Some(block),
+            None => {
+                self.nodes.push(Node { prev: NIL, next: NIL, generation: 0, entry: None });
+                (self.nodes.len() - 1) as u32
+            }
+        };
+        self.bytes += block.len() as u64;
+        self.nodes[idx as usize].entry = Some(Entry { key, hash, block, crc, pin_until: None, freq: 0, in_main: false });
+        let nodes = &self.nodes;
+        self.table.insert_unique(hash, idx, |&i| nodes[i as usize].entry.as_ref().map_or(0, |e| e.hash));
+        self.policy.insert(&mut self.nodes, idx);
+        None
+    }
+
+    /// Returns the removed block so it is dropped outside the lock.
+    pub(super) fn remove(&mut self, hash: u64, key: &[u8]) -> Option<Block> {
+        let idx = self.find(hash, key)?;
+        self.policy.unlink(&mut self.nodes, idx);
+        let block = self.free_slot(idx)?;
+        self.counters.removals += 1;
+        Some(block)
+    }
+
+    /// Evicts one entry that is neither pinned at `now` nor being read. A
+    /// reader's clone would keep the memory allocated anyway, so evicting it
+    /// would lose the entry without relieving the pool.
+    pub(super) fn evict(&mut self, now: Instant) -> Option<Block> {
+        if self.table.is_empty() {
+            return None;
+        }
+        let idx = self.policy.victim(&mut self.nodes, |e| e.pin_until.is_none_or(|until| until <= now) && e.block.ref_count() <= 1)?;
+        let block = self.free_slot(idx)?;
+        self.counters.evictions += 1;
+        Some(block)
+    }
+
+    /// Whether `key` is present; if so and `until` is later than both `now`
+    /// and its current pin, pins it until then.
+    pub(super) fn pin(&mut self, hash: u64, key: &[u8], until: Option<Instant>, now: Instant) -> bool {
+        self.expire_pins(now);
+        let Some(idx) = self.find(hash, key) else {
+            return false;
+        };
+        let Some(until) = until.filter(|&until| until > now) else {
+            return true;
+        };
+        let node = &mut self.nodes[idx as usize];
+        let generation = node.generation;
+        let Some(entry) = node.entry.as_mut() else {
+            return true;
+        };
+        match entry.pin_until {
+            Some(current) if current >= until => return true,
+            Some(_) => {}
+            None => self.pinned += 1,
+        }
+        entry.pin_until = Some(until);
+        self.pins.push(Reverse((until, idx, generation)));
+        true
+    }
+
+    /// Clears the pins that ran out by `now`, so `pinned` counts live pins
+    /// only and the heap does not outgrow the pins set within one lease.
+    fn expire_pins(&mut self, now: Instant) {
+        while let Some(&Reverse((at, idx, generation))) = self.pins.peek() {
+            if at > now {
+                break;
+            }
+            self.pins.pop();
+            let node = &mut self.nodes[idx as usize];
+            if node.generation != generation {
+                continue;
+            }
+            // A later `at` means the pin was extended; its own item is still
+            // in the heap.
+            if let Some(entry) = node.entry.as_mut().filter(|e| e.pin_until == Some(at)) {
+                entry.pin_until = None;
+                self.pinned -= 1;
+            }
+        }
+    }
+
+    /// Takes the entry out of the table and frees its slot; the entry must
+    /// already be off the policy's queues.
+    fn free_slot(&mut self, idx: u32) -> Option<Block> {
+        let node = &mut self.nodes[idx as usize];
+        let entry = node.entry.take()?;
+        node.generation = node.generation.wrapping_add(1);
+        node.prev = NIL;
+        node.next = NIL;
+        if let Ok(found) = self.table.find_entry(entry.hash, |&i| i == idx) {
+            found.remove();
+        }
+        self.free.push(idx);
+        self.bytes -= entry.block.len() as u64;
+        if entry.pin_until.is_some() {
+            self.pinned -= 1;
+        }
+        Some(entry.block)
+    }
+
+    pub(super) fn add_stats(&mut self, now: Instant, stats: &mut CacheStats) {
+        self.expire_pins(now);
+        stats.entries += self.table.len() as u64;
+        stats.bytes_stored += self.bytes;
+        stats.pinned += self.pinned;
+        self.counters.add_to(stats);
+    }
+}

@@ -1,0 +1,512 @@
+use std::thread;
+use std::time::Instant;
+
+use super::*;
+use crate::memory::PoolConfig;
+use kvplane_protocol::KvError;
+
+const KIB: usize = 1 << 10;
+const MIB: usize = 1 << 20;
+const BLOCK: usize = 4 * KIB;
+/// A 1 MiB pool of 4 KiB blocks holds exactly this many.
+const SLOTS: u64 = (MIB / BLOCK) as u64;
+const POLICIES: [EvictionPolicy; 2] = [EvictionPolicy::S3Fifo, EvictionPolicy::Lru];
+
+fn pool(capacity: usize) -> Arc<MemoryPool> {
+    MemoryPool::new(PoolConfig::new(capacity)).expect("pool")
+}
+
+/// A cache on a 1 MiB pool whose clock stands still: no lease expires
+/// unless the test advances the clock.
+fn cache(policy: EvictionPolicy, shards: usize) -> BlockCache {
+    clocked(policy, shards).0
+}
+
+/// A cache on a 1 MiB pool, and the manual clock its leases read.
+fn clocked(policy: EvictionPolicy, shards: usize) -> (BlockCache, Arc<ManualClock>) {
+    let clock = Arc::new(ManualClock::new());
+    let cache = BlockCache::new(pool(MIB), CacheConfig { shards, policy, clock: Arc::clone(&clock) as Arc<dyn Clock> });
+    (cache, clock)
+}
+
+fn key(i: u64) -> Bytes {
+    Bytes::from(format!("key-{i:08}"))
+}
+
+/// Stores `len` bytes of `fill` under `key` the way the server does a PUT.
+fn put(cache: &BlockCache, key: &Bytes, len: usize, fill: u8) -> Result<u32, KvError> {
+    let mut block = cache.allocate(len)?;
+    block.as_mut_slice().fill(fill);
+    let crc = crc32c::crc32c(block.as_slice());
+    cache.insert(key.clone(), block.freeze(), crc);
+    Ok(crc)
+}
+
+fn put_ok(cache: &BlockCache, key: &Bytes, fill: u8) -> u32 {
+    match put(cache, key, BLOCK, fill) {
+        Ok(crc) => crc,
+        Err(err) => panic!("put {key:?}: {err}"),
+    }
+}
+
+fn all(bytes: &[u8], fill: u8) -> bool {
+    bytes.iter().all(|&b| b == fill)
+}
+
+fn assert_send_sync<T: Send + Sync>() {}
+
+#[test]
+fn block_cache_is_send_and_sync() {
+    assert_send_sync::<BlockCache>();
+    assert_send_sync::<CachedBlock>();
+}
+
+#[test]
+fn policy_names_parse_and_display_and_an_unknown_name_lists_the_accepted_ones() {
+    assert_eq!("s3-fifo".parse::<EvictionPolicy>(), Ok(EvictionPolicy::S3Fifo));
+    assert_eq!("LRU".parse::<EvictionPolicy>(), Ok(EvictionPolicy::Lru));
+    for policy in POLICIES {
+        assert_eq!(policy.to_string().parse::<EvictionPolicy>(), Ok(policy));
+    }
+    let err = "clock".parse::<EvictionPolicy>().expect_err("unknown policy");
+    let msg = err.to_string();
+    assert!(msg.contains("clock") && msg.contains("s3-fifo") && msg.contains("lru"), "{msg}");
+}
+
+#[test]
+fn config_defaults_to_sixteen_shards_and_s3_fifo() {
+    let config = CacheConfig::default();
+    assert_eq!((config.shards, config.policy), (16, EvictionPolicy::S3Fifo));
+    assert_eq!(format!("{:?}", config.clock), "SystemClock", "a node's leases run on real time");
+    let cache = BlockCache::new(pool(MIB), CacheConfig { shards: 0, ..config });
+    assert_eq!(cache.policy(), EvictionPolicy::S3Fifo);
+    let crc = put_ok(&cache, &key(1), 7);
+    assert_eq!(cache.get(&key(1)).map(|c| c.crc), Some(crc), "zero shards is taken as one");
+}
+
+#[test]
+fn insert_get_contains_remove_follow_map_semantics_and_are_counted() {
+    let cache = cache(EvictionPolicy::S3Fifo, 16);
+    let pool = Arc::clone(cache.pool());
+    let (k1, k2, k3) = (key(1), key(2), key(3));
+    let crc1 = put_ok(&cache, &k1, 0xAA);
+    put(&cache, &k2, 1000, 0xBB).expect("put k2");
+
+    assert!(cache.contains(&k1) && cache.contains(&k2) && !cache.contains(&k3));
+    let stats = cache.stats();
+    assert_eq!((stats.hits, stats.misses), (0, 0), "contains counts nothing");
+
+    let got = cache.get(&k1).expect("k1 present");
+    assert_eq!((got.block.len(), got.crc), (BLOCK, crc1));
+    assert!(all(&got.block, 0xAA));
+    assert!(cache.get(&k3).is_none());
+    assert_eq!(
+        cache.stats(),
+        CacheStats { entries: 2, bytes_stored: (BLOCK + 1000) as u64, hits: 1, misses: 1, inserts: 2, ..CacheStats::default() }
+    );
+
+    assert!(cache.remove(&k1));
+    assert!(!cache.remove(&k1), "second remove finds nothing");
+    assert!(!cache.remove(&k3));
+    assert!(!cache.contains(&k1));
+    assert!(cache.get(&k1).is_none());
+    assert_eq!(
+        cache.stats(),
+        CacheStats { entries: 1, bytes_stored: 1000, hits: 1, misses: 2, inserts: 2, removals: 1, ..CacheStats::default() }
+    );
+    assert_eq!(pool.stats().blocks, 2, "the reader of k1 still holds its block");
+    drop(got);
+    assert_eq!(pool.stats().blocks, 1, "k1's memory returned with its last reader");
+    drop(cache);
+    assert_eq!(pool.stats().blocks, 0);
+}
+
+#[test]
+fn replacing_a_key_swaps_the_block_and_frees_the_old_one_when_its_last_reader_drops() {
+    for policy in POLICIES {
+        let cache = cache(policy, 4);
+        let pool = Arc::clone(cache.pool());
+        let k = key(9);
+        put_ok(&cache, &k, 1);
+        let held = cache.get(&k).expect("present");
+        let crc2 = put(&cache, &k, 2000, 2).expect("replace");
+
+        let now = cache.get(&k).expect("still present");
+        assert_eq!((now.block.len(), now.crc), (2000, crc2));
+        assert!(all(&now.block, 2));
+        assert!(all(&held.block, 1), "{policy}: the old reader sees the old bytes");
+        let stats = cache.stats();
+        assert_eq!((stats.entries, stats.bytes_stored, stats.inserts, stats.removals), (1, 2000, 2, 0));
+        drop(now);
+        assert_eq!(pool.stats().blocks, 2);
+        drop(held);
+        assert_eq!(pool.stats().blocks, 1, "{policy}: replaced block freed by its last reader");
+    }
+}
+
+#[test]
+fn a_full_pool_keeps_serving_puts_by_evicting_and_never_stores_more_than_its_capacity() {
+    for policy in POLICIES {
+        let cache = cache(policy, 16);
+        let capacity = cache.pool().capacity_bytes() as u64;
+        for i in 0..2000 {
+            put_ok(&cache, &key(i), i as u8);
+            assert!(cache.stats().bytes_stored <= capacity, "{policy}: over capacity after {i}");
+        }
+        let stats = cache.stats();
+        assert_eq!(stats.entries, SLOTS, "{policy}: the pool stays full");
+        assert_eq!(stats.evictions, 2000 - SLOTS, "{policy}: one eviction per put once full");
+        assert_eq!(stats.bytes_stored, capacity);
+        assert!(cache.contains(&key(1999)), "{policy}: the newest put is kept");
+        assert_eq!(cache.pool().stats().blocks, SLOTS);
+    }
+}
+
+#[test]
+fn s3_fifo_keeps_a_read_working_set_through_a_one_hit_scan_that_lru_flushes() {
+    let working: Vec<Bytes> = (0..100).map(key).collect();
+    for policy in POLICIES {
+        let cache = cache(policy, 1);
+        for k in &working {
+            put_ok(&cache, k, 1);
+        }
+        for _ in 0..2 {
+            for k in &working {
+                assert!(cache.get(k).is_some());
+            }
+        }
+        for i in 1000..2000 {
+            put_ok(&cache, &key(i), 2);
+        }
+        let survivors = working.iter().filter(|k| cache.contains(k)).count();
+        match policy {
+            EvictionPolicy::S3Fifo => assert_eq!(survivors, working.len(), "S3-FIFO lost working-set blocks to a scan"),
+            EvictionPolicy::Lru => {
+                assert_eq!(survivors, 0, "LRU is expected to flush the working set")
+            }
+        }
+    }
+}
+
+#[test]
+fn s3_fifo_sends_a_recently_evicted_key_straight_to_the_main_queue() {
+    let cache = cache(EvictionPolicy::S3Fifo, 1);
+    for i in 0..SLOTS {
+        put_ok(&cache, &key(i), 1);
+    }
+    put_ok(&cache, &key(SLOTS), 1);
+    assert!(!cache.contains(&key(0)), "the oldest one-hit block goes first");
+    put_ok(&cache, &key(0), 1); // back soon: a ghost hit
+    let control = key(10_000); // new at the same moment, but never seen before
+    put_ok(&cache, &control, 1);
+    for i in 20_000..20_000 + 3 * SLOTS {
+        put_ok(&cache, &key(i), 1);
+    }
+    assert!(cache.contains(&key(0)), "the returning key was admitted to main and outlived the scan");
+    assert!(!cache.contains(&control), "a first-time key stays on probation");
+}
+
+#[test]
+fn removed_and_replaced_entries_leave_no_stale_queue_items() {
+    for policy in POLICIES {
+        let cache = cache(policy, 1);
+        for i in 0..SLOTS {
+            put_ok(&cache, &key(i), 1);
+        }
+        assert!(cache.remove(&key(0)));
+        put_ok(&cache, &key(0), 2); // into the freed memory: a new entry, the newest one
+                                    // Evicts key 1 for its new block, then moves key 5 to the back; the
+                                    // replaced block's memory is what the next put gets.
+        put_ok(&cache, &key(5), 2);
+        put_ok(&cache, &key(5000), 3);
+        let stats = cache.stats();
+        assert_eq!((stats.entries, stats.evictions, stats.removals), (SLOTS, 1, 1), "{policy}");
+        assert!(!cache.contains(&key(1)) && cache.contains(&key(2)), "{policy}: the oldest entry went first");
+        for i in 5001..5001 + (SLOTS - 3) {
+            put_ok(&cache, &key(i), 3);
+        }
+        assert!((1..SLOTS).filter(|&i| i != 5).all(|i| !cache.contains(&key(i))), "{policy}: old entries went in order");
+        assert!(cache.contains(&key(0)) && cache.contains(&key(5)), "{policy}: re-put keys were evicted early");
+        put_ok(&cache, &key(9000), 3);
+        assert!(!cache.contains(&key(0)), "{policy}: the re-inserted key is next, at its new place");
+        assert!(cache.contains(&key(5)));
+        assert_eq!(cache.stats().entries, SLOTS);
+    }
+}
+
+#[test]
+fn match_prefix_counts_the_leading_present_keys_and_stops_at_the_first_gap() {
+    let cache = cache(EvictionPolicy::S3Fifo, 16);
+    for i in [0, 1, 2, 4] {
+        put_ok(&cache, &key(i), 1);
+    }
+    let chain: Vec<Bytes> = (0..5).map(key).collect();
+    assert_eq!(cache.match_prefix(&chain, None), 3);
+    assert_eq!(cache.match_prefix(&chain[3..], None), 0, "a missing first key matches nothing");
+    assert_eq!(cache.match_prefix::<Bytes>(&[], None), 0);
+    assert_eq!(cache.match_prefix(&[b"key-00000004".as_slice()], None), 1, "any AsRef<[u8]> key works");
+    assert_eq!(cache.match_prefix(&chain, Some(Duration::ZERO)), 3);
+    let stats = cache.stats();
+    assert_eq!((stats.hits, stats.misses, stats.pinned), (0, 0, 0), "matching counts nothing; a zero lease pins nothing");
+    assert_eq!(cache.match_prefix(&chain, Some(Duration::from_secs(60))), 3);
+    assert_eq!(cache.stats().pinned, 3, "only the matched prefix is pinned");
+}
+
+#[test]
+fn a_pinned_block_survives_pressure_that_evicts_everything_else() {
+    for policy in POLICIES {
+        let cache = cache(policy, 16);
+        let pinned = key(7);
+        put_ok(&cache, &pinned, 0x77);
+        for i in 100..200 {
+            put_ok(&cache, &key(i), 1);
+        }
+        assert_eq!(cache.match_prefix(&[&pinned], Some(Duration::from_secs(60))), 1);
+        for i in 1000..1000 + 4 * SLOTS {
+            put_ok(&cache, &key(i), 2);
+        }
+        assert!((100..200).all(|i| !cache.contains(&key(i))), "{policy}: the unpinned blocks were evicted");
+        let got = cache.get(&pinned).expect("the pinned block survived");
+        assert!(all(&got.block, 0x77), "{policy}");
+        assert_eq!(cache.stats().pinned, 1);
+    }
+}
+
+#[test]
+fn allocate_answers_capacity_without_hanging_when_every_entry_is_pinned() {
+    for policy in POLICIES {
+        let cache = cache(policy, 16);
+        let keys: Vec<Bytes> = (0..SLOTS).map(key).collect();
+        for k in &keys {
+            put_ok(&cache, k, 1);
+        }
+        assert_eq!(cache.match_prefix(&keys, Some(Duration::from_secs(60))), keys.len());
+        assert_eq!(cache.stats().pinned, SLOTS);
+        let started = Instant::now();
+        match cache.allocate(BLOCK) {
+            Err(KvError::Capacity(msg)) => assert!(msg.contains("4096"), "{policy}: message names the size: {msg}"),
+            other => panic!("{policy}: expected Capacity, got {other:?}"),
+        }
+        assert!(started.elapsed() < Duration::from_secs(1), "{policy}: took {:?}", started.elapsed());
+        let stats = cache.stats();
+        assert_eq!((stats.entries, stats.evictions), (SLOTS, 0), "{policy}: nothing was evicted");
+    }
+}
+
+#[test]
+fn an_expired_pin_is_evicted_under_pressure_and_its_memory_reused() {
+    for policy in POLICIES {
+        let (cache, clock) = clocked(policy, 16);
+        let keys: Vec<Bytes> = (0..SLOTS).map(key).collect();
+        for k in &keys {
+            put_ok(&cache, k, 1);
+        }
+        let short = &keys[17];
+        assert_eq!(cache.match_prefix(&keys, Some(Duration::from_secs(60))), keys.len());
+        // Pins are per entry: re-pin the target alone, from scratch, briefly.
+        assert!(cache.remove(short));
+        put_ok(&cache, short, 1);
+        let lease = Duration::from_millis(100);
+        assert_eq!(cache.match_prefix(&[short], Some(lease)), 1);
+        assert!(matches!(cache.allocate(BLOCK), Err(KvError::Capacity(_))), "{policy}: evicted while pinned");
+
+        // A nanosecond short of the lease it still holds; at its end it lapses.
+        clock.advance(lease - Duration::from_nanos(1));
+        assert!(matches!(cache.allocate(BLOCK), Err(KvError::Capacity(_))), "{policy}: evicted before the lease ended");
+        assert_eq!(cache.stats().pinned, SLOTS, "{policy}");
+        clock.advance(Duration::from_nanos(1));
+        assert_eq!(cache.stats().pinned, SLOTS - 1, "{policy}: the expired pin is no longer counted");
+        let fresh = key(50_000);
+        put_ok(&cache, &fresh, 9);
+        assert!(!cache.contains(short), "{policy}: the expired entry was the one evicted");
+        assert!(cache.contains(&fresh));
+        let stats = cache.stats();
+        assert_eq!((stats.entries, stats.evictions), (SLOTS, 1), "{policy}");
+        assert_eq!(cache.pool().stats().blocks, SLOTS, "{policy}: the new block took the freed memory");
+    }
+}
+
+#[test]
+fn a_pin_is_extended_but_never_shortened() {
+    for policy in POLICIES {
+        let (cache, clock) = clocked(policy, 4);
+        let (long_then_short, short_then_long) = (key(1), key(2));
+        put_ok(&cache, &long_then_short, 1);
+        put_ok(&cache, &short_then_long, 2);
+        assert_eq!(cache.match_prefix(&[&long_then_short], Some(Duration::from_millis(600))), 1);
+        assert_eq!(cache.match_prefix(&[&long_then_short], Some(Duration::from_millis(20))), 1);
+        assert_eq!(cache.match_prefix(&[&short_then_long], Some(Duration::from_millis(20))), 1);
+        assert_eq!(cache.match_prefix(&[&short_then_long], Some(Duration::from_millis(600))), 1);
+        // Past the short leases, well within the long ones.
+        clock.advance(Duration::from_millis(60));
+        for i in 100..100 + 2 * SLOTS {
+            put_ok(&cache, &key(i), 3);
+        }
+        assert!(cache.contains(&long_then_short), "{policy}: a shorter lease shortened the pin");
+        assert!(cache.contains(&short_then_long), "{policy}: a longer lease did not extend the pin");
+        assert_eq!(cache.stats().pinned, 2);
+        // Past the long leases too: both are ordinary entries again.
+        clock.advance(Duration::from_millis(540));
+        assert_eq!(cache.stats().pinned, 0, "{policy}");
+        for i in 1000..1000 + 2 * SLOTS {
+            put_ok(&cache, &key(i), 4);
+        }
+        assert!(!cache.contains(&long_then_short) && !cache.contains(&short_then_long), "{policy}: an expired pin still protects");
+    }
+}
+
+#[test]
+fn a_block_being_read_is_never_reused_under_the_reader() {
+    for policy in POLICIES {
+        let cache = cache(policy, 16);
+        let k = key(42);
+        put_ok(&cache, &k, 0x5A);
+        let held = cache.get(&k).expect("present");
+
+        for i in 1000..1000 + 3 * SLOTS {
+            put_ok(&cache, &key(i), 0xFF);
+        }
+        assert!(cache.contains(&k), "{policy}: an entry being read is skipped by eviction");
+        assert!(all(&held.block, 0x5A), "{policy}: bytes changed under the reader");
+
+        put_ok(&cache, &k, 0x11);
+        assert!(cache.remove(&k));
+        for i in 5000..5000 + 3 * SLOTS {
+            put_ok(&cache, &key(i), 0xEE);
+        }
+        assert!(all(&held.block, 0x5A), "{policy}: a replaced and removed block was reused under its reader");
+        assert_eq!(crc32c::crc32c(&held.block), held.crc);
+
+        let pool = Arc::clone(cache.pool());
+        let entries = cache.stats().entries;
+        assert_eq!(pool.stats().blocks, entries + 1, "{policy}: the held block is still allocated");
+        drop(held);
+        assert_eq!(pool.stats().blocks, entries);
+    }
+}
+
+/// Header of a stress block: key and version, then a pattern derived from both.
+fn fill_pattern(bytes: &mut [u8], key: u64, version: u64) {
+    bytes[..8].copy_from_slice(&key.to_le_bytes());
+    bytes[8..16].copy_from_slice(&version.to_le_bytes());
+    for (i, b) in bytes.iter_mut().enumerate().skip(16) {
+        *b = pattern_byte(key, version, i);
+    }
+}
+
+fn pattern_byte(key: u64, version: u64, i: usize) -> u8 {
+    (key.wrapping_mul(0x9E37_79B9) ^ version ^ (i as u64).wrapping_mul(31)) as u8
+}
+
+/// Panics unless `found` is an intact block written for `key`.
+fn verify(found: &CachedBlock, key: u64) {
+    let bytes = found.block.as_slice();
+    assert!(bytes.len() >= 16, "short block {}", bytes.len());
+    let stored_key = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes"));
+    let version = u64::from_le_bytes(bytes[8..16].try_into().expect("8 bytes"));
+    assert_eq!(stored_key, key, "a block for another key was returned");
+    for (i, &b) in bytes.iter().enumerate().skip(16) {
+        assert_eq!(b, pattern_byte(key, version, i), "key {key} version {version}: byte {i} corrupted");
+    }
+    assert_eq!(crc32c::crc32c(bytes), found.crc, "key {key}: crc does not match the bytes");
+}
+
+fn stress_key(k: u64) -> Bytes {
+    Bytes::from(k.to_le_bytes().to_vec())
+}
+
+#[derive(Default, Debug)]
+struct Tally {
+    puts: u64,
+    capacity_refusals: u64,
+    verified: u64,
+    removes: u64,
+    matched: u64,
+}
+
+fn stress_worker(cache: &BlockCache, seed: u64, deadline: Instant) -> Tally {
+    const KEYS: u64 = 600;
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let mut tally = Tally::default();
+    while Instant::now() < deadline {
+        let k = rng.u64(0..KEYS);
+        match rng.u32(0..100) {
+            0..35 => {
+                // Mostly one size class, some of the next: slab pages then
+                // have to change class under eviction.
+                let len = if rng.u32(0..10) == 0 { rng.usize(BLOCK + 1..=2 * BLOCK) } else { rng.usize(16..=BLOCK) };
+                match cache.allocate(len) {
+                    Ok(mut block) => {
+                        fill_pattern(block.as_mut_slice(), k, rng.u64(..));
+                        let crc = crc32c::crc32c(block.as_slice());
+                        cache.insert(stress_key(k), block.freeze(), crc);
+                        tally.puts += 1;
+                    }
+                    // Legitimate while short leases and readers hold most of
+                    // a pool this small.
+                    Err(KvError::Capacity(_)) => tally.capacity_refusals += 1,
+                    Err(err) => panic!("allocate({len}): {err}"),
+                }
+            }
+            35..80 => {
+                if let Some(found) = cache.get(&stress_key(k)) {
+                    verify(&found, k);
+                    tally.verified += 1;
+                }
+            }
+            80..90 => {
+                if cache.remove(&stress_key(k)) {
+                    tally.removes += 1;
+                }
+            }
+            _ => {
+                let chain: Vec<Bytes> = (k..k + rng.u64(1..=8)).map(stress_key).collect();
+                let lease = Duration::from_millis(rng.u64(1..=20));
+                let matched = cache.match_prefix(&chain, Some(lease));
+                tally.matched += matched as u64;
+                for (i, key) in chain[..matched].iter().enumerate() {
+                    if let Some(found) = cache.get(key) {
+                        verify(&found, k + i as u64);
+                        tally.verified += 1;
+                    }
+                }
+            }
+        }
+    }
+    tally
+}
+
+#[test]
+fn concurrent_puts_gets_removes_and_leases_never_hand_out_a_corrupted_block() {
+    const THREADS: u64 = 6;
+    for policy in POLICIES {
+        let config = PoolConfig { max_block_bytes: 64 * KIB, ..PoolConfig::new(2 * MIB) };
+        let pool = MemoryPool::new(config).expect("pool");
+        // The real clock: leases of 1-20 ms lapse while the workers run.
+        let cache = Arc::new(BlockCache::new(Arc::clone(&pool), CacheConfig { shards: 4, policy, ..CacheConfig::default() }));
+        let deadline = Instant::now() + Duration::from_millis(750);
+        let workers: Vec<_> = (0..THREADS)
+            .map(|t| {
+                let cache = Arc::clone(&cache);
+                thread::spawn(move || stress_worker(&cache, 0xC0FFEE + t, deadline))
+            })
+            .collect();
+        let mut total = Tally::default();
+        for worker in workers {
+            let t = worker.join().expect("a stress worker panicked");
+            total.puts += t.puts;
+            total.capacity_refusals += t.capacity_refusals;
+            total.verified += t.verified;
+            total.removes += t.removes;
+            total.matched += t.matched;
+        }
+        let stats = cache.stats();
+        assert!(total.puts > 200 && total.verified > 50 && total.matched > 0, "{policy}: too little work: {total:?}");
+        assert!(stats.evictions > 0, "{policy}: the pool was meant to force eviction: {stats:?}");
+        assert!(stats.bytes_stored <= pool.capacity_bytes() as u64, "{policy}: {stats:?}");
+        assert_eq!(stats.entries, pool.stats().blocks, "{policy}: every live block belongs to exactly one entry");
+        drop(cache);
+        let after = pool.stats();
+        assert_eq!((after.blocks, after.used_bytes, after.requested_bytes), (0, 0, 0), "{policy}: pool accounting leaked");
+    }
+}

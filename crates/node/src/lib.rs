@@ -1,0 +1,17 @@
+//! The kvplane cache node: the memory tier ([`memory`], a slab pool of
+//! preallocated blocks), the block cache over it ([`cache`], sharded index,
+//! S3-FIFO or LRU eviction, pin leases) and the server that speaks the wire
+//! protocol to clients ([`server`]).
+//!
+//! Data flows one way: a request enters [`server`], which asks [`cache`],
+//! which takes blocks from [`memory`]. Unsafe code is denied everywhere but
+//! in [`memory`], whose module docs justify each use.
+
+#![deny(unsafe_code)]
+
+pub mod cache;
+#[allow(unsafe_code)] // The pool maps and hands out raw memory; see the module docs.
+pub mod memory;
+pub mod server;
+
+pub use server::{Node, NodeConfig};

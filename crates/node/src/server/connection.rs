@@ -1,0 +1,378 @@
+//! One client connection: handshake, then requests answered in order.
+//!
+//! Requests on a connection are served one after another (a client gets
+//! parallelism from pipelining and from several connections), so a slow or
+//! hostile client only ever stalls its own connection. Every way a peer can
+//! misbehave ends in a typed `Error` frame and, where the byte stream can no
+//! longer be trusted, a closed connection; nothing it sends can corrupt a
+//! stored block, because a PUT block is checked before it is inserted.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use kvplane_protocol::io::{read_bytes, read_header, skip, write_frame};
+use kvplane_protocol::{
+    checksum, decode_body, encode, Block, ErrorCode, Features, Frame, FrameHeader, HelloAck, Message, Meta, Opcode, PayloadSlot,
+    ProtocolError, Request, Response, StatEntry, MIN_VERSION, VERSION,
+};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, BufReader};
+use tokio::net::{TcpListener, UnixListener};
+use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinSet;
+
+use super::metrics::Op;
+use super::NodeState;
+
+/// Receive buffer per connection: many small frames per system call, while
+/// block payloads larger than it are read straight into block memory.
+const READ_BUFFER_BYTES: usize = 256 << 10;
+
+type Shutdown = watch::Receiver<bool>;
+
+pub(super) async fn accept_tcp(listener: TcpListener, state: Arc<NodeState>, slots: Arc<Semaphore>, mut shutdown: Shutdown) {
+    let mut conns = JoinSet::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    if let Err(e) = stream.set_nodelay(true) {
+                        tracing::debug!(%peer, error = %e, "TCP_NODELAY refused");
+                    }
+                    let (r, w) = stream.into_split();
+                    admit(&mut conns, r, w, &state, &slots, &shutdown, peer.to_string());
+                }
+                Err(e) => accept_failed(e).await,
+            },
+            Some(_) = conns.join_next(), if !conns.is_empty() => {}
+            _ = shutdown.changed() => break,
+        }
+    }
+    while conns.join_next().await.is_some() {}
+}
+
+pub(super) async fn accept_unix(listener: UnixListener, state: Arc<NodeState>, slots: Arc<Semaphore>, mut shutdown: Shutdown) {
+    let mut conns = JoinSet::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => {
+                    let (r, w) = stream.into_split();
+                    admit(&mut conns, r, w, &state, &slots, &shutdown, "unix".to_string());
+                }
+                Err(e) => accept_failed(e).await,
+            },
+            Some(_) = conns.join_next(), if !conns.is_empty() => {}
+            _ = shutdown.changed() => break,
+        }
+    }
+    while conns.join_next().await.is_some() {}
+}
+
+/// Running out of file descriptors must not turn the accept loop into a
+/// busy loop; back off and let connections close.
+async fn accept_failed(e: std::io::Error) {
+    tracing::warn!(error = %e, "accept failed");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+}
+
+fn admit<R, W>(
+    conns: &mut JoinSet<()>,
+    reader: R,
+    writer: W,
+    state: &Arc<NodeState>,
+    slots: &Arc<Semaphore>,
+    shutdown: &Shutdown,
+    peer: String,
+) where
+    R: AsyncRead + Unpin + Send + 'static,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    let state = Arc::clone(state);
+    match Arc::clone(slots).try_acquire_owned() {
+        Ok(permit) => {
+            let shutdown = shutdown.clone();
+            conns.spawn(async move {
+                state.metrics.connections_total.inc_by(1);
+                state.metrics.connections_open.inc();
+                let result = serve(reader, writer, &state, shutdown).await;
+                state.metrics.connections_open.dec();
+                if let Err(e) = result {
+                    tracing::debug!(%peer, error = %e, "connection closed");
+                }
+                drop::<OwnedSemaphorePermit>(permit);
+            });
+        }
+        Err(_) => {
+            state.metrics.connections_refused.inc_by(1);
+            let limit = state.config.max_connections;
+            tracing::warn!(%peer, limit, "connection refused: too many connections");
+            // Told why, briefly; a flood of these must not pile up tasks that
+            // wait on clients who never read.
+            conns.spawn(async move {
+                let mut writer = writer;
+                let frame = Frame::response(
+                    0,
+                    Response::Error { code: ErrorCode::Unavailable, message: format!("too many connections (limit {limit}); retry later") },
+                );
+                if let Ok(encoded) = encode(&frame) {
+                    let _ = tokio::time::timeout(Duration::from_secs(1), write_frame(&mut writer, &encoded)).await;
+                }
+                drop(reader);
+            });
+        }
+    }
+}
+
+/// Why a connection ended early (for the debug log).
+#[derive(Debug, thiserror::Error)]
+enum ConnectionEnd {
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error("{0}")]
+    Refused(String),
+}
+
+struct Conn<'a, R, W> {
+    reader: BufReader<R>,
+    writer: W,
+    state: &'a NodeState,
+    features: Features,
+}
+
+async fn serve<R, W>(reader: R, writer: W, state: &NodeState, mut shutdown: Shutdown) -> Result<(), ConnectionEnd>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let mut conn = Conn { reader: BufReader::with_capacity(READ_BUFFER_BYTES, reader), writer, state, features: Features::default() };
+    let timeout = state.config.handshake_timeout;
+    match tokio::time::timeout(timeout, conn.handshake()).await {
+        Ok(result) => result?,
+        Err(_) => {
+            state.metrics.connections_refused.inc_by(1);
+            return Err(ConnectionEnd::Refused(format!("no Hello within {timeout:?}")));
+        }
+    }
+    loop {
+        let header = tokio::select! {
+            h = read_header(&mut conn.reader) => h?,
+            _ = shutdown.changed() => return Ok(()),
+        };
+        let header = match header {
+            None => return Ok(()),
+            Some(Ok(h)) => h,
+            Some(Err(e)) => return conn.fatal(0, e).await,
+        };
+        if !conn.serve_frame(header).await? {
+            return Ok(());
+        }
+    }
+}
+
+impl<R, W> Conn<'_, R, W>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    async fn handshake(&mut self) -> Result<(), ConnectionEnd> {
+        let header = match read_header(&mut self.reader).await? {
+            None => return Err(ConnectionEnd::Refused("closed before the handshake".into())),
+            Some(Ok(h)) => h,
+            Some(Err(e)) => {
+                self.state.metrics.connections_refused.inc_by(1);
+                self.fatal(0, e).await?;
+                return Err(ConnectionEnd::Refused("bad first frame".into()));
+            }
+        };
+        if header.opcode != Opcode::Hello as u8 {
+            self.state.metrics.connections_refused.inc_by(1);
+            self.send_error(header.request_id, ErrorCode::HandshakeRequired, "the first frame must be HELLO".into()).await?;
+            return Err(ConnectionEnd::Refused("first frame was not HELLO".into()));
+        }
+        if header.frame_len() > 64 << 10 {
+            let e = ProtocolError::FrameTooLarge { declared: header.frame_len(), limit: 64 << 10 };
+            self.fatal(header.request_id, e).await?;
+            return Err(ConnectionEnd::Refused("oversized HELLO".into()));
+        }
+        let meta = read_bytes(&mut self.reader, header.meta_len as usize).await?;
+        let hello = match decode_body(&header, meta, &self.state.config.limits) {
+            Ok(Meta::Complete(Message::Request(Request::Hello(h)))) => h,
+            Ok(_) => return Err(ConnectionEnd::Refused("HELLO decoded as another message".into())),
+            Err(e) => {
+                self.fatal(header.request_id, e).await?;
+                return Err(ConnectionEnd::Refused("malformed HELLO".into()));
+            }
+        };
+        if hello.version < MIN_VERSION {
+            self.state.metrics.connections_refused.inc_by(1);
+            let msg = format!("client speaks up to version {}, this node speaks {MIN_VERSION}..={VERSION}", hello.version);
+            self.send_error(header.request_id, ErrorCode::BadVersion, msg.clone()).await?;
+            return Err(ConnectionEnd::Refused(msg));
+        }
+        if let Some(expected) = &self.state.config.token {
+            let presented = hello.token.as_deref().unwrap_or("");
+            if !constant_time_eq(presented.as_bytes(), expected.as_bytes()) {
+                self.state.metrics.connections_refused.inc_by(1);
+                let msg = if hello.token.is_none() { "this node requires a bearer token" } else { "wrong bearer token" };
+                self.send_error(header.request_id, ErrorCode::Unauthorized, msg.into()).await?;
+                return Err(ConnectionEnd::Refused(msg.into()));
+            }
+        }
+        self.features = hello.features.intersect(Features::ALL);
+        let ack = HelloAck { version: hello.version.min(VERSION), features: self.features, limits: self.state.config.limits };
+        self.send(header.request_id, Response::HelloAck(ack)).await?;
+        Ok(())
+    }
+
+    /// Serves one frame whose header has been read. `Ok(false)` closes the
+    /// connection (after a fatal protocol error has been answered).
+    async fn serve_frame(&mut self, header: FrameHeader) -> Result<bool, ConnectionEnd> {
+        let limits = self.state.config.limits;
+        if header.frame_len() > limits.max_frame_bytes as u64 {
+            let e = ProtocolError::FrameTooLarge { declared: header.frame_len(), limit: limits.max_frame_bytes as u64 };
+            self.fatal(header.request_id, e).await?;
+            return Ok(false);
+        }
+        let started = Instant::now();
+        let meta = read_bytes(&mut self.reader, header.meta_len as usize).await?;
+        self.state.metrics.bytes_received.inc_by(header.frame_len());
+        let meta = match decode_body(&header, meta, &limits) {
+            Ok(m) => m,
+            Err(e) => {
+                // The body length is known and within limits: skip the rest
+                // of the frame and keep the connection.
+                skip(&mut self.reader, header.payload_len() as u64).await?;
+                self.state.metrics.protocol_errors.inc_by(1);
+                self.send_error(header.request_id, e.code(), e.to_string()).await?;
+                return Ok(true);
+            }
+        };
+        let response = match meta {
+            Meta::Put(slots) => {
+                let n = slots.len();
+                let results = self.put(slots).await?;
+                self.state.metrics.record(Op::Put, n, started.elapsed());
+                Response::Put { results }
+            }
+            Meta::Complete(Message::Request(request)) => self.answer(request, started),
+            Meta::Complete(Message::Response(_)) | Meta::Get(_) => {
+                // Skip whatever payload the answer frame carries, so the
+                // next frame is read from where the client put it.
+                skip(&mut self.reader, header.payload_len() as u64).await?;
+                self.state.metrics.protocol_errors.inc_by(1);
+                Response::Error { code: ErrorCode::Invalid, message: format!("opcode {:#04x} is an answer, not a request", header.opcode) }
+            }
+        };
+        self.send(header.request_id, response).await?;
+        Ok(true)
+    }
+
+    /// Reads each PUT payload straight into a pool block, checks it against
+    /// its checksum and only then makes it visible. A failed block is reported
+    /// in its slot; the rest of the batch is still stored.
+    async fn put(&mut self, slots: Vec<PayloadSlot>) -> Result<Vec<Result<(), ErrorCode>>, ConnectionEnd> {
+        let mut results = Vec::with_capacity(slots.len());
+        for slot in slots {
+            let mut block = match self.state.cache.allocate(slot.len as usize) {
+                Ok(b) => b,
+                Err(e) => {
+                    skip(&mut self.reader, slot.len as u64).await?;
+                    results.push(Err(ErrorCode::from(&e)));
+                    continue;
+                }
+            };
+            self.reader.read_exact(block.as_mut_slice()).await?;
+            if checksum(&block) != slot.crc {
+                self.state.metrics.checksum_failures.inc_by(1);
+                results.push(Err(ErrorCode::BadChecksum));
+                continue;
+            }
+            // Keys are copied out of the frame's meta buffer: a stored slice
+            // would keep the whole buffer alive as long as any key lives.
+            self.state.cache.insert(Bytes::copy_from_slice(&slot.key), block.freeze(), slot.crc);
+            results.push(Ok(()));
+        }
+        Ok(results)
+    }
+
+    fn answer(&self, request: Request, started: Instant) -> Response {
+        let cache = &self.state.cache;
+        let metrics = &self.state.metrics;
+        match request {
+            Request::Get { keys } => {
+                let results = keys
+                    .iter()
+                    .map(|k| match cache.get(k) {
+                        Some(hit) => Ok(Block::with_crc(hit.block.into_bytes(), hit.crc)),
+                        None => Err(ErrorCode::NotFound),
+                    })
+                    .collect();
+                metrics.record(Op::Get, keys.len(), started.elapsed());
+                Response::Get { results }
+            }
+            Request::Exists { keys } => {
+                let results = keys.iter().map(|k| if cache.contains(k) { Ok(()) } else { Err(ErrorCode::NotFound) }).collect();
+                metrics.record(Op::Exists, keys.len(), started.elapsed());
+                Response::Exists { results }
+            }
+            Request::Delete { keys } => {
+                let results = keys.iter().map(|k| if cache.remove(k) { Ok(()) } else { Err(ErrorCode::NotFound) }).collect();
+                metrics.record(Op::Delete, keys.len(), started.elapsed());
+                Response::Delete { results }
+            }
+            Request::MatchPrefix { keys, lease_ms } => {
+                let granted =
+                    if self.features.contains(Features::PIN_LEASE) { lease_ms.min(self.state.config.limits.max_lease_ms) } else { 0 };
+                let lease = (granted > 0).then(|| Duration::from_millis(granted as u64));
+                let matched = cache.match_prefix(&keys, lease);
+                metrics.record(Op::MatchPrefix, keys.len(), started.elapsed());
+                Response::MatchPrefix { matched: matched as u32, lease_ms: if matched > 0 { granted } else { 0 } }
+            }
+            Request::Stats => {
+                Response::Stats { entries: self.state.stats().into_iter().map(|(name, value)| StatEntry { name, value }).collect() }
+            }
+            Request::Ping => Response::Pong,
+            Request::Hello(_) => Response::Error { code: ErrorCode::Invalid, message: "HELLO after the handshake".into() },
+            Request::Put { .. } => Response::Error { code: ErrorCode::Internal, message: "PUT arrived without payload slots".into() },
+        }
+    }
+
+    async fn send(&mut self, request_id: u64, response: Response) -> Result<(), ConnectionEnd> {
+        let encoded = match encode(&Frame::response(request_id, response)) {
+            Ok(e) => e,
+            Err(e) => {
+                let fallback = Response::Error { code: ErrorCode::Internal, message: format!("answer not encodable: {e}") };
+                encode(&Frame::response(request_id, fallback)).map_err(|e| ConnectionEnd::Refused(e.to_string()))?
+            }
+        };
+        let timeout = self.state.config.write_timeout;
+        match tokio::time::timeout(timeout, write_frame(&mut self.writer, &encoded)).await {
+            Ok(result) => result?,
+            Err(_) => return Err(ConnectionEnd::Refused(format!("client did not read an answer within {timeout:?}"))),
+        }
+        self.state.metrics.bytes_sent.inc_by(encoded.len() as u64);
+        Ok(())
+    }
+
+    async fn send_error(&mut self, request_id: u64, code: ErrorCode, message: String) -> Result<(), ConnectionEnd> {
+        self.send(request_id, Response::Error { code, message }).await
+    }
+
+    /// Answers a protocol error after which the stream cannot be trusted and
+    /// ends the connection.
+    async fn fatal(&mut self, request_id: u64, e: ProtocolError) -> Result<(), ConnectionEnd> {
+        self.state.metrics.protocol_errors.inc_by(1);
+        self.send_error(request_id, e.code(), format!("{e}; closing the connection")).await?;
+        Err(ConnectionEnd::Refused(e.to_string()))
+    }
+}
+
+/// Compares secrets without an early exit, so response timing does not
+/// reveal how much of a guessed token was right.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}

@@ -1,0 +1,201 @@
+//! What a node measures, through the process's one Prometheus registry.
+//!
+//! Request-path series are prometheus-client handles resolved once at start
+//! (one per operation), so recording is an atomic add and a histogram
+//! observation with no label lookup. The cache's and the pool's own counters
+//! are read at scrape time by a collector, never copied on the request path.
+
+use std::fmt;
+use std::sync::Weak;
+use std::time::Duration;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+use super::NodeState;
+use crate::cache::CacheStats;
+use crate::memory::PoolStats;
+
+/// Operations timed by the node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    Put,
+    Get,
+    Exists,
+    Delete,
+    MatchPrefix,
+}
+
+impl Op {
+    pub const ALL: [Op; 5] = [Op::Put, Op::Get, Op::Exists, Op::Delete, Op::MatchPrefix];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::Put => "put",
+            Op::Get => "get",
+            Op::Exists => "exists",
+            Op::Delete => "delete",
+            Op::MatchPrefix => "match_prefix",
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OpLabel {
+    op: &'static str,
+}
+
+/// Upper bounds of the latency buckets, in seconds: 10 µs to 2.5 s, wide
+/// enough for a 4 KiB hit and a 64 MiB batch alike.
+const BUCKETS: [f64; 14] = [1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 0.5, 2.5];
+
+fn latency_histogram() -> Histogram {
+    Histogram::new(BUCKETS)
+}
+
+/// Everything a node counts besides what the cache and pool count themselves.
+pub struct Metrics {
+    requests_family: Family<OpLabel, Counter>,
+    keys_family: Family<OpLabel, Counter>,
+    latency_family: Family<OpLabel, Histogram, fn() -> Histogram>,
+    requests: [Counter; 5],
+    keys: [Counter; 5],
+    latency: [Histogram; 5],
+    pub connections_open: Gauge,
+    pub connections_total: Counter,
+    pub connections_refused: Counter,
+    pub protocol_errors: Counter,
+    pub checksum_failures: Counter,
+    pub bytes_received: Counter,
+    pub bytes_sent: Counter,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let requests_family = Family::<OpLabel, Counter>::default();
+        let keys_family = Family::<OpLabel, Counter>::default();
+        let latency_family = Family::<OpLabel, Histogram, fn() -> Histogram>::new_with_constructor(latency_histogram);
+        let label = |op: Op| OpLabel { op: op.name() };
+        Metrics {
+            requests: Op::ALL.map(|op| requests_family.get_or_create_owned(&label(op))),
+            keys: Op::ALL.map(|op| keys_family.get_or_create_owned(&label(op))),
+            latency: Op::ALL.map(|op| latency_family.get_or_create_owned(&label(op))),
+            requests_family,
+            keys_family,
+            latency_family,
+            connections_open: Gauge::default(),
+            connections_total: Counter::default(),
+            connections_refused: Counter::default(),
+            protocol_errors: Counter::default(),
+            checksum_failures: Counter::default(),
+            bytes_received: Counter::default(),
+            bytes_sent: Counter::default(),
+        }
+    }
+}
+
+impl Metrics {
+    pub fn record(&self, op: Op, keys: usize, elapsed: Duration) {
+        self.requests[op as usize].inc();
+        self.keys[op as usize].inc_by(keys as u64);
+        self.latency[op as usize].observe(elapsed.as_secs_f64());
+    }
+
+    pub fn requests(&self, op: Op) -> u64 {
+        self.requests[op as usize].get()
+    }
+
+    /// Registers the node's series (and, through a collector, the cache's
+    /// and the pool's) in `registry`.
+    pub(super) fn register(&self, registry: &mut Registry, state: Weak<NodeState>) {
+        registry.register("kvplane_requests", "Requests handled, by operation.", self.requests_family.clone());
+        registry.register("kvplane_op_keys", "Keys handled, by operation (a batch of 32 counts 32).", self.keys_family.clone());
+        registry.register("kvplane_op_duration_seconds", "Request latency inside the node, by operation.", self.latency_family.clone());
+        registry.register("kvplane_connections_open", "Client connections currently open.", self.connections_open.clone());
+        registry.register("kvplane_connections", "Client connections accepted.", self.connections_total.clone());
+        registry.register(
+            "kvplane_connections_refused",
+            "Connections refused (limit, token, handshake).",
+            self.connections_refused.clone(),
+        );
+        registry.register("kvplane_protocol_errors", "Frames refused as malformed or over a limit.", self.protocol_errors.clone());
+        registry.register("kvplane_checksum_failures", "PUT blocks whose payload failed its checksum.", self.checksum_failures.clone());
+        registry.register("kvplane_received_bytes", "Bytes read from clients.", self.bytes_received.clone());
+        registry.register("kvplane_sent_bytes", "Bytes written to clients.", self.bytes_sent.clone());
+        registry.register_collector(Box::new(TierCollector(state)));
+    }
+
+    /// The counters sent in a STATS answer and printed by `kvplane stats`.
+    pub fn snapshot(&self, cache: &CacheStats, pool: &PoolStats) -> Vec<(String, u64)> {
+        let mut out = vec![
+            ("hits".to_string(), cache.hits),
+            ("misses".into(), cache.misses),
+            ("evictions".into(), cache.evictions),
+            ("inserts".into(), cache.inserts),
+            ("removals".into(), cache.removals),
+            ("entries".into(), cache.entries),
+            ("pinned".into(), cache.pinned),
+            ("bytes_stored".into(), cache.bytes_stored),
+            ("memory_capacity_bytes".into(), pool.capacity_bytes as u64),
+            ("memory_used_bytes".into(), pool.used_bytes as u64),
+            ("memory_failed_allocations".into(), pool.failed_allocations),
+            ("connections_open".into(), self.connections_open.get().max(0) as u64),
+            ("connections_total".into(), self.connections_total.get()),
+            ("connections_refused".into(), self.connections_refused.get()),
+            ("protocol_errors".into(), self.protocol_errors.get()),
+            ("checksum_failures".into(), self.checksum_failures.get()),
+            ("bytes_received".into(), self.bytes_received.get()),
+            ("bytes_sent".into(), self.bytes_sent.get()),
+        ];
+        for op in Op::ALL {
+            out.push((format!("requests_{}", op.name()), self.requests(op)));
+            out.push((format!("keys_{}", op.name()), self.keys[op as usize].get()));
+        }
+        out
+    }
+}
+
+/// Reads the memory tier's counters at scrape time.
+struct TierCollector(Weak<NodeState>);
+
+impl fmt::Debug for TierCollector {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("TierCollector")
+    }
+}
+
+fn counter(encoder: &mut DescriptorEncoder, name: &str, help: &str, value: u64) -> fmt::Result {
+    let metric = ConstCounter::new(value);
+    metric.encode(encoder.encode_descriptor(name, help, None, metric.metric_type())?)
+}
+
+fn gauge(encoder: &mut DescriptorEncoder, name: &str, help: &str, value: u64) -> fmt::Result {
+    let metric = ConstGauge::<i64>::new(i64::try_from(value).unwrap_or(i64::MAX));
+    metric.encode(encoder.encode_descriptor(name, help, None, metric.metric_type())?)
+}
+
+impl Collector for TierCollector {
+    fn encode(&self, mut e: DescriptorEncoder) -> fmt::Result {
+        let Some(state) = self.0.upgrade() else {
+            return Ok(());
+        };
+        let cache = state.cache.stats();
+        let pool = state.cache.pool().stats();
+        counter(&mut e, "kvplane_cache_hits", "GET keys found in the memory tier.", cache.hits)?;
+        counter(&mut e, "kvplane_cache_misses", "GET keys not found in the memory tier.", cache.misses)?;
+        counter(&mut e, "kvplane_cache_evictions", "Entries evicted to make room.", cache.evictions)?;
+        counter(&mut e, "kvplane_cache_inserts", "Blocks stored (new or replaced).", cache.inserts)?;
+        gauge(&mut e, "kvplane_cache_entries", "Blocks currently stored.", cache.entries)?;
+        gauge(&mut e, "kvplane_cache_pinned_entries", "Blocks under an unexpired pin lease.", cache.pinned)?;
+        gauge(&mut e, "kvplane_cache_bytes_stored", "Payload bytes currently stored.", cache.bytes_stored)?;
+        gauge(&mut e, "kvplane_memory_capacity_bytes", "Size of the preallocated block pool.", pool.capacity_bytes as u64)?;
+        gauge(&mut e, "kvplane_memory_used_bytes", "Pool bytes held by live blocks (by size class).", pool.used_bytes as u64)?;
+        counter(&mut e, "kvplane_memory_failed_allocations", "Block allocations refused for lack of memory.", pool.failed_allocations)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,254 @@
+//! The `KVCache` custom resource (`kvplane.io/v1alpha1`).
+//!
+//! The spec accepts AIBrix's KVCache fields under their AIBrix names — the
+//! original `replicas` / `etcdReplicas` / `cacheSpec` / `service {type, port}`
+//! shape and the newer `mode` / `metadata {etcd | redis}` / `cache` /
+//! `watcher` / `service {type, ports}` shape — so an AIBrix manifest works
+//! after changing only its `apiVersion`. kvplane's own fields are `backend`
+//! and `plugins`. Where both shapes say the same thing (`cache` and
+//! `cacheSpec`), [`crate::operator::resolve`] documents which one wins.
+//!
+//! The YAML in `crds/` is generated from these types (`kvplane crd`), and a
+//! test fails when the two disagree.
+
+use k8s_openapi::api::core::v1::{EnvVar, ResourceRequirements, ServicePort};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::{CustomResource, KubeSchema};
+// The plugin declaration and the backend type are the configuration crate's,
+// shared with the node that reads them back.
+pub use kvplane_config::plugin::{ConfigMapKeyRef, FailurePolicy, PluginKind, PluginLimits, PluginSourceSpec, PluginSpec};
+pub use kvplane_config::BackendType;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// A cache pool: its nodes, its metadata store (etcd), its services, its
+/// second-tier backend and the plugins that decide policy.
+#[derive(CustomResource, Serialize, Deserialize, Clone, Debug, Default, PartialEq, KubeSchema)]
+#[kube(
+    group = "kvplane.io",
+    version = "v1alpha1",
+    kind = "KVCache",
+    plural = "kvcaches",
+    shortname = "kvc",
+    namespaced,
+    status = "KVCacheStatus",
+    printcolumn = r#"{"name":"Backend","type":"string","jsonPath":".status.backend"}"#,
+    printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"Replicas","type":"integer","jsonPath":".status.readyReplicas"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#,
+    validation = "!has(self.spec.cache) || !has(self.spec.cacheSpec) || !has(self.spec.cache.image) || !has(self.spec.cacheSpec.image) || self.spec.cache.image == self.spec.cacheSpec.image"
+)]
+#[serde(rename_all = "camelCase")]
+pub struct KVCacheSpec {
+    /// AIBrix: `centralized` or `distributed`. Accepted for compatibility;
+    /// a kvplane pool is always distributed over its replicas.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("enum" = ["centralized", "distributed"]))]
+    pub mode: Option<String>,
+
+    /// Cache pods (AIBrix's original field). `cache.replicas` wins when both are set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 1000))]
+    pub replicas: Option<i32>,
+
+    /// etcd members (AIBrix's original field). `metadata.etcd.replicas` wins when both are set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 9))]
+    pub etcd_replicas: Option<i32>,
+
+    /// The pool's metadata store: an etcd the operator runs (the default) or
+    /// an external etcd / Redis.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<MetadataSpec>,
+
+    /// The cache pods' container (AIBrix's original name).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_spec: Option<RuntimeSpec>,
+
+    /// The cache pods' container (AIBrix's newer name; wins over `cacheSpec`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache: Option<RuntimeSpec>,
+
+    /// AIBrix's member-registration watcher. Accepted for compatibility;
+    /// kvplane nodes register themselves, so no watcher pod is run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub watcher: Option<RuntimeSpec>,
+
+    /// The RPC Service in front of the pool.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service: Option<ServiceSpec>,
+
+    /// What serves the blocks. Default: `kvplane`, or `vineyard` when the
+    /// cache image is a vineyardd image (an AIBrix manifest).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backend: Option<BackendSpec>,
+
+    /// Policy plugins (WebAssembly components). Without a placementRule
+    /// plugin, `builtin:gpu-affinity` places the pods.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32))]
+    #[x_kube(validation = Rule::new("self.all(p, self.exists_one(q, q.name == p.name))").message("plugins: every plugin name must be unique"))]
+    pub plugins: Vec<PluginSpec>,
+}
+
+/// Where the pool keeps its metadata.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!(has(self.etcd) && has(self.redis))").message("metadata: set etcd or redis, not both"))]
+pub struct MetadataSpec {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub etcd: Option<MetadataStoreSpec>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub redis: Option<MetadataStoreSpec>,
+}
+
+/// One metadata store: run by the operator, or external. Both AIBrix shapes
+/// are accepted: `{image, replicas, resources, storage}` and
+/// `{runtime: {...}, externalConnection: {...}}`.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!has(self.externalConnection) || (!has(self.runtime) && !has(self.image))").message("an external metadata store is not also run by the operator: drop runtime/image or externalConnection"))]
+pub struct MetadataStoreSpec {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 9))]
+    pub replicas: Option<i32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ResourceRequirements>,
+    /// Persistent storage per member; without it members use an emptyDir.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub storage: Option<StorageSpec>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runtime: Option<RuntimeSpec>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub external_connection: Option<ExternalConnection>,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct StorageSpec {
+    /// A Kubernetes quantity, e.g. `10Gi`.
+    pub size: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub storage_class_name: Option<String>,
+}
+
+/// A store that lives outside the cluster (or outside this KVCache).
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ExternalConnection {
+    /// `host:port`.
+    #[schemars(length(min = 1))]
+    pub address: String,
+    /// Name of a Secret in the KVCache's namespace holding the password
+    /// under the key `password`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub password_secret_ref: Option<String>,
+}
+
+/// A container the operator runs (AIBrix's `RuntimeSpec` / `CacheSpec`).
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RuntimeSpec {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 1000))]
+    pub replicas: Option<i32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("enum" = ["Always", "IfNotPresent", "Never"]))]
+    pub image_pull_policy: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub env: Vec<EnvVar>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ResourceRequirements>,
+    /// AIBrix's original shorthand for the memory request and limit (`"4Gi"`, or `"2"` meaning 2Gi).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<String>,
+    /// AIBrix's original shorthand for the CPU request and limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu: Option<String>,
+    /// AIBrix's original shared-memory size for vineyardd (`--size`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shared_memory_size: Option<String>,
+}
+
+/// The RPC Service. `port` (AIBrix's original) or `ports` (its newer form).
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!(has(self.port) && has(self.ports))").message("service: set port or ports, not both"))]
+pub struct ServiceSpec {
+    /// `ClusterIP` (default), `NodePort` or `LoadBalancer`.
+    #[serde(default, rename = "type", skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("enum" = ["ClusterIP", "NodePort", "LoadBalancer"]))]
+    pub type_: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 65535))]
+    pub port: Option<i32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 30000, max = 32767))]
+    pub node_port: Option<i32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1))]
+    pub ports: Option<Vec<ServicePort>>,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self.type in ['kvplane', 'vineyard'] || size(self.endpoints) > 0").message("backend.endpoints: a redis or eic backend needs the store's endpoints (host:port)"))]
+pub struct BackendSpec {
+    #[serde(rename = "type")]
+    pub type_: BackendType,
+    /// `host:port` of an external store.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub endpoints: Vec<String>,
+    /// Secret holding the store's credentials.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret_ref: Option<SecretKeyRef>,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SecretKeyRef {
+    pub name: String,
+    #[serde(default = "default_password_key")]
+    pub key: String,
+}
+
+fn default_password_key() -> String {
+    "password".into()
+}
+
+/// What the operator observed.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct KVCacheStatus {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// The backend in effect (after defaulting).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backend: Option<String>,
+    /// Cache pods asked for.
+    #[serde(default)]
+    pub replicas: i32,
+    /// Cache pods ready.
+    #[serde(default)]
+    pub ready_replicas: i32,
+    /// Where clients connect: the RPC Service's in-cluster addresses.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub endpoints: Vec<String>,
+    /// Every declared plugin with the digest it resolved to.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub plugins: Vec<ResolvedPlugin>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ResolvedPlugin {
+    pub name: String,
+    pub source: String,
+    pub sha256: String,
+}

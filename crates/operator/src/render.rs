@@ -1,0 +1,488 @@
+//! The desired children of a KVCache: a pure function of the resolved spec
+//! and the placement the rules produced, so it is unit-tested without a
+//! cluster and the reconciler only has to apply what it returns.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::apps::v1::{StatefulSet, StatefulSetSpec};
+use k8s_openapi::api::core::v1::{
+    Affinity, ConfigMap, ConfigMapProjection, Container, ContainerPort, EmptyDirVolumeSource, EnvVar, EnvVarSource, HTTPGetAction,
+    KeyToPath, ObjectFieldSelector, PersistentVolumeClaim, PersistentVolumeClaimSpec, PodSpec, PodTemplateSpec, Probe,
+    ProjectedVolumeSource, Service, ServicePort, ServiceSpec, TCPSocketAction, Toleration, TopologySpreadConstraint, Volume, VolumeMount,
+    VolumeProjection, VolumeResourceRequirements,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use sha2::{Digest, Sha256};
+
+use super::resolve::{EtcdPlan, Metadata, Resolved, ADMIN_PORT, DEFAULT_PORT};
+use kvplane_config::{BackendType, ByteSize, MetadataEndpoints, NodeConfigFile};
+
+/// Pod roles, as the placement-rule world names them.
+pub const ROLE_CACHE: &str = "cache";
+pub const ROLE_ETCD: &str = "etcd";
+
+/// Label every child carries, naming its KVCache.
+pub const LABEL_KVCACHE: &str = "kvplane.io/kvcache";
+pub const LABEL_ROLE: &str = "kvplane.io/role";
+/// Pod-template annotation that rolls the pool when its configuration changes.
+pub const ANNOTATION_CONFIG_HASH: &str = "kvplane.io/config-hash";
+
+/// Scheduling constraints for one role's pods: the pod-template fields
+/// [`crate::placement::role_placement`] builds from a placement rule's answer.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RolePlacement {
+    pub affinity: Option<Affinity>,
+    pub tolerations: Vec<Toleration>,
+    pub topology_spread: Vec<TopologySpreadConstraint>,
+}
+
+/// Placement for every role of the pool.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Placements {
+    pub cache: RolePlacement,
+    pub etcd: RolePlacement,
+}
+
+/// Everything the operator creates for one KVCache.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Children {
+    pub config: ConfigMap,
+    pub etcd: Option<EtcdChildren>,
+    pub cache: StatefulSet,
+    pub cache_headless: Service,
+    pub rpc: Service,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct EtcdChildren {
+    pub peers: Service,
+    pub client: Service,
+    pub members: StatefulSet,
+}
+
+/// One child object, whatever its kind: what the reconciler's single apply
+/// path takes. A handful per KVCache, so the variants' sizes do not matter.
+#[derive(Debug, Clone, PartialEq)]
+#[allow(clippy::large_enum_variant)]
+pub enum Child {
+    ConfigMap(ConfigMap),
+    Service(Service),
+    StatefulSet(StatefulSet),
+}
+
+impl Child {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Child::ConfigMap(_) => "ConfigMap",
+            Child::Service(_) => "Service",
+            Child::StatefulSet(_) => "StatefulSet",
+        }
+    }
+
+    pub fn name(&self) -> &str {
+        let meta = match self {
+            Child::ConfigMap(o) => &o.metadata,
+            Child::Service(o) => &o.metadata,
+            Child::StatefulSet(o) => &o.metadata,
+        };
+        meta.name.as_deref().unwrap_or_default()
+    }
+}
+
+impl Children {
+    /// Every child, in the order they are applied: the configuration first
+    /// (pods mount it), etcd before the cache pods that use it.
+    pub fn into_list(self) -> Vec<Child> {
+        let mut list = vec![Child::ConfigMap(self.config)];
+        if let Some(etcd) = self.etcd {
+            list.extend([Child::Service(etcd.peers), Child::Service(etcd.client), Child::StatefulSet(etcd.members)]);
+        }
+        list.extend([Child::Service(self.cache_headless), Child::Service(self.rpc), Child::StatefulSet(self.cache)]);
+        list
+    }
+}
+
+/// Child names, in one place so the reconciler, status and tests agree.
+pub struct Names;
+
+impl Names {
+    pub fn config(kv: &str) -> String {
+        format!("{kv}-config")
+    }
+    pub fn cache(kv: &str) -> String {
+        format!("{kv}-cache")
+    }
+    pub fn cache_headless(kv: &str) -> String {
+        format!("{kv}-cache-headless")
+    }
+    pub fn rpc(kv: &str) -> String {
+        kv.to_string()
+    }
+    pub fn etcd(kv: &str) -> String {
+        format!("{kv}-etcd")
+    }
+    pub fn etcd_client(kv: &str) -> String {
+        format!("{kv}-etcd-client")
+    }
+}
+
+fn labels(r: &Resolved, role: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        ("app.kubernetes.io/name".into(), "kvplane".into()),
+        ("app.kubernetes.io/instance".into(), r.name.clone()),
+        ("app.kubernetes.io/component".into(), role.into()),
+        ("app.kubernetes.io/managed-by".into(), "kvplane-operator".into()),
+        (LABEL_KVCACHE.into(), r.name.clone()),
+        (LABEL_ROLE.into(), role.into()),
+    ])
+}
+
+/// The labels that select one role's pods (a subset of [`labels`] that never
+/// changes, since a StatefulSet's selector is immutable).
+pub fn selector(name: &str, role: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([(LABEL_KVCACHE.into(), name.into()), (LABEL_ROLE.into(), role.into())])
+}
+
+/// The labels a rendered pod of `role` carries (what placement rules see).
+pub fn pod_labels(r: &Resolved, role: &str) -> BTreeMap<String, String> {
+    labels(r, role)
+}
+
+fn meta(r: &Resolved, name: String, role: &str, owner: &OwnerReference) -> ObjectMeta {
+    ObjectMeta {
+        name: Some(name),
+        namespace: Some(r.namespace.clone()),
+        labels: Some(labels(r, role)),
+        owner_references: Some(vec![owner.clone()]),
+        ..Default::default()
+    }
+}
+
+/// The node configuration the cache pods mount: backend, endpoints, the
+/// memory tier's size and the plugin declarations (what the node loads and
+/// verifies). The node parses the same struct back.
+pub fn node_config(r: &Resolved, etcd_endpoints: &[String]) -> NodeConfigFile {
+    NodeConfigFile {
+        backend: r.backend,
+        backend_endpoints: r.backend_endpoints.clone(),
+        metadata: Some(match &r.metadata {
+            Metadata::Etcd(_) => MetadataEndpoints::Etcd(etcd_endpoints.to_vec()),
+            Metadata::ExternalEtcd(c) => MetadataEndpoints::Etcd(vec![c.address.clone()]),
+            Metadata::ExternalRedis(c) => MetadataEndpoints::Redis(c.address.clone()),
+        }),
+        memory: node_memory(r),
+        plugins: r.plugins.clone(),
+    }
+}
+
+/// The etcd client URLs of the cluster the operator runs.
+pub fn etcd_client_urls(r: &Resolved) -> Vec<String> {
+    match &r.metadata {
+        Metadata::Etcd(_) => vec![format!("http://{}.{}.svc:2379", Names::etcd_client(&r.name), r.namespace)],
+        Metadata::ExternalEtcd(c) => vec![format!("http://{}", c.address)],
+        Metadata::ExternalRedis(_) => vec![],
+    }
+}
+
+/// The `--initial-cluster` of an etcd StatefulSet: every member by its stable
+/// DNS name, so all members form ONE cluster.
+pub fn initial_cluster(r: &Resolved, members: i32) -> String {
+    let sts = Names::etcd(&r.name);
+    (0..members).map(|i| format!("{sts}-{i}=http://{sts}-{i}.{sts}.{}.svc:2380", r.namespace)).collect::<Vec<_>>().join(",")
+}
+
+/// Renders every child.
+pub fn render(r: &Resolved, placements: &Placements, owner: &OwnerReference) -> Children {
+    let etcd_urls = etcd_client_urls(r);
+    let config_json = serde_json::to_string_pretty(&node_config(r, &etcd_urls)).unwrap_or_default();
+    let config_hash = hex::encode(&Sha256::digest(config_json.as_bytes())[..8]);
+    let config = ConfigMap {
+        metadata: meta(r, Names::config(&r.name), ROLE_CACHE, owner),
+        data: Some(BTreeMap::from([("node.json".to_string(), config_json)])),
+        ..Default::default()
+    };
+    let etcd = match &r.metadata {
+        Metadata::Etcd(plan) => Some(render_etcd(r, plan, &placements.etcd, owner)),
+        _ => None,
+    };
+    let cache = render_cache(r, &placements.cache, owner, &config_hash, &etcd_urls);
+    let headless = Service {
+        metadata: meta(r, Names::cache_headless(&r.name), ROLE_CACHE, owner),
+        spec: Some(ServiceSpec {
+            cluster_ip: Some("None".into()),
+            publish_not_ready_addresses: Some(true),
+            selector: Some(selector(&r.name, ROLE_CACHE)),
+            ports: Some(vec![port("rpc", DEFAULT_PORT)]),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let rpc = Service {
+        metadata: meta(r, Names::rpc(&r.name), ROLE_CACHE, owner),
+        spec: Some(ServiceSpec {
+            type_: Some(r.service_type.clone()),
+            selector: Some(selector(&r.name, ROLE_CACHE)),
+            ports: Some(r.service_ports.clone()),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    Children { config, etcd, cache, cache_headless: headless, rpc }
+}
+
+fn port(name: &str, port: i32) -> ServicePort {
+    ServicePort {
+        name: Some(name.into()),
+        port,
+        target_port: Some(IntOrString::Int(port)),
+        protocol: Some("TCP".into()),
+        ..Default::default()
+    }
+}
+
+fn field_env(name: &str, path: &str) -> EnvVar {
+    EnvVar {
+        name: name.into(),
+        value_from: Some(EnvVarSource {
+            field_ref: Some(ObjectFieldSelector { field_path: path.into(), ..Default::default() }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+fn apply_placement(spec: &mut PodSpec, p: &RolePlacement) {
+    spec.affinity = p.affinity.clone();
+    spec.tolerations = (!p.tolerations.is_empty()).then(|| p.tolerations.clone());
+    spec.topology_spread_constraints = (!p.topology_spread.is_empty()).then(|| p.topology_spread.clone());
+}
+
+fn render_etcd(r: &Resolved, plan: &EtcdPlan, placement: &RolePlacement, owner: &OwnerReference) -> EtcdChildren {
+    let sts_name = Names::etcd(&r.name);
+    let w = &plan.workload;
+    let peers = Service {
+        metadata: meta(r, sts_name.clone(), ROLE_ETCD, owner),
+        spec: Some(ServiceSpec {
+            cluster_ip: Some("None".into()),
+            // Members must find each other before they are ready: readiness
+            // needs a quorum, and a quorum needs the peers' DNS names.
+            publish_not_ready_addresses: Some(true),
+            selector: Some(selector(&r.name, ROLE_ETCD)),
+            ports: Some(vec![port("client", 2379), port("peer", 2380)]),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let client = Service {
+        metadata: meta(r, Names::etcd_client(&r.name), ROLE_ETCD, owner),
+        spec: Some(ServiceSpec {
+            selector: Some(selector(&r.name, ROLE_ETCD)),
+            ports: Some(vec![port("client", 2379)]),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let peer_url = format!("http://$(POD_NAME).{sts_name}.{}.svc:2380", r.namespace);
+    let client_url = format!("http://$(POD_NAME).{sts_name}.{}.svc:2379", r.namespace);
+    let mut env = vec![field_env("POD_NAME", "metadata.name")];
+    env.extend(w.env.iter().cloned());
+    let container = Container {
+        name: "etcd".into(),
+        image: Some(w.image.clone()),
+        image_pull_policy: Some(w.image_pull_policy.clone()),
+        command: Some(vec!["etcd".into()]),
+        args: Some(vec![
+            "--name=$(POD_NAME)".into(),
+            "--data-dir=/var/lib/etcd".into(),
+            "--listen-peer-urls=http://0.0.0.0:2380".into(),
+            "--listen-client-urls=http://0.0.0.0:2379".into(),
+            format!("--initial-advertise-peer-urls={peer_url}"),
+            format!("--advertise-client-urls={client_url}"),
+            format!("--initial-cluster={}", initial_cluster(r, w.replicas)),
+            format!("--initial-cluster-token={}-{}", r.namespace, r.name),
+            "--initial-cluster-state=new".into(),
+        ]),
+        env: Some(env),
+        ports: Some(vec![container_port("client", 2379), container_port("peer", 2380)]),
+        readiness_probe: Some(Probe {
+            tcp_socket: Some(TCPSocketAction { port: IntOrString::Int(2379), ..Default::default() }),
+            period_seconds: Some(5),
+            ..Default::default()
+        }),
+        resources: w.resources.clone(),
+        volume_mounts: Some(vec![VolumeMount { name: "data".into(), mount_path: "/var/lib/etcd".into(), ..Default::default() }]),
+        ..Default::default()
+    };
+    let mut pod = PodSpec { containers: vec![container], ..Default::default() };
+    apply_placement(&mut pod, placement);
+    let claim_templates = plan.storage.as_ref().map(|s| {
+        vec![PersistentVolumeClaim {
+            metadata: ObjectMeta { name: Some("data".into()), ..Default::default() },
+            spec: Some(PersistentVolumeClaimSpec {
+                access_modes: Some(vec!["ReadWriteOnce".into()]),
+                storage_class_name: s.storage_class_name.clone(),
+                resources: Some(VolumeResourceRequirements {
+                    requests: Some(BTreeMap::from([("storage".to_string(), Quantity(s.size.clone()))])),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }]
+    });
+    if claim_templates.is_none() {
+        pod.volumes = Some(vec![Volume { name: "data".into(), empty_dir: Some(EmptyDirVolumeSource::default()), ..Default::default() }]);
+    }
+    let members = StatefulSet {
+        metadata: meta(r, sts_name.clone(), ROLE_ETCD, owner),
+        spec: Some(StatefulSetSpec {
+            replicas: Some(w.replicas),
+            service_name: Some(sts_name),
+            // All members start together: a member waits for its peers, so
+            // ordered start-up would deadlock a cluster of three.
+            pod_management_policy: Some("Parallel".into()),
+            selector: LabelSelector { match_labels: Some(selector(&r.name, ROLE_ETCD)), ..Default::default() },
+            template: PodTemplateSpec {
+                metadata: Some(ObjectMeta { labels: Some(labels(r, ROLE_ETCD)), ..Default::default() }),
+                spec: Some(pod),
+            },
+            volume_claim_templates: claim_templates,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    EtcdChildren { peers, client, members }
+}
+
+fn container_port(name: &str, port: i32) -> ContainerPort {
+    ContainerPort { name: Some(name.into()), container_port: port, protocol: Some("TCP".into()), ..Default::default() }
+}
+
+/// The pool memory a kvplane node reserves: 80% of its memory limit (the
+/// rest is the process itself), or the node's default without a limit.
+fn node_memory(r: &Resolved) -> Option<ByteSize> {
+    let limit = r.cache.resources.as_ref()?.limits.as_ref()?.get("memory")?;
+    let bytes = kvplane_config::parse_bytes(&limit.0).ok()?;
+    Some(ByteSize(bytes / 10 * 8))
+}
+
+/// The node's configuration and, under `plugins/NAME.wasm`, every plugin
+/// whose source is a ConfigMap key: one projected volume at /etc/kvplane,
+/// so the node verifies exactly the bytes the operator verified.
+fn config_volume(r: &Resolved) -> Volume {
+    let mut sources = vec![VolumeProjection {
+        config_map: Some(ConfigMapProjection {
+            name: Names::config(&r.name),
+            items: Some(vec![KeyToPath { key: "node.json".into(), path: "node.json".into(), ..Default::default() }]),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }];
+    for p in &r.plugins {
+        if let Some(cm) = &p.source.config_map {
+            sources.push(VolumeProjection {
+                config_map: Some(ConfigMapProjection {
+                    name: cm.name.clone(),
+                    items: Some(vec![KeyToPath { key: cm.key.clone(), path: format!("plugins/{}.wasm", p.name), ..Default::default() }]),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            });
+        }
+    }
+    Volume {
+        name: "config".into(),
+        projected: Some(ProjectedVolumeSource { sources: Some(sources), ..Default::default() }),
+        ..Default::default()
+    }
+}
+
+fn render_cache(r: &Resolved, placement: &RolePlacement, owner: &OwnerReference, config_hash: &str, etcd_urls: &[String]) -> StatefulSet {
+    let sts_name = Names::cache(&r.name);
+    let w = &r.cache;
+    let mut env = vec![field_env("POD_NAME", "metadata.name"), field_env("POD_IP", "status.podIP")];
+    env.extend(w.env.iter().cloned());
+    let (args, probe, ports) = match r.backend {
+        BackendType::Vineyard => {
+            let mut args = vec!["--socket=/var/run/vineyard.sock".to_string(), format!("--rpc_socket_port={DEFAULT_PORT}")];
+            if let Some(url) = etcd_urls.first() {
+                args.push(format!("--etcd_endpoint={url}"));
+                args.push(format!("--etcd_prefix=/vineyard/{}/{}", r.namespace, r.name));
+            }
+            if let Some(size) = &r.shared_memory_size {
+                args.push(format!("--size={size}"));
+            }
+            let probe = Probe {
+                tcp_socket: Some(TCPSocketAction { port: IntOrString::Int(DEFAULT_PORT), ..Default::default() }),
+                period_seconds: Some(5),
+                ..Default::default()
+            };
+            (args, probe, vec![container_port("rpc", DEFAULT_PORT)])
+        }
+        BackendType::Kvplane | BackendType::Redis | BackendType::Eic => {
+            let args = vec![
+                "node".to_string(),
+                format!("--listen=0.0.0.0:{DEFAULT_PORT}"),
+                format!("--admin=0.0.0.0:{ADMIN_PORT}"),
+                "--config=/etc/kvplane/node.json".to_string(),
+            ];
+            let probe = Probe {
+                http_get: Some(HTTPGetAction { path: Some("/healthz".into()), port: IntOrString::Int(ADMIN_PORT), ..Default::default() }),
+                period_seconds: Some(5),
+                ..Default::default()
+            };
+            (args, probe, vec![container_port("rpc", DEFAULT_PORT), container_port("admin", ADMIN_PORT)])
+        }
+    };
+    let (command, args) = match r.backend {
+        BackendType::Vineyard => (Some(vec!["vineyardd".to_string()]), args),
+        _ => (None, args),
+    };
+    let container = Container {
+        name: "cache".into(),
+        image: Some(w.image.clone()),
+        image_pull_policy: Some(w.image_pull_policy.clone()),
+        command,
+        args: Some(args),
+        env: Some(env),
+        ports: Some(ports),
+        readiness_probe: Some(probe),
+        resources: w.resources.clone(),
+        volume_mounts: Some(vec![VolumeMount {
+            name: "config".into(),
+            mount_path: "/etc/kvplane".into(),
+            read_only: Some(true),
+            ..Default::default()
+        }]),
+        ..Default::default()
+    };
+    let mut pod = PodSpec {
+        containers: vec![container],
+        volumes: Some(vec![config_volume(r)]),
+        // Draining a node finishes in-flight requests (its default drain deadline is 10 s).
+        termination_grace_period_seconds: Some(30),
+        ..Default::default()
+    };
+    apply_placement(&mut pod, placement);
+    StatefulSet {
+        metadata: meta(r, sts_name, ROLE_CACHE, owner),
+        spec: Some(StatefulSetSpec {
+            replicas: Some(w.replicas),
+            service_name: Some(Names::cache_headless(&r.name)),
+            pod_management_policy: Some("Parallel".into()),
+            selector: LabelSelector { match_labels: Some(selector(&r.name, ROLE_CACHE)), ..Default::default() },
+            template: PodTemplateSpec {
+                metadata: Some(ObjectMeta {
+                    labels: Some(labels(r, ROLE_CACHE)),
+                    annotations: Some(BTreeMap::from([(ANNOTATION_CONFIG_HASH.to_string(), config_hash.to_string())])),
+                    ..Default::default()
+                }),
+                spec: Some(pod),
+            },
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}

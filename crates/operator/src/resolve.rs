@@ -1,0 +1,328 @@
+//! From a `KVCache` spec to the settings in effect: defaults applied, the two
+//! AIBrix shapes folded into one, and every problem the schema cannot catch
+//! reported with the field at fault.
+//!
+//! Precedence where AIBrix's two shapes overlap (newer wins):
+//! * cache container: `cache` over `cacheSpec`, field by field;
+//! * cache replicas: `cache.replicas`, then `cacheSpec.replicas`, then
+//!   `replicas`, then 1;
+//! * etcd members: `metadata.etcd.runtime.replicas`, then
+//!   `metadata.etcd.replicas`, then `etcdReplicas`, then 1.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{EnvVar, ResourceRequirements, ServicePort};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+
+use super::crd::{
+    BackendType, ExternalConnection, FailurePolicy, KVCache, KVCacheSpec, PluginKind, PluginSourceSpec, PluginSpec, RuntimeSpec,
+    StorageSpec,
+};
+
+/// The client port of a kvplane node (and of the RPC Service by default).
+pub const DEFAULT_PORT: i32 = 9600;
+/// Port of a kvplane node's /metrics and /healthz.
+pub const ADMIN_PORT: i32 = 9601;
+/// Image of the kvplane node when the spec names none.
+pub const DEFAULT_NODE_IMAGE: &str = "ghcr.io/kvplane/kvplane:0.1.0";
+/// Image of etcd members when the spec names none.
+pub const DEFAULT_ETCD_IMAGE: &str = "quay.io/coreos/etcd:v3.5.21";
+/// The placement rule applied when the spec declares none.
+pub const DEFAULT_PLACEMENT_RULE: &str = "gpu-affinity";
+
+/// A spec problem, with the JSON path of the field at fault.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("spec.{field}: {message}")]
+pub struct SpecError {
+    pub field: String,
+    pub message: String,
+}
+
+fn err(field: impl Into<String>, message: impl Into<String>) -> SpecError {
+    SpecError { field: field.into(), message: message.into() }
+}
+
+/// A container the operator runs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Workload {
+    pub replicas: i32,
+    pub image: String,
+    pub image_pull_policy: String,
+    pub env: Vec<EnvVar>,
+    pub resources: Option<ResourceRequirements>,
+}
+
+/// The etcd cluster the operator runs for the pool.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EtcdPlan {
+    pub workload: Workload,
+    pub storage: Option<StorageSpec>,
+}
+
+/// Where the pool's metadata lives.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Metadata {
+    /// An etcd cluster run by the operator.
+    Etcd(EtcdPlan),
+    /// An etcd outside this KVCache.
+    ExternalEtcd(ExternalConnection),
+    /// A Redis outside this KVCache (AIBrix's newer `metadata.redis`).
+    ExternalRedis(ExternalConnection),
+}
+
+/// Everything the renderer needs, with defaults applied.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Resolved {
+    pub name: String,
+    pub namespace: String,
+    pub backend: BackendType,
+    /// True when `backend` was not given and was inferred from the image.
+    pub backend_inferred: bool,
+    pub backend_endpoints: Vec<String>,
+    pub cache: Workload,
+    /// vineyardd's `--size` (shared memory); unused for kvplane nodes.
+    pub shared_memory_size: Option<String>,
+    pub metadata: Metadata,
+    pub service_type: String,
+    pub service_ports: Vec<ServicePort>,
+    /// Declared plugins plus the defaults (a placement rule).
+    pub plugins: Vec<PluginSpec>,
+}
+
+/// Applies defaults and checks what the schema cannot.
+pub fn resolve(kv: &KVCache) -> Result<Resolved, SpecError> {
+    let name = kv.metadata.name.clone().ok_or_else(|| err("metadata.name", "missing"))?;
+    let namespace = kv.metadata.namespace.clone().unwrap_or_else(|| "default".into());
+    // Child names append up to "-etcd-client" (12 characters) and pods a
+    // "-NN" ordinal; Service names must stay DNS labels (63 characters).
+    if name.len() > 40 {
+        return Err(err("metadata.name", format!("{name:?} is {} characters; at most 40 leave room for child names", name.len())));
+    }
+    let spec = &kv.spec;
+    let cache_runtime = merge_runtime(spec.cache_spec.as_ref(), spec.cache.as_ref());
+    let (backend, backend_inferred) = match &spec.backend {
+        Some(b) => (b.type_, false),
+        None => {
+            let image = cache_runtime.image.as_deref().unwrap_or("");
+            if image.contains("vineyard") {
+                (BackendType::Vineyard, true)
+            } else {
+                (BackendType::Kvplane, true)
+            }
+        }
+    };
+    let cache_field = if spec.cache.is_some() { "cache" } else { "cacheSpec" };
+    let replicas = cache_runtime.replicas.or(spec.replicas).unwrap_or(1);
+    if replicas < 0 {
+        return Err(err(format!("{cache_field}.replicas"), "must not be negative"));
+    }
+    let image = match (&cache_runtime.image, backend) {
+        (Some(i), _) if !i.trim().is_empty() => i.clone(),
+        (_, BackendType::Vineyard) => {
+            return Err(err(format!("{cache_field}.image"), "a vineyard backend needs the vineyardd image to run"));
+        }
+        _ => DEFAULT_NODE_IMAGE.to_string(),
+    };
+    let resources = merge_resources(cache_runtime.resources.clone(), cache_runtime.memory.as_deref(), cache_runtime.cpu.as_deref())
+        .map_err(|m| err(format!("{cache_field}.memory"), m))?;
+    let cache = Workload {
+        replicas,
+        image,
+        image_pull_policy: cache_runtime.image_pull_policy.clone().unwrap_or_else(|| "IfNotPresent".into()),
+        env: cache_runtime.env.clone(),
+        resources,
+    };
+    let metadata = resolve_metadata(spec)?;
+    let (service_type, service_ports) = resolve_service(spec)?;
+    let backend_endpoints = spec.backend.as_ref().map(|b| b.endpoints.clone()).unwrap_or_default();
+    for (i, e) in backend_endpoints.iter().enumerate() {
+        if !is_host_port(e) {
+            return Err(err(format!("backend.endpoints[{i}]"), format!("{e:?} is not host:port")));
+        }
+    }
+    let plugins = resolve_plugins(spec, backend, &backend_endpoints)?;
+    Ok(Resolved {
+        name,
+        namespace,
+        backend,
+        backend_inferred,
+        backend_endpoints,
+        cache,
+        shared_memory_size: cache_runtime.shared_memory_size.clone(),
+        metadata,
+        service_type,
+        service_ports,
+        plugins,
+    })
+}
+
+/// `cache` over `cacheSpec`, field by field.
+fn merge_runtime(old: Option<&RuntimeSpec>, new: Option<&RuntimeSpec>) -> RuntimeSpec {
+    let old = old.cloned().unwrap_or_default();
+    let Some(new) = new.cloned() else { return old };
+    RuntimeSpec {
+        replicas: new.replicas.or(old.replicas),
+        image: new.image.or(old.image),
+        image_pull_policy: new.image_pull_policy.or(old.image_pull_policy),
+        env: if new.env.is_empty() { old.env } else { new.env },
+        resources: new.resources.or(old.resources),
+        memory: new.memory.or(old.memory),
+        cpu: new.cpu.or(old.cpu),
+        shared_memory_size: new.shared_memory_size.or(old.shared_memory_size),
+    }
+}
+
+/// AIBrix's original `memory: "2"` means 2Gi; `cpu: "1"` one core. They fill
+/// requests and limits only where `resources` says nothing.
+fn merge_resources(
+    resources: Option<ResourceRequirements>,
+    memory: Option<&str>,
+    cpu: Option<&str>,
+) -> Result<Option<ResourceRequirements>, String> {
+    if memory.is_none() && cpu.is_none() {
+        return Ok(resources);
+    }
+    let mut r = resources.unwrap_or_default();
+    let mut set = |name: &str, value: String| {
+        for map in [&mut r.requests, &mut r.limits] {
+            map.get_or_insert_with(BTreeMap::new).entry(name.to_string()).or_insert_with(|| Quantity(value.clone()));
+        }
+    };
+    if let Some(m) = memory {
+        let m = m.trim();
+        if m.is_empty() {
+            return Err("empty memory size".into());
+        }
+        set("memory", if m.chars().all(|c| c.is_ascii_digit()) { format!("{m}Gi") } else { m.to_string() });
+    }
+    if let Some(c) = cpu {
+        if !c.trim().is_empty() {
+            set("cpu", c.trim().to_string());
+        }
+    }
+    Ok(Some(r))
+}
+
+fn resolve_metadata(spec: &KVCacheSpec) -> Result<Metadata, SpecError> {
+    let md = spec.metadata.clone().unwrap_or_default();
+    if let Some(redis) = &md.redis {
+        return match &redis.external_connection {
+            Some(c) => Ok(Metadata::ExternalRedis(c.clone())),
+            None => Err(err(
+                "metadata.redis",
+                "kvplane keeps pool metadata in etcd; a Redis metadata store must be external (set metadata.redis.externalConnection) or use metadata.etcd",
+            )),
+        };
+    }
+    let etcd = md.etcd.unwrap_or_default();
+    if let Some(c) = etcd.external_connection {
+        return Ok(Metadata::ExternalEtcd(c));
+    }
+    let runtime = etcd.runtime.clone().unwrap_or_default();
+    let replicas = runtime.replicas.or(etcd.replicas).or(spec.etcd_replicas).unwrap_or(1);
+    if !(1..=9).contains(&replicas) {
+        return Err(err("metadata.etcd.replicas", format!("{replicas} members: an etcd cluster has 1 to 9")));
+    }
+    if replicas % 2 == 0 {
+        return Err(err(
+            "metadata.etcd.replicas",
+            format!("{replicas} members tolerate no more failures than {}; use an odd number", replicas - 1),
+        ));
+    }
+    let image = runtime.image.or(etcd.image).filter(|i| !i.trim().is_empty()).unwrap_or_else(|| DEFAULT_ETCD_IMAGE.into());
+    Ok(Metadata::Etcd(EtcdPlan {
+        workload: Workload {
+            replicas,
+            image,
+            image_pull_policy: runtime.image_pull_policy.unwrap_or_else(|| "IfNotPresent".into()),
+            env: runtime.env,
+            resources: runtime.resources.or(etcd.resources),
+        },
+        storage: etcd.storage.filter(|s| !s.size.trim().is_empty()),
+    }))
+}
+
+fn resolve_service(spec: &KVCacheSpec) -> Result<(String, Vec<ServicePort>), SpecError> {
+    let svc = spec.service.clone().unwrap_or_default();
+    let type_ = svc.type_.unwrap_or_else(|| "ClusterIP".into());
+    let ports = match svc.ports {
+        Some(ports) => {
+            for (i, p) in ports.iter().enumerate() {
+                if ports.len() > 1 && p.name.as_deref().unwrap_or("").is_empty() {
+                    return Err(err(format!("service.ports[{i}].name"), "every port needs a name when there are several"));
+                }
+            }
+            ports
+        }
+        None => vec![ServicePort {
+            name: Some("rpc".into()),
+            port: svc.port.unwrap_or(DEFAULT_PORT),
+            target_port: Some(IntOrString::Int(DEFAULT_PORT)),
+            node_port: svc.node_port,
+            protocol: Some("TCP".into()),
+            ..Default::default()
+        }],
+    };
+    if type_ == "ClusterIP" && ports.iter().any(|p| p.node_port.is_some()) {
+        return Err(err("service.nodePort", "a nodePort needs service.type NodePort or LoadBalancer"));
+    }
+    Ok((type_, ports))
+}
+
+fn resolve_plugins(spec: &KVCacheSpec, backend: BackendType, endpoints: &[String]) -> Result<Vec<PluginSpec>, SpecError> {
+    let mut plugins = spec.plugins.clone();
+    for (i, p) in plugins.iter().enumerate() {
+        let src = &p.source;
+        let set = [src.builtin.is_some(), src.config_map.is_some(), src.oci.is_some(), src.url.is_some()];
+        if set.iter().filter(|s| **s).count() != 1 {
+            return Err(err(format!("plugins[{i}].source"), "set exactly one of builtin, configMap, oci, url"));
+        }
+        if let Some(b) = &src.builtin {
+            if kvplane_runtime::builtin::bytes(b).is_none() {
+                return Err(err(
+                    format!("plugins[{i}].source.builtin"),
+                    format!("no builtin plugin {b:?} (builtins: {})", kvplane_runtime::builtin::NAMES.join(", ")),
+                ));
+            }
+        }
+        for (j, e) in p.allowed_endpoints.iter().enumerate() {
+            if !is_host_port(e) {
+                return Err(err(format!("plugins[{i}].allowedEndpoints[{j}]"), format!("{e:?} is not host:port")));
+            }
+        }
+        if plugins[..i].iter().any(|q| q.name == p.name) {
+            return Err(err(format!("plugins[{i}].name"), format!("{:?} is declared twice", p.name)));
+        }
+    }
+    if !plugins.iter().any(|p| p.kind == PluginKind::PlacementRule) {
+        plugins.push(builtin_plugin(DEFAULT_PLACEMENT_RULE, PluginKind::PlacementRule, Vec::new()));
+    }
+    match backend {
+        BackendType::Redis if !plugins.iter().any(|p| p.kind == PluginKind::Backend) => {
+            plugins.push(builtin_plugin("resp", PluginKind::Backend, endpoints.to_vec()));
+        }
+        BackendType::Eic if !plugins.iter().any(|p| p.kind == PluginKind::Backend) => {
+            return Err(err("plugins", "an eic backend needs a backend plugin (kind: backend) that speaks EIC"));
+        }
+        _ => {}
+    }
+    Ok(plugins)
+}
+
+fn builtin_plugin(name: &str, kind: PluginKind, allowed_endpoints: Vec<String>) -> PluginSpec {
+    PluginSpec {
+        name: name.into(),
+        kind,
+        source: PluginSourceSpec { builtin: Some(name.into()), ..Default::default() },
+        sha256: None,
+        config: BTreeMap::new(),
+        limits: None,
+        failure_policy: FailurePolicy::FailClosed,
+        allowed_endpoints,
+    }
+}
+
+fn is_host_port(s: &str) -> bool {
+    matches!(s.rsplit_once(':'), Some((h, p)) if !h.is_empty() && p.parse::<u16>().is_ok())
+}

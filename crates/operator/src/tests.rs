@@ -1,0 +1,247 @@
+//! The pure half of the operator: spec → settings → children.
+
+use k8s_openapi::api::core::v1::EnvVar;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+use kube::CustomResourceExt;
+
+use super::crd::{BackendType, KVCache};
+use super::render::{initial_cluster, render, Names, Placements, ANNOTATION_CONFIG_HASH};
+use super::resolve::{resolve, Metadata, DEFAULT_NODE_IMAGE};
+
+fn kv(yaml: &str) -> KVCache {
+    serde_yaml::from_str(yaml).expect("a KVCache")
+}
+
+fn seed() -> KVCache {
+    kv(include_str!("../../../examples/kvcache/aibrix-seed.yaml"))
+}
+
+fn owner() -> OwnerReference {
+    OwnerReference {
+        api_version: "kvplane.io/v1alpha1".into(),
+        kind: "KVCache".into(),
+        name: "x".into(),
+        uid: "uid-1".into(),
+        controller: Some(true),
+        block_owner_deletion: Some(true),
+    }
+}
+
+#[test]
+fn the_crd_in_the_repository_matches_the_types() {
+    let generated = super::crd_yaml().expect("renders");
+    let committed = include_str!("../../../crds/kvcache.yaml");
+    assert!(generated == committed, "crds/kvcache.yaml is stale: regenerate it with `cargo run -p kvplane -- crd > crds/kvcache.yaml`");
+    let crd = KVCache::crd();
+    assert_eq!(crd.spec.group, "kvplane.io");
+    assert_eq!(crd.spec.names.short_names.as_deref(), Some(&["kvc".to_string()][..]));
+    let v = &crd.spec.versions[0];
+    assert!(v.subresources.as_ref().and_then(|s| s.status.as_ref()).is_some(), "status subresource");
+    let columns: Vec<&str> = v.additional_printer_columns.as_ref().unwrap().iter().map(|c| c.name.as_str()).collect();
+    assert_eq!(columns, ["Backend", "Ready", "Replicas", "Age"]);
+}
+
+#[test]
+fn the_aibrix_seed_example_resolves_to_a_vineyard_pool_with_one_etcd() {
+    let r = resolve(&seed()).expect("valid");
+    assert_eq!(r.backend, BackendType::Vineyard);
+    assert!(r.backend_inferred);
+    assert_eq!(r.cache.replicas, 1);
+    assert_eq!(r.cache.image, "aibrix/vineyardd:20241120");
+    assert_eq!(r.service_type, "ClusterIP");
+    assert_eq!(r.service_ports[0].port, 9600);
+    let Metadata::Etcd(plan) = &r.metadata else { panic!("an etcd run by the operator") };
+    assert_eq!(plan.workload.replicas, 1);
+    assert!(r.plugins.iter().any(|p| p.source.builtin.as_deref() == Some("gpu-affinity")), "default placement rule");
+
+    let c = render(&r, &Placements::default(), &owner());
+    let pod = c.cache.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
+    assert_eq!(pod.containers[0].command.as_deref(), Some(&["vineyardd".to_string()][..]));
+    let args = pod.containers[0].args.as_ref().unwrap();
+    assert!(args.contains(&"--rpc_socket_port=9600".to_string()), "{args:?}");
+    assert!(
+        args.contains(&"--etcd_endpoint=http://aibrix-deepseek-33b-kvcache-etcd-client.aibrix-system.svc:2379".to_string()),
+        "{args:?}"
+    );
+    assert_eq!(c.rpc.metadata.name.as_deref(), Some("aibrix-deepseek-33b-kvcache"));
+}
+
+#[test]
+fn every_child_is_owned_by_the_kvcache() {
+    let r = resolve(&seed()).unwrap();
+    let c = render(&r, &Placements::default(), &owner());
+    let etcd = c.etcd.as_ref().unwrap();
+    for meta in [
+        &c.config.metadata,
+        &c.cache.metadata,
+        &c.cache_headless.metadata,
+        &c.rpc.metadata,
+        &etcd.peers.metadata,
+        &etcd.client.metadata,
+        &etcd.members.metadata,
+    ] {
+        assert_eq!(meta.owner_references.as_deref(), Some(&[owner()][..]), "{:?}", meta.name);
+        assert_eq!(meta.namespace.as_deref(), Some("aibrix-system"));
+    }
+}
+
+#[test]
+fn etcd_members_form_one_cluster() {
+    let k = kv(r#"
+apiVersion: kvplane.io/v1alpha1
+kind: KVCache
+metadata: {name: pool, namespace: ns}
+spec:
+  metadata: {etcd: {runtime: {replicas: 3}}}
+"#);
+    let r = resolve(&k).unwrap();
+    assert_eq!(
+        initial_cluster(&r, 3),
+        "pool-etcd-0=http://pool-etcd-0.pool-etcd.ns.svc:2380,pool-etcd-1=http://pool-etcd-1.pool-etcd.ns.svc:2380,pool-etcd-2=http://pool-etcd-2.pool-etcd.ns.svc:2380"
+    );
+    let c = render(&r, &Placements::default(), &owner());
+    let etcd = c.etcd.unwrap();
+    let sts = etcd.members.spec.unwrap();
+    assert_eq!(sts.replicas, Some(3));
+    assert_eq!(sts.service_name.as_deref(), Some("pool-etcd"));
+    assert_eq!(sts.pod_management_policy.as_deref(), Some("Parallel"));
+    let args = sts.template.spec.unwrap().containers[0].args.clone().unwrap();
+    assert!(args.iter().any(|a| a == "--initial-cluster-state=new"));
+    assert!(args.iter().any(|a| a == "--initial-cluster-token=ns-pool"), "one token for every member");
+    assert_eq!(etcd.peers.spec.as_ref().unwrap().cluster_ip.as_deref(), Some("None"));
+    assert_eq!(etcd.peers.spec.as_ref().unwrap().publish_not_ready_addresses, Some(true));
+}
+
+#[test]
+fn a_kvplane_pool_runs_the_node_with_its_config_and_memory() {
+    let k = kv(include_str!("../../../examples/kvcache/kvplane.yaml"));
+    let r = resolve(&k).unwrap();
+    assert_eq!(r.backend, BackendType::Kvplane);
+    let c = render(&r, &Placements::default(), &owner());
+    let pod = c.cache.spec.as_ref().unwrap().template.spec.clone().unwrap();
+    let args = pod.containers[0].args.clone().unwrap();
+    assert_eq!(args[0], "node");
+    assert!(args.contains(&"--config=/etc/kvplane/node.json".to_string()));
+    let config = c.config.data.as_ref().unwrap()["node.json"].clone();
+    // The node parses the rendered text through the same struct, strictly.
+    let file: kvplane_config::NodeConfigFile = kvplane_config::from_json_strict(&config).expect("the node reads what the operator writes");
+    assert_eq!(file.memory, Some(kvplane_config::ByteSize((8u64 << 30) / 10 * 8)), "{config}");
+    let names: Vec<&str> = file.plugins.iter().map(|p| p.name.as_str()).collect();
+    assert!(names.contains(&"ring") && names.contains(&"backoff"), "{config}");
+}
+
+#[test]
+fn spec_edits_change_the_rendered_template_so_they_roll_out() {
+    let base = kv(include_str!("../../../examples/kvcache/kvplane.yaml"));
+    let render_of = |k: &KVCache| render(&resolve(k).unwrap(), &Placements::default(), &owner());
+    let before = render_of(&base);
+    let tpl = |c: &super::render::Children| c.cache.spec.as_ref().unwrap().template.clone();
+
+    let mut edited = base.clone();
+    edited.spec.cache.as_mut().unwrap().image = Some("ghcr.io/kvplane/kvplane:0.2.0".into());
+    assert_eq!(tpl(&render_of(&edited)).spec.unwrap().containers[0].image.as_deref(), Some("ghcr.io/kvplane/kvplane:0.2.0"));
+
+    let mut edited = base.clone();
+    edited.spec.cache.as_mut().unwrap().env.push(EnvVar { name: "KVPLANE_LOG".into(), value: Some("debug".into()), ..Default::default() });
+    let env = tpl(&render_of(&edited)).spec.unwrap().containers[0].env.clone().unwrap();
+    assert!(env.iter().any(|e| e.name == "KVPLANE_LOG"));
+
+    let mut edited = base.clone();
+    edited.spec.cache.as_mut().unwrap().replicas = Some(5);
+    assert_eq!(render_of(&edited).cache.spec.unwrap().replicas, Some(5));
+
+    // A plugin change changes the node config, and so the pod template.
+    let mut edited = base.clone();
+    edited.spec.plugins.pop();
+    let hash = |c: &super::render::Children| tpl(c).metadata.unwrap().annotations.unwrap()[ANNOTATION_CONFIG_HASH].clone();
+    assert_ne!(hash(&before), hash(&render_of(&edited)));
+}
+
+#[test]
+fn placement_is_rendered_into_both_roles() {
+    let r = resolve(&seed()).unwrap();
+    use kvplane_runtime::bindings::scheduling::{NodeAffinity, NodeOperator, NodeRequirement, TaintEffect, Toleration, TolerationOperator};
+    let cache = crate::placement::role_placement(&kvplane_runtime::worlds::Placement {
+        node_affinity: Some(NodeAffinity {
+            required: vec![vec![NodeRequirement {
+                key: "nvidia.com/gpu.product".into(),
+                operator: NodeOperator::In,
+                values: vec!["NVIDIA-L20".into()],
+            }]],
+            preferred: vec![],
+        }),
+        pod_affinity: None,
+        pod_anti_affinity: None,
+        tolerations: vec![Toleration {
+            key: "nvidia.com/gpu".into(),
+            operator: TolerationOperator::Exists,
+            value: String::new(),
+            effect: TaintEffect::Any,
+            toleration_seconds: None,
+        }],
+        topology_spread: vec![],
+    });
+    let placements = Placements { cache: cache.clone(), etcd: cache };
+    let c = render(&r, &placements, &owner());
+    for sts in [&c.cache, &c.etcd.as_ref().unwrap().members] {
+        let pod = sts.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
+        let na = pod.affinity.as_ref().unwrap().node_affinity.as_ref().unwrap();
+        let term = &na.required_during_scheduling_ignored_during_execution.as_ref().unwrap().node_selector_terms[0];
+        assert_eq!(term.match_expressions.as_ref().unwrap()[0].values.as_deref(), Some(&["NVIDIA-L20".to_string()][..]));
+        assert_eq!(pod.tolerations.as_ref().unwrap().len(), 1);
+    }
+}
+
+fn resolve_err(yaml: &str) -> String {
+    resolve(&kv(yaml)).expect_err("invalid").to_string()
+}
+
+#[test]
+fn invalid_specs_name_the_field() {
+    let head = "apiVersion: kvplane.io/v1alpha1\nkind: KVCache\nmetadata: {name: bad, namespace: ns}\nspec:\n";
+    let cases = [
+        ("  metadata: {etcd: {replicas: 2}}", "spec.metadata.etcd.replicas: 2 members"),
+        ("  backend: {type: vineyard}", "spec.cacheSpec.image: a vineyard backend needs"),
+        ("  backend: {type: eic, endpoints: [\"eic:9000\"]}", "spec.plugins: an eic backend needs a backend plugin"),
+        ("  backend: {type: redis, endpoints: [\"no-port\"]}", "spec.backend.endpoints[0]: \"no-port\" is not host:port"),
+        (
+            "  plugins:\n  - {name: a, kind: retry, source: {builtin: backoff}}\n  - {name: a, kind: retry, source: {builtin: backoff}}",
+            "spec.plugins[1].name: \"a\" is declared twice",
+        ),
+        ("  plugins:\n  - {name: a, kind: retry, source: {builtin: nope}}", "spec.plugins[0].source.builtin: no builtin plugin \"nope\""),
+        (
+            "  plugins:\n  - {name: a, kind: retry, source: {builtin: backoff, url: \"https://x\"}}",
+            "spec.plugins[0].source: set exactly one",
+        ),
+        ("  service: {type: ClusterIP, nodePort: 30001}", "spec.service.nodePort"),
+        ("  metadata: {redis: {image: redis}}", "spec.metadata.redis: kvplane keeps pool metadata in etcd"),
+    ];
+    for (body, want) in cases {
+        let e = resolve_err(&format!("{head}{body}\n"));
+        assert!(e.contains(want), "{body}\n  got:  {e}\n  want: {want}");
+    }
+    let long =
+        format!("apiVersion: kvplane.io/v1alpha1\nkind: KVCache\nmetadata: {{name: {}, namespace: ns}}\nspec: {{}}\n", "a".repeat(41));
+    assert!(resolve_err(&long).contains("spec.metadata.name"));
+}
+
+#[test]
+fn defaults_give_a_kvplane_pool_of_one() {
+    let r = resolve(&kv("apiVersion: kvplane.io/v1alpha1\nkind: KVCache\nmetadata: {name: d, namespace: ns}\nspec: {}\n")).unwrap();
+    assert_eq!((r.backend, r.cache.replicas, r.cache.image.as_str()), (BackendType::Kvplane, 1, DEFAULT_NODE_IMAGE));
+    let c = render(&r, &Placements::default(), &owner());
+    assert_eq!(c.cache.metadata.name.as_deref(), Some(Names::cache("d").as_str()));
+}
+
+#[test]
+fn every_example_resolves() {
+    for (name, yaml) in [
+        ("aibrix-seed", include_str!("../../../examples/kvcache/aibrix-seed.yaml")),
+        ("kvplane", include_str!("../../../examples/kvcache/kvplane.yaml")),
+        ("redis", include_str!("../../../examples/kvcache/redis.yaml")),
+        ("vineyard", include_str!("../../../examples/kvcache/vineyard.yaml")),
+        ("eic", include_str!("../../../examples/kvcache/eic.yaml")),
+    ] {
+        resolve(&kv(yaml)).unwrap_or_else(|e| panic!("examples/kvcache/{name}.yaml: {e}"));
+    }
+}

@@ -1,0 +1,110 @@
+//! `kvplane plugin new`: plugin projects that build and pass `plugin test`
+//! unchanged. Each project carries its own copy of the WIT contract, so it
+//! builds outside this repository.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context as _};
+
+use kvplane_runtime::World;
+
+/// The contract, as compiled into this host.
+const WIT_FILES: &[(&str, &str)] = &[
+    ("types.wit", include_str!("../../../wit/types.wit")),
+    ("host.wit", include_str!("../../../wit/host.wit")),
+    ("worlds.wit", include_str!("../../../wit/worlds.wit")),
+];
+
+const RUST_CARGO_TOML: &str = include_str!("../templates/rust/Cargo.toml.tmpl");
+
+/// `src/` of a Rust project: (file, contents).
+fn rust_sources(world: World) -> Vec<(&'static str, String)> {
+    match world {
+        World::KeyPlacement => vec![("lib.rs", include_str!("../templates/rust/key-placement.rs").into())],
+        World::RetryPolicy => vec![("lib.rs", include_str!("../templates/rust/retry-policy.rs").into())],
+        World::PlacementRule => vec![("lib.rs", include_str!("../templates/rust/placement-rule.rs").into())],
+        // A backend starts as a copy of builtin:resp, a complete RESP client
+        // to adapt to another store's protocol.
+        World::Backend => vec![
+            ("lib.rs", include_str!("../../../plugins/resp/src/lib.rs").into()),
+            ("client.rs", include_str!("../../../plugins/resp/src/client.rs").into()),
+            ("resp.rs", include_str!("../../../plugins/resp/src/resp.rs").into()),
+            ("plugin.rs", include_str!("../../../plugins/resp/src/plugin.rs").replace("path: \"../../wit\"", "path: \"wit\"")),
+        ],
+    }
+}
+
+fn python_source(world: World) -> Option<&'static str> {
+    Some(match world {
+        World::KeyPlacement => include_str!("../templates/python/key-placement.py"),
+        World::RetryPolicy => include_str!("../templates/python/retry-policy.py"),
+        World::PlacementRule => include_str!("../templates/python/placement-rule.py"),
+        World::Backend => return None,
+    })
+}
+
+/// A project name must be a valid crate name and directory name.
+fn check_name(name: &str) -> anyhow::Result<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && name.as_bytes()[0].is_ascii_lowercase()
+        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_');
+    if !ok {
+        bail!("plugin name {name:?}: use lowercase letters, digits, '-' and '_', starting with a letter");
+    }
+    Ok(())
+}
+
+fn write(path: &Path, contents: &str) -> anyhow::Result<()> {
+    std::fs::write(path, contents).with_context(|| format!("writing {}", path.display()))
+}
+
+/// Create project `name` under `parent` for `world` in `lang`; returns its
+/// directory. Refuses to overwrite an existing directory.
+pub fn create(world: World, lang: &str, name: &str, parent: &Path) -> anyhow::Result<PathBuf> {
+    check_name(name)?;
+    let python = match lang {
+        "rust" => None,
+        "python" => match python_source(world) {
+            Some(source) => Some(source),
+            None => {
+                bail!("--world {world} --lang python: no Python template yet; use --lang rust (a complete RESP backend to adapt)")
+            }
+        },
+        other => bail!("--lang {other:?}: expected rust or python"),
+    };
+    let dir = parent.join(name);
+    if dir.exists() {
+        bail!("{} already exists; choose another name or remove it", dir.display());
+    }
+    std::fs::create_dir_all(dir.join("wit")).with_context(|| format!("creating {}", dir.display()))?;
+    for (file, text) in WIT_FILES {
+        write(&dir.join("wit").join(file), text)?;
+    }
+    match python {
+        Some(source) => write(&dir.join("app.py"), source)?,
+        None => {
+            std::fs::create_dir_all(dir.join("src")).with_context(|| format!("creating {}/src", dir.display()))?;
+            write(&dir.join("Cargo.toml"), &RUST_CARGO_TOML.replace("{{name}}", name))?;
+            for (file, text) in rust_sources(world) {
+                write(&dir.join("src").join(file), &text)?;
+            }
+        }
+    }
+    write(&dir.join("README.md"), &format!("# {name}\n\nA kvplane `{world}` plugin.\n\n{}\n", next_steps(world, lang, name)))?;
+    Ok(dir)
+}
+
+/// How to build and test a scaffolded project.
+pub fn next_steps(world: World, lang: &str, name: &str) -> String {
+    match lang {
+        "python" => format!(
+            "Build and test (needs `pip install componentize-py==0.25.1`):\n\n    cd {name}\n    componentize-py -d wit -w {world} componentize app -o {name}.wasm\n    kvplane plugin test {name}.wasm\n"
+        ),
+        _ => format!(
+            "Build and test (needs `rustup target add wasm32-wasip2`):\n\n    cd {name}\n    cargo build --release --target wasm32-wasip2\n    kvplane plugin test target/wasm32-wasip2/release/{}.wasm{}\n",
+            name.replace('-', "_"),
+            if world == World::Backend { " --endpoint HOST:PORT" } else { "" }
+        ),
+    }
+}

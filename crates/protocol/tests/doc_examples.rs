@@ -1,0 +1,140 @@
+//! Keeps docs/protocol.md honest: its hex dumps are the bytes this crate
+//! encodes and decodes, and its tables of opcodes, error codes and default
+//! limits carry the values the crate defines.
+//!
+//! A dump is a fenced block whose info string is `hex NAME`; on each line,
+//! everything after `#` is a comment and the rest is bytes as two-digit hex.
+
+use bytes::Bytes;
+use kvplane_protocol::{
+    decode, encode, Block, ErrorCode, Features, Frame, Hello, HelloAck, Limits, Opcode, Request, Response, DEFAULT_MAX_BATCH_KEYS,
+    DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_KEY_BYTES, DEFAULT_MAX_LEASE_MS, HEADER_LEN, MAX_ERROR_MESSAGE_BYTES, MAX_STATS_ENTRIES,
+    MAX_TOKEN_BYTES,
+};
+
+fn doc() -> String {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/protocol.md");
+    std::fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {path}: {e}"))
+}
+
+/// Every `hex NAME` block of the document, in order.
+fn dumps(doc: &str) -> Vec<(String, Vec<u8>)> {
+    let mut out = Vec::new();
+    let mut current: Option<(String, Vec<u8>)> = None;
+    for (n, line) in doc.lines().enumerate() {
+        let trimmed = line.trim();
+        match &mut current {
+            None => {
+                if let Some(name) = trimmed.strip_prefix("```hex ") {
+                    current = Some((name.trim().to_string(), Vec::new()));
+                }
+            }
+            Some((_, bytes)) => {
+                if trimmed == "```" {
+                    out.push(current.take().expect("inside a block"));
+                    continue;
+                }
+                let data = trimmed.split('#').next().unwrap_or("");
+                for tok in data.split_whitespace() {
+                    assert!(tok.len() == 2, "line {}: {tok:?} is not one byte in hex", n + 1);
+                    bytes.push(u8::from_str_radix(tok, 16).unwrap_or_else(|_| panic!("line {}: {tok:?} is not hex", n + 1)));
+                }
+            }
+        }
+    }
+    assert!(current.is_none(), "unterminated hex block");
+    out
+}
+
+fn examples() -> Vec<(&'static str, Frame)> {
+    let key = |s: &str| Bytes::copy_from_slice(s.as_bytes());
+    vec![
+        ("hello", Frame::request(0, Request::Hello(Hello { version: 1, features: Features::ALL, token: Some("s3cret".into()) }))),
+        ("hello_ack", Frame::response(0, Response::HelloAck(HelloAck { version: 1, features: Features::ALL, limits: Limits::default() }))),
+        ("get", Frame::request(1, Request::Get { keys: vec![key("k1")] })),
+        ("get_result", Frame::response(1, Response::Get { results: vec![Ok(Block::new(key("hello")))] })),
+        ("get_result_miss", Frame::response(1, Response::Get { results: vec![Err(ErrorCode::NotFound)] })),
+    ]
+}
+
+#[test]
+fn hex_dumps_are_what_the_crate_encodes_and_decodes() {
+    let doc = doc();
+    let dumps = dumps(&doc);
+    let names: Vec<&str> = dumps.iter().map(|(n, _)| n.as_str()).collect();
+    for (name, frame) in examples() {
+        let Some((_, bytes)) = dumps.iter().find(|(n, _)| n == name) else {
+            panic!("docs/protocol.md has no ```hex {name} block (found {names:?})");
+        };
+        let encoded = encode(&frame).expect("example encodes").to_vec();
+        let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<Vec<_>>().join(" ");
+        assert_eq!(hex(bytes), hex(&encoded), "dump `{name}` differs from the encoding of {frame:?}");
+        let wire = Bytes::from(bytes.clone());
+        let (decoded, used) = decode(&wire, &Limits::default()).expect("dump decodes").expect("dump is a whole frame");
+        assert_eq!(used, bytes.len(), "dump `{name}` has bytes after its frame");
+        assert_eq!(decoded, frame, "dump `{name}`");
+    }
+    assert_eq!(dumps.len(), examples().len(), "a hex block in docs/protocol.md is not checked: {names:?}");
+}
+
+/// `HelloAck` → `HELLO_ACK`.
+fn wire_name(op: Opcode) -> String {
+    let mut out = String::new();
+    for (i, c) in format!("{op:?}").chars().enumerate() {
+        if c.is_ascii_uppercase() && i > 0 {
+            out.push('_');
+        }
+        out.push(c.to_ascii_uppercase());
+    }
+    out
+}
+
+#[test]
+fn every_opcode_is_in_the_opcode_table() {
+    let doc = doc();
+    for v in 0..=255u8 {
+        let row = format!("| `0x{v:02x}` |");
+        match Opcode::from_u8(v) {
+            Some(op) => {
+                let full = format!("| `0x{v:02x}` | {} |", wire_name(op));
+                assert!(doc.contains(&full), "docs/protocol.md lacks the opcode row {full:?}");
+            }
+            None => {
+                assert!(!doc.contains(&row), "docs/protocol.md lists opcode 0x{v:02x}, which the crate does not know")
+            }
+        }
+    }
+}
+
+#[test]
+fn every_error_code_is_in_the_error_table() {
+    let doc = doc();
+    for v in 1..=u8::MAX as u16 {
+        let code = ErrorCode::from_u16(v).expect("non-zero");
+        let row = format!("| {v} | `");
+        if let ErrorCode::Other(_) = code {
+            assert!(!doc.contains(&row), "docs/protocol.md lists error code {v}, which the crate does not know");
+        } else {
+            let full = format!("| {v} | `{}` |", code.name());
+            assert!(doc.contains(&full), "docs/protocol.md lacks the error row {full:?}");
+        }
+    }
+}
+
+#[test]
+fn limits_and_sizes_match_the_crate() {
+    let doc = doc();
+    for (name, value) in [
+        ("`max_frame_bytes`", DEFAULT_MAX_FRAME_BYTES as usize),
+        ("`max_key_bytes`", DEFAULT_MAX_KEY_BYTES as usize),
+        ("`max_batch_keys`", DEFAULT_MAX_BATCH_KEYS as usize),
+        ("`max_lease_ms`", DEFAULT_MAX_LEASE_MS as usize),
+        ("token", MAX_TOKEN_BYTES),
+        ("error message", MAX_ERROR_MESSAGE_BYTES),
+        ("stats entries", MAX_STATS_ENTRIES),
+    ] {
+        let row = format!("| {name} | {value} ");
+        assert!(doc.contains(&row), "docs/protocol.md lacks the limits row starting {row:?}");
+    }
+    assert!(doc.contains(&format!("{HEADER_LEN}-byte header")));
+}

@@ -1,0 +1,62 @@
+//! Builds the first-party plugins for wasm32-wasip2 so the host binary can
+//! embed them as `builtin:NAME`.
+//!
+//! The plugins are ordinary workspace crates; they are built by a nested
+//! cargo with its own target directory (so it never waits on the outer
+//! build's lock) and copied into OUT_DIR for `include_bytes!`.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// (builtin name, crate name).
+const BUILTINS: &[(&str, &str)] = &[
+    ("ring", "kvplane-plugin-ring"),
+    ("backoff", "kvplane-plugin-backoff"),
+    ("gpu-affinity", "kvplane-plugin-gpu-affinity"),
+    ("resp", "kvplane-plugin-resp"),
+];
+
+fn main() {
+    let manifest_dir = PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
+    let workspace = manifest_dir.ancestors().nth(2).expect("crates/runtime lives two levels inside the workspace").to_path_buf();
+    let out_dir = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
+    let target_dir =
+        std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| workspace.join("target")).join("wasm-builtin");
+
+    for dir in ["wit", "plugins"] {
+        println!("cargo:rerun-if-changed={}", workspace.join(dir).display());
+    }
+
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut cmd = Command::new(cargo);
+    cmd.current_dir(&workspace)
+        .args(["build", "--release", "--target", "wasm32-wasip2", "--target-dir"])
+        .arg(&target_dir)
+        // The outer build's flags are for the host target, not for wasm.
+        .env_remove("CARGO_ENCODED_RUSTFLAGS")
+        .env_remove("RUSTFLAGS")
+        .env_remove("CARGO_BUILD_TARGET");
+    for (_, krate) in BUILTINS {
+        cmd.args(["-p", krate]);
+    }
+    let status = cmd.status().expect("running cargo to build the builtin plugins");
+    if !status.success() {
+        panic!(
+            "building the builtin plugins for wasm32-wasip2 failed ({status}); \
+             is the target installed? `rustup target add wasm32-wasip2`"
+        );
+    }
+
+    let builtin_dir = out_dir.join("builtin");
+    std::fs::create_dir_all(&builtin_dir).expect("creating OUT_DIR/builtin");
+    for (name, krate) in BUILTINS {
+        let built = target_dir.join("wasm32-wasip2/release").join(format!("{}.wasm", krate.replace('-', "_")));
+        copy(&built, &builtin_dir.join(format!("{name}.wasm")));
+    }
+}
+
+fn copy(from: &Path, to: &Path) {
+    if let Err(e) = std::fs::copy(from, to) {
+        panic!("copying {} to {}: {e}", from.display(), to.display());
+    }
+}

@@ -1,0 +1,238 @@
+//! Instances of one loaded plugin, and the guarded call into them.
+//!
+//! Each call checks out an instance (creating one from the `InstancePre` if
+//! none is idle), runs under the declaration's deadline and memory cap, and
+//! returns the instance to the pool only if the call ended cleanly. An
+//! instance that trapped, timed out, hit its cap or answered out of contract
+//! is dropped: its memory may be half-updated, and a fresh instance is cheap.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::Semaphore;
+use wasmtime::component::InstancePre;
+use wasmtime::{Store, Trap};
+
+use super::bindings::{placement, retry, scheduling, store, WitError};
+use super::decl::PluginDecl;
+use super::engine::PluginEngine;
+use super::error::{Fault, PluginError};
+use super::host::{HostState, PluginShared};
+use super::inspect::ComponentInfo;
+use super::load::Loaded;
+
+/// The exported interface of one world, as loaded from an instance.
+pub trait GuestExports: Sized + Send + Sync + 'static {
+    type Indices: Send + Sync + 'static;
+    fn indices(pre: &InstancePre<HostState>) -> wasmtime::Result<Self::Indices>;
+    fn load(indices: &Self::Indices, store: &mut Store<HostState>, instance: &wasmtime::component::Instance) -> wasmtime::Result<Self>;
+    /// `open` / `configure`: run once on every fresh instance. The config is
+    /// a `&Vec` because the generated bindings take one.
+    #[allow(clippy::ptr_arg)]
+    fn init<'a>(
+        &'a self,
+        store: &'a mut Store<HostState>,
+        config: &'a Vec<(String, String)>,
+    ) -> BoxFuture<'a, wasmtime::Result<Result<(), WitError>>>;
+}
+
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+macro_rules! guest_exports {
+    ($module:ident, $init:ident) => {
+        impl GuestExports for $module::Guest {
+            type Indices = $module::GuestIndices;
+            fn indices(pre: &InstancePre<HostState>) -> wasmtime::Result<Self::Indices> {
+                $module::GuestIndices::new(pre)
+            }
+            fn load(
+                indices: &Self::Indices,
+                store: &mut Store<HostState>,
+                instance: &wasmtime::component::Instance,
+            ) -> wasmtime::Result<Self> {
+                indices.load(store, instance)
+            }
+            #[allow(clippy::ptr_arg)]
+            fn init<'a>(
+                &'a self,
+                store: &'a mut Store<HostState>,
+                config: &'a Vec<(String, String)>,
+            ) -> BoxFuture<'a, wasmtime::Result<Result<(), WitError>>> {
+                Box::pin(self.$init(store, config))
+            }
+        }
+    };
+}
+guest_exports!(placement, call_configure);
+guest_exports!(retry, call_configure);
+guest_exports!(scheduling, call_configure);
+guest_exports!(store, call_open);
+
+/// One live instance.
+pub struct Instance<G> {
+    pub store: Store<HostState>,
+    pub guest: G,
+    /// World-specific sync marker (the membership generation a placement
+    /// instance has seen).
+    pub synced: u64,
+}
+
+/// A loaded plugin: its compiled component and its instance pool.
+pub struct Plugin<G: GuestExports> {
+    engine: Arc<PluginEngine>,
+    shared: Arc<PluginShared>,
+    pre: InstancePre<HostState>,
+    indices: G::Indices,
+    idle: Mutex<Vec<Instance<G>>>,
+    /// Bounds concurrently running instances (and so the pool's memory).
+    running: Semaphore,
+    config: Vec<(String, String)>,
+    pub info: ComponentInfo,
+    pub from_cache: bool,
+}
+
+impl<G: GuestExports> Plugin<G> {
+    pub(crate) fn new(engine: Arc<PluginEngine>, decl: PluginDecl, loaded: Loaded) -> Result<Self, super::error::LoadError> {
+        let indices =
+            G::indices(&loaded.pre).map_err(|e| super::error::LoadError::Link { plugin: decl.name.clone(), reason: format!("{e:#}") })?;
+        let config = decl.config.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        let running = Semaphore::new(decl.limits.max_instances.max(1));
+        let shared = PluginShared::new(decl);
+        engine.metrics.track(&shared);
+        Ok(Plugin {
+            engine,
+            shared,
+            pre: loaded.pre,
+            indices,
+            idle: Mutex::new(Vec::new()),
+            running,
+            config,
+            info: loaded.info,
+            from_cache: loaded.from_cache,
+        })
+    }
+
+    pub fn decl(&self) -> &PluginDecl {
+        &self.shared.decl
+    }
+
+    pub fn shared(&self) -> &Arc<PluginShared> {
+        &self.shared
+    }
+
+    /// The host's counters for this runtime's plugins.
+    pub(crate) fn metrics(&self) -> &crate::metrics::RuntimeMetrics {
+        &self.engine.metrics
+    }
+
+    /// Instances currently idle in the pool.
+    pub fn idle_instances(&self) -> usize {
+        self.idle.lock().map(|i| i.len()).unwrap_or(0)
+    }
+
+    fn error(&self, function: &'static str, fault: Fault) -> PluginError {
+        PluginError { plugin: self.shared.decl.name.clone(), function, fault }
+    }
+
+    fn arm(&self, store: &mut Store<HostState>) {
+        let timeout = self.shared.decl.limits.timeout;
+        store.data_mut().deadline = Some(tokio::time::Instant::now() + timeout);
+        store.set_epoch_deadline(PluginEngine::ticks_for(timeout));
+    }
+
+    async fn fresh_instance(&self) -> Result<Instance<G>, PluginError> {
+        let state = HostState::new(self.shared.clone()).map_err(|e| self.error("instantiate", Fault::Instantiate(format!("{e:#}"))))?;
+        let mut store = Store::new(&self.engine.engine, state);
+        store.limiter(|s| &mut s.memory);
+        store.epoch_deadline_trap();
+        self.arm(&mut store);
+        let timeout = self.shared.decl.limits.timeout;
+        let started = tokio::time::timeout(timeout, async {
+            let instance = self.pre.instantiate_async(&mut store).await?;
+            let guest = G::load(&self.indices, &mut store, &instance)?;
+            let configured = guest.init(&mut store, &self.config).await?;
+            wasmtime::Result::Ok((guest, configured))
+        })
+        .await;
+        match started {
+            Err(_) => Err(self.error("instantiate", Fault::Deadline { timeout })),
+            Ok(Err(e)) => Err(self.error("instantiate", classify(&store, e))),
+            Ok(Ok((_, Err(e)))) => Err(self.error("configure", Fault::Returned(e.into()))),
+            Ok(Ok((guest, Ok(())))) => Ok(Instance { store, guest, synced: 0 }),
+        }
+    }
+
+    /// Run `call` on an instance under the declaration's deadline. `call`
+    /// returns the guest's answer or a `Fault` it found in that answer.
+    pub async fn call<R: Send>(
+        &self,
+        function: &'static str,
+        call: impl for<'a> FnOnce(&'a mut Instance<G>) -> BoxFuture<'a, wasmtime::Result<Result<R, Fault>>>,
+    ) -> Result<R, PluginError> {
+        let started = std::time::Instant::now();
+        let result = self.call_inner(function, call).await;
+        let fault = result.as_ref().err().map(|e| &e.fault);
+        self.engine.metrics.record_call(&self.shared.decl.name, function, started.elapsed(), fault);
+        result
+    }
+
+    async fn call_inner<R: Send>(
+        &self,
+        function: &'static str,
+        call: impl for<'a> FnOnce(&'a mut Instance<G>) -> BoxFuture<'a, wasmtime::Result<Result<R, Fault>>>,
+    ) -> Result<R, PluginError> {
+        let _permit =
+            self.running.acquire().await.map_err(|_| self.error(function, Fault::Instantiate("the plugin is shutting down".into())))?;
+        let pooled = self.idle.lock().ok().and_then(|mut idle| idle.pop());
+        let mut instance = match pooled {
+            Some(i) => i,
+            None => self.fresh_instance().await?,
+        };
+        self.arm(&mut instance.store);
+        let timeout = self.shared.decl.limits.timeout;
+        // The epoch deadline stops guest code; this timeout stops host I/O
+        // the guest is waiting on. A little slack lets the epoch trap win
+        // when both fire, so the error says what the guest was doing.
+        let outcome = tokio::time::timeout(timeout + timeout / 10 + super::engine::EPOCH_TICK * 2, call(&mut instance)).await;
+        let fault = match outcome {
+            Ok(Ok(Ok(value))) => {
+                instance.store.data_mut().deadline = None;
+                if let Ok(mut idle) = self.idle.lock() {
+                    idle.push(instance);
+                }
+                return Ok(value);
+            }
+            Ok(Ok(Err(fault))) => fault,
+            Ok(Err(e)) => classify(&instance.store, e),
+            Err(_) => Fault::Deadline { timeout },
+        };
+        // Any fault — even a contract error found in the output — retires the
+        // instance: its state can no longer be trusted.
+        if fault.is_breakage() {
+            tracing::warn!(plugin = %self.shared.decl.name, function, "dropping plugin instance: {fault}");
+            drop(instance);
+        } else if let Ok(mut idle) = self.idle.lock() {
+            idle.push(instance);
+        }
+        Err(self.error(function, fault))
+    }
+}
+
+/// Turn a wasmtime error from a call into the fault a person can act on.
+fn classify(store: &Store<HostState>, error: wasmtime::Error) -> Fault {
+    let state = store.data();
+    if state.memory.hit {
+        return Fault::MemoryCap { limit: state.memory.limit };
+    }
+    match error.downcast_ref::<Trap>() {
+        Some(Trap::Interrupt) => Fault::Deadline { timeout: state.shared.decl.limits.timeout },
+        Some(Trap::StackOverflow) => Fault::StackOverflow,
+        Some(trap) => {
+            let stderr = state.stderr_text();
+            let message = if stderr.is_empty() { trap.to_string() } else { format!("{trap}; stderr: {stderr}") };
+            Fault::Trap { message }
+        }
+        None => Fault::Trap { message: format!("{error:#}") },
+    }
+}
