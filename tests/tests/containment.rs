@@ -219,3 +219,36 @@ async fn a_granted_directory_is_readable_and_nothing_more() {
     assert_eq!(gauge("ambient-read-file"), Some(Gauge { value: 0.0 }), "{metrics:?}");
     assert!(!dir.path().join("escape").exists());
 }
+
+/// The host counts every call, fault and fail-open fallback itself, under
+/// its own series; what a plugin records through the `metrics` interface is
+/// exposed apart (`kvplane_plugin_reported*`), so a plugin cannot hide a
+/// fault or forge the host's counts.
+#[tokio::test]
+async fn the_host_counts_calls_faults_and_fail_open_apart_from_what_the_plugin_reports() {
+    let rt = runtime();
+    let mut d = hostile_decl();
+    d.failure_policy = FailurePolicy::FailOpen;
+    let p = rt.load_key_placement(d).expect("loading the hostile fixture");
+    p.set_members(members()).await.expect("set-members");
+    p.owners(vec![hostile::PANIC.to_vec()], 2).await.expect("fail-open hides the trap");
+    p.owners(vec![hostile::AMBIENT.to_vec()], 1).await.expect("the probe answers normally");
+    let m = rt.metrics();
+    assert_eq!(m.fault_count("hostile", "owners", "trap"), 1);
+    assert_eq!(m.fail_open_count("hostile"), 1);
+    assert_eq!(m.call_count("hostile", "owners"), 2);
+
+    let mut registry = prometheus_client::registry::Registry::default();
+    m.register(&mut registry);
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+    for line in [
+        r#"kvplane_plugin_faults_total{plugin="hostile",function="owners",fault="trap"} 1"#,
+        r#"kvplane_plugin_fail_open_total{plugin="hostile"} 1"#,
+        r#"kvplane_plugin_reported_gauge{plugin="hostile",name="ambient-env-vars"} 0"#,
+    ] {
+        assert!(text.contains(line), "missing {line:?} in\n{text}");
+    }
+    // Nothing the host counts lands among the plugin's own series.
+    assert!(!p.plugin.shared().metrics_snapshot().keys().any(|k| k.contains("fail_open")));
+}

@@ -57,6 +57,23 @@ fn unknown_builtins_and_missing_files_are_named() {
     assert!(text(&out).contains("/nonexistent/plugin.wasm"), "{}", text(&out));
 }
 
+/// Builds a scaffolded Rust project for wasm32-wasip2 without the network:
+/// with the workspace's Cargo.lock copied in, cargo picks the versions the
+/// workspace already locked (and fetched), so the test passes offline and
+/// does not change when crates.io publishes something new.
+fn offline_build(project: &Path, target: &Path) -> Output {
+    let lock = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../Cargo.lock");
+    std::fs::copy(&lock, project.join("Cargo.lock")).expect("copying the workspace's Cargo.lock");
+    Command::new(env!("CARGO"))
+        .args(["build", "--offline", "--release", "--target", "wasm32-wasip2", "--target-dir"])
+        .arg(target)
+        .current_dir(project)
+        .env_remove("CARGO_ENCODED_RUSTFLAGS")
+        .env_remove("RUSTFLAGS")
+        .output()
+        .unwrap()
+}
+
 /// Scaffolded projects build with the language's own tool chain and pass
 /// `plugin test` without a single edit.
 #[test]
@@ -71,14 +88,7 @@ fn scaffolded_plugins_build_and_pass_plugin_test() {
         let out =
             kvplane(&["plugin", "new", "--world", world, "--lang", "rust", &name, "--dir", work.path().to_str().unwrap()], cache.path());
         assert!(out.status.success(), "{}", text(&out));
-        let build = Command::new(env!("CARGO"))
-            .args(["build", "--release", "--target", "wasm32-wasip2", "--target-dir"])
-            .arg(&target)
-            .current_dir(work.path().join(&name))
-            .env_remove("CARGO_ENCODED_RUSTFLAGS")
-            .env_remove("RUSTFLAGS")
-            .output()
-            .unwrap();
+        let build = offline_build(&work.path().join(&name), &target);
         assert!(build.status.success(), "building the {world} scaffold:\n{}", text(&build));
         let wasm = target.join("wasm32-wasip2/release").join(format!("{}.wasm", name.replace('-', "_")));
         let test = kvplane(&["plugin", "test", wasm.to_str().unwrap()], cache.path());
@@ -103,14 +113,7 @@ fn scaffolded_plugins_build_and_pass_plugin_test() {
     let redis = kvplane_tests::redis::RedisServer::start(&[]);
     let out = kvplane(&["plugin", "new", "--world", "backend", "my-backend", "--dir", work.path().to_str().unwrap()], cache.path());
     assert!(out.status.success(), "{}", text(&out));
-    let build = Command::new(env!("CARGO"))
-        .args(["build", "--release", "--target", "wasm32-wasip2", "--target-dir"])
-        .arg(&target)
-        .current_dir(work.path().join("my-backend"))
-        .env_remove("CARGO_ENCODED_RUSTFLAGS")
-        .env_remove("RUSTFLAGS")
-        .output()
-        .unwrap();
+    let build = offline_build(&work.path().join("my-backend"), &target);
     assert!(build.status.success(), "building the backend scaffold:\n{}", text(&build));
     let wasm = target.join("wasm32-wasip2/release/my_backend.wasm");
     let test = kvplane(&["plugin", "test", wasm.to_str().unwrap(), "--endpoint", &redis.endpoint()], cache.path());

@@ -83,7 +83,14 @@ fn wait_condition(cp: &ControlPlane, ns: &str, name: &str, type_: &str, status: 
     let started = Instant::now();
     loop {
         if let Ok(kv) = cp.request("GET", &path, None) {
-            if condition(&kv, type_).is_some_and(|(s, _, _)| s == status) {
+            // A condition written for an older generation says nothing
+            // about the spec just applied.
+            let current = kv["status"]["conditions"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|c| c["type"] == type_ && c["observedGeneration"] == kv["metadata"]["generation"]);
+            if current && condition(&kv, type_).is_some_and(|(s, _, _)| s == status) {
                 return kv;
             }
             if started.elapsed() > Duration::from_secs(90) {

@@ -14,6 +14,8 @@
 //! # Ok(()) }
 //! ```
 
+#![forbid(unsafe_code)]
+
 mod client;
 mod connection;
 mod endpoint;

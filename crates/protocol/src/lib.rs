@@ -13,6 +13,8 @@
 //! one receive buffer (client, GET), and lets a writer send header, meta and
 //! payloads in one vectored write without copying a block.
 
+#![forbid(unsafe_code)]
+
 mod codec;
 mod error;
 mod frame;

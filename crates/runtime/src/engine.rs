@@ -94,6 +94,7 @@ impl PluginEngine {
     ///
     /// A cache file that fails to load is recompiled and overwritten: the
     /// cache is an accelerator, never a source of truth.
+    #[allow(unsafe_code)] // Loading cached native code; see the SAFETY comment.
     pub fn compile(&self, bytes: &[u8], sha256: &str) -> anyhow::Result<(Component, bool)> {
         let path = self.cache_path(sha256);
         if let Some(path) = path.as_deref().filter(|p| p.exists()) {

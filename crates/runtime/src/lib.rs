@@ -9,6 +9,8 @@
 //! ([`KeyPlacement`], [`RetryPolicy`], [`PlacementRule`], [`Backend`]) whose
 //! calls run under the declaration's deadline, memory cap and failure policy.
 
+#![deny(unsafe_code)]
+
 pub mod bindings;
 pub mod builtin;
 pub mod decl;
