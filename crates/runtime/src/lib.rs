@@ -13,32 +13,33 @@
 
 pub mod bindings;
 pub mod builtin;
-pub mod decl;
-pub mod engine;
+mod decl;
+mod engine;
 pub mod error;
 pub mod host;
-pub mod inspect;
+mod inspect;
 pub mod load;
 pub mod metrics;
 mod oci;
 pub mod placement_rule;
-pub mod pool;
+mod pool;
 pub mod source;
-pub mod transport;
+mod transport;
 pub mod worlds;
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
 pub use decl::{FailurePolicy, Limits, PluginDecl, PluginSource, World};
+pub use engine::PluginEngine;
 pub use error::{Fault, LoadError, PluginError};
 pub use inspect::{ComponentInfo, HOST_WIT_VERSION};
 /// The error vocabulary plugins answer with (shared with the wire protocol).
 pub use kvplane_protocol::KvError;
+pub use pool::Plugin;
 pub use worlds::{Backend, KeyPlacement, Node, PlacementRule, RetryPolicy};
 
-use engine::PluginEngine;
-use pool::{GuestExports, Plugin};
+use pool::GuestExports;
 
 /// Loads plugins onto the process's single engine.
 #[derive(Clone)]

@@ -7,7 +7,7 @@
 
 pub mod config;
 mod connection;
-pub mod metrics;
+mod metrics;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
