@@ -482,7 +482,7 @@ async fn metrics_and_healthz_on_the_admin_port() {
         "kvplane_cache_evictions_total 0",
         "kvplane_cache_bytes_stored 4096",
         "kvplane_op_duration_seconds_count{op=\"get\"} 1",
-        "kvplane_op_duration_seconds_bucket{op=\"put\",le=\"+Inf\"} 1",
+        "kvplane_op_duration_seconds_bucket{le=\"+Inf\",op=\"put\"} 1",
     ] {
         assert!(metrics.contains(needle), "missing {needle:?} in\n{metrics}");
     }

@@ -82,10 +82,10 @@ impl OperatorMetrics {
     }
 
     pub fn register(&self, registry: &mut Registry) {
-        registry.register("kvplane_operator_reconciles", "Reconcile passes.", self.reconciles.clone());
-        registry.register("kvplane_operator_reconcile_failures", "Reconcile passes that failed.", self.failures.clone());
-        registry.register("kvplane_operator_reconcile_duration_seconds", "Time one reconcile pass took.", self.duration.clone());
-        registry.register("kvplane_operator_leader", "Whether this replica leads.", self.leader.clone());
+        registry.register("kvplane_operator_reconciles", "Reconcile passes", self.reconciles.clone());
+        registry.register("kvplane_operator_reconcile_failures", "Reconcile passes that failed", self.failures.clone());
+        registry.register("kvplane_operator_reconcile_duration_seconds", "Time one reconcile pass took", self.duration.clone());
+        registry.register("kvplane_operator_leader", "Whether this replica leads", self.leader.clone());
     }
 }
 

@@ -100,20 +100,20 @@ fn fault_label(fault: &Fault) -> &'static str {
 impl RuntimeMetrics {
     /// Registers the host's series and the plugins' reported series.
     pub fn register(self: &Arc<Self>, registry: &mut Registry) {
-        registry.register("kvplane_plugin_calls", "Calls into a plugin, by function.", self.calls.clone());
+        registry.register("kvplane_plugin_calls", "Calls into a plugin, by function", self.calls.clone());
         registry.register(
             "kvplane_plugin_faults",
-            "Plugin calls that ended in a fault (trap, deadline, memory cap, bad output, ...) or a returned error.",
+            "Plugin calls that ended in a fault (trap, deadline, memory cap, bad output, ...) or a returned error",
             self.faults.clone(),
         );
         registry.register(
             "kvplane_plugin_fail_open",
-            "Faults answered with the world's default under failurePolicy failOpen.",
+            "Faults answered with the world's default under failurePolicy failOpen",
             self.fail_open.clone(),
         );
         registry.register(
             "kvplane_plugin_call_duration_seconds",
-            "Time spent in a plugin call, including host I/O it waited on.",
+            "Time spent in a plugin call, including host I/O it waited on",
             self.duration.clone(),
         );
         registry.register_collector(Box::new(Reported(Arc::clone(self))));
@@ -187,16 +187,12 @@ impl prometheus_client::collector::Collector for Reported {
         for (name, help, family) in [
             (
                 "kvplane_plugin_reported",
-                "Counters a plugin reported about itself (label name: the plugin's own name).",
+                "Counters a plugin reported about itself (label name: the plugin's own name)",
                 &counters as &dyn EncodeMetric,
             ),
-            ("kvplane_plugin_reported_gauge", "Gauges a plugin reported about itself.", &gauges),
-            ("kvplane_plugin_reported_observations", "Observations a plugin recorded in its own histograms.", &histogram_counts),
-            (
-                "kvplane_plugin_reported_observation_sum",
-                "Sum of the observations a plugin recorded in its own histograms.",
-                &histogram_sums,
-            ),
+            ("kvplane_plugin_reported_gauge", "Gauges a plugin reported about itself", &gauges),
+            ("kvplane_plugin_reported_observations", "Observations a plugin recorded in its own histograms", &histogram_counts),
+            ("kvplane_plugin_reported_observation_sum", "Sum of the observations a plugin recorded in its own histograms", &histogram_sums),
         ] {
             if !family.is_empty() {
                 family.encode(encoder.encode_descriptor(name, help, None, family.metric_type())?)?;

@@ -113,20 +113,16 @@ impl Metrics {
     /// Registers the node's series (and, through a collector, the cache's
     /// and the pool's) in `registry`.
     pub(super) fn register(&self, registry: &mut Registry, state: Weak<NodeState>) {
-        registry.register("kvplane_requests", "Requests handled, by operation.", self.requests_family.clone());
-        registry.register("kvplane_op_keys", "Keys handled, by operation (a batch of 32 counts 32).", self.keys_family.clone());
-        registry.register("kvplane_op_duration_seconds", "Request latency inside the node, by operation.", self.latency_family.clone());
-        registry.register("kvplane_connections_open", "Client connections currently open.", self.connections_open.clone());
-        registry.register("kvplane_connections", "Client connections accepted.", self.connections_total.clone());
-        registry.register(
-            "kvplane_connections_refused",
-            "Connections refused (limit, token, handshake).",
-            self.connections_refused.clone(),
-        );
-        registry.register("kvplane_protocol_errors", "Frames refused as malformed or over a limit.", self.protocol_errors.clone());
-        registry.register("kvplane_checksum_failures", "PUT blocks whose payload failed its checksum.", self.checksum_failures.clone());
-        registry.register("kvplane_received_bytes", "Bytes read from clients.", self.bytes_received.clone());
-        registry.register("kvplane_sent_bytes", "Bytes written to clients.", self.bytes_sent.clone());
+        registry.register("kvplane_requests", "Requests handled, by operation", self.requests_family.clone());
+        registry.register("kvplane_op_keys", "Keys handled, by operation (a batch of 32 counts 32)", self.keys_family.clone());
+        registry.register("kvplane_op_duration_seconds", "Request latency inside the node, by operation", self.latency_family.clone());
+        registry.register("kvplane_connections_open", "Client connections currently open", self.connections_open.clone());
+        registry.register("kvplane_connections", "Client connections accepted", self.connections_total.clone());
+        registry.register("kvplane_connections_refused", "Connections refused (limit, token, handshake)", self.connections_refused.clone());
+        registry.register("kvplane_protocol_errors", "Frames refused as malformed or over a limit", self.protocol_errors.clone());
+        registry.register("kvplane_checksum_failures", "PUT blocks whose payload failed its checksum", self.checksum_failures.clone());
+        registry.register("kvplane_received_bytes", "Bytes read from clients", self.bytes_received.clone());
+        registry.register("kvplane_sent_bytes", "Bytes written to clients", self.bytes_sent.clone());
         registry.register_collector(Box::new(TierCollector(state)));
     }
 
@@ -186,16 +182,16 @@ impl Collector for TierCollector {
         };
         let cache = state.cache.stats();
         let pool = state.cache.pool().stats();
-        counter(&mut e, "kvplane_cache_hits", "GET keys found in the memory tier.", cache.hits)?;
-        counter(&mut e, "kvplane_cache_misses", "GET keys not found in the memory tier.", cache.misses)?;
-        counter(&mut e, "kvplane_cache_evictions", "Entries evicted to make room.", cache.evictions)?;
-        counter(&mut e, "kvplane_cache_inserts", "Blocks stored (new or replaced).", cache.inserts)?;
-        gauge(&mut e, "kvplane_cache_entries", "Blocks currently stored.", cache.entries)?;
-        gauge(&mut e, "kvplane_cache_pinned_entries", "Blocks under an unexpired pin lease.", cache.pinned)?;
-        gauge(&mut e, "kvplane_cache_bytes_stored", "Payload bytes currently stored.", cache.bytes_stored)?;
-        gauge(&mut e, "kvplane_memory_capacity_bytes", "Size of the preallocated block pool.", pool.capacity_bytes as u64)?;
-        gauge(&mut e, "kvplane_memory_used_bytes", "Pool bytes held by live blocks (by size class).", pool.used_bytes as u64)?;
-        counter(&mut e, "kvplane_memory_failed_allocations", "Block allocations refused for lack of memory.", pool.failed_allocations)?;
+        counter(&mut e, "kvplane_cache_hits", "GET keys found in the memory tier", cache.hits)?;
+        counter(&mut e, "kvplane_cache_misses", "GET keys not found in the memory tier", cache.misses)?;
+        counter(&mut e, "kvplane_cache_evictions", "Entries evicted to make room", cache.evictions)?;
+        counter(&mut e, "kvplane_cache_inserts", "Blocks stored (new or replaced)", cache.inserts)?;
+        gauge(&mut e, "kvplane_cache_entries", "Blocks currently stored", cache.entries)?;
+        gauge(&mut e, "kvplane_cache_pinned_entries", "Blocks under an unexpired pin lease", cache.pinned)?;
+        gauge(&mut e, "kvplane_cache_bytes_stored", "Payload bytes currently stored", cache.bytes_stored)?;
+        gauge(&mut e, "kvplane_memory_capacity_bytes", "Size of the preallocated block pool", pool.capacity_bytes as u64)?;
+        gauge(&mut e, "kvplane_memory_used_bytes", "Pool bytes held by live blocks (by size class)", pool.used_bytes as u64)?;
+        counter(&mut e, "kvplane_memory_failed_allocations", "Block allocations refused for lack of memory", pool.failed_allocations)?;
         Ok(())
     }
 }
