@@ -23,7 +23,6 @@
 
 use std::fs;
 use std::io::Read;
-use std::net::{TcpListener, TcpStream};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -31,6 +30,8 @@ use std::sync::{mpsc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+
+use crate::net::{free_ports, listens_on, port_taken, PORT_ATTEMPTS};
 
 /// The script that builds the binaries, relative to the repository root.
 pub const BUILD_SCRIPT: &str = "scripts/control-plane/build";
@@ -203,13 +204,15 @@ impl ControlPlane {
         let token = random_hex(16);
         let tokens_file = file("tokens.csv", &format!("{token},kvplane-admin,kvplane-admin,system:masters\n"));
 
-        let [etcd_port, etcd_peer_port, port, kcm_port, scheduler_port] = free_ports();
+        // Each component gets its ports just before it starts, and is started
+        // again on fresh ones if another process took one first (see
+        // `crate::net`: none of them can bind port 0 and report the port).
         let agent = api_agent(&pki.ca_der);
         let mut cp = ControlPlane {
             version: format!("v{version}"),
             scheduling: options.scheduling,
             dir: Some(dir),
-            port,
+            port: 0,
             token,
             ca_pem: pki.ca_pem.clone(),
             kubeconfig: root.join("kubeconfig"),
@@ -219,62 +222,78 @@ impl ControlPlane {
         };
 
         // etcd
+        let etcd = |_: &mut ControlPlane, [client, peer]: [u16; 2]| {
+            let etcd_url = format!("http://127.0.0.1:{client}");
+            let peer_url = format!("http://127.0.0.1:{peer}");
+            // What an attempt on taken ports may have left names those ports.
+            let _ = fs::remove_dir_all(root.join("etcd"));
+            let mut etcd = Command::new(&etcd_bin);
+            etcd.arg(format!("--data-dir={}", root.join("etcd").display()))
+                .arg(format!("--listen-client-urls={etcd_url}"))
+                .arg(format!("--advertise-client-urls={etcd_url}"))
+                .arg(format!("--listen-peer-urls={peer_url}"))
+                .arg(format!("--initial-advertise-peer-urls={peer_url}"))
+                .arg(format!("--initial-cluster=default={peer_url}"))
+                .args(["--unsafe-no-fsync", "--log-level=warn", "--quota-backend-bytes=2147483648"]);
+            etcd
+        };
+        let [etcd_port, _] = cp.start_component("etcd", &etcd, &|_, _| true);
         let etcd_url = format!("http://127.0.0.1:{etcd_port}");
-        let peer_url = format!("http://127.0.0.1:{etcd_peer_port}");
-        let mut etcd = Command::new(&etcd_bin);
-        etcd.arg(format!("--data-dir={}", root.join("etcd").display()))
-            .arg(format!("--listen-client-urls={etcd_url}"))
-            .arg(format!("--advertise-client-urls={etcd_url}"))
-            .arg(format!("--listen-peer-urls={peer_url}"))
-            .arg(format!("--initial-advertise-peer-urls={peer_url}"))
-            .arg(format!("--initial-cluster=default={peer_url}"))
-            .args(["--unsafe-no-fsync", "--log-level=warn", "--quota-backend-bytes=2147483648"]);
-        cp.spawn("etcd", etcd);
-        cp.wait_for_component("etcd", || TcpStream::connect(("127.0.0.1", etcd_port)).is_ok().then_some(()));
 
         // kube-apiserver
-        let mut apiserver = Command::new(&apiserver_bin);
-        apiserver
-            .arg(format!("--etcd-servers={etcd_url}"))
-            .args(["--bind-address=127.0.0.1", "--advertise-address=127.0.0.1"])
-            .arg(format!("--secure-port={port}"))
-            .arg(format!("--cert-dir={}", root.join("apiserver-certs").display()))
-            .arg(format!("--tls-cert-file={}", cert_file.display()))
-            .arg(format!("--tls-private-key-file={}", key_file.display()))
-            .arg(format!("--client-ca-file={}", ca_file.display()))
-            .arg(format!("--token-auth-file={}", tokens_file.display()))
-            .args(["--authorization-mode=RBAC", "--allow-privileged=true", "--profiling=false"])
-            // The `kubernetes` service's endpoints may not point at loopback:
-            // keep them empty rather than log a failed sync every 10 s.
-            .arg("--endpoint-reconciler-type=none")
-            .arg("--service-cluster-ip-range=10.96.0.0/16")
-            .arg("--service-account-issuer=https://kubernetes.default.svc.cluster.local")
-            .arg(format!("--service-account-key-file={}", sa_pub_file.display()))
-            .arg(format!("--service-account-signing-key-file={}", sa_key_file.display()));
-        cp.spawn("kube-apiserver", apiserver);
-        cp.wait_for_component("kube-apiserver", || {
-            matches!(cp.request("GET", "/readyz", None), Ok(Value::String(s)) if s == "ok").then_some(())
-        });
+        let apiserver = |cp: &mut ControlPlane, [port]: [u16; 1]| {
+            cp.port = port;
+            let mut apiserver = Command::new(&apiserver_bin);
+            apiserver
+                .arg(format!("--etcd-servers={etcd_url}"))
+                .args(["--bind-address=127.0.0.1", "--advertise-address=127.0.0.1"])
+                .arg(format!("--secure-port={port}"))
+                .arg(format!("--cert-dir={}", root.join("apiserver-certs").display()))
+                .arg(format!("--tls-cert-file={}", cert_file.display()))
+                .arg(format!("--tls-private-key-file={}", key_file.display()))
+                .arg(format!("--client-ca-file={}", ca_file.display()))
+                .arg(format!("--token-auth-file={}", tokens_file.display()))
+                .args(["--authorization-mode=RBAC", "--allow-privileged=true", "--profiling=false"])
+                // The `kubernetes` service's endpoints may not point at loopback:
+                // keep them empty rather than log a failed sync every 10 s.
+                .arg("--endpoint-reconciler-type=none")
+                .arg("--service-cluster-ip-range=10.96.0.0/16")
+                .arg("--service-account-issuer=https://kubernetes.default.svc.cluster.local")
+                .arg(format!("--service-account-key-file={}", sa_pub_file.display()))
+                .arg(format!("--service-account-signing-key-file={}", sa_key_file.display()));
+            apiserver
+        };
+        cp.start_component(
+            "kube-apiserver",
+            &apiserver,
+            &|cp, _| matches!(cp.request("GET", "/readyz", None), Ok(Value::String(s)) if s == "ok"),
+        );
         cp.write_kubeconfig();
 
         if let Some((kcm_bin, scheduler_bin, kwok_bin, kwok_stages)) = scheduling_bins {
             let kubeconfig = format!("--kubeconfig={}", cp.kubeconfig.display());
-            let mut kcm = Command::new(&kcm_bin);
-            kcm.arg(&kubeconfig)
-                .args(["--leader-elect=false", "--bind-address=127.0.0.1", "--cluster-name=kvplane"])
-                .arg(format!("--secure-port={kcm_port}"))
-                .arg(format!("--cert-dir={}", root.join("kcm-certs").display()))
-                .arg(format!("--service-account-private-key-file={}", sa_key_file.display()))
-                .arg(format!("--root-ca-file={}", ca_file.display()));
-            cp.spawn("kube-controller-manager", kcm);
-
-            let mut scheduler = Command::new(&scheduler_bin);
-            scheduler
-                .arg(&kubeconfig)
-                .args(["--leader-elect=false", "--bind-address=127.0.0.1"])
-                .arg(format!("--secure-port={scheduler_port}"))
-                .arg(format!("--cert-dir={}", root.join("scheduler-certs").display()));
-            cp.spawn("kube-scheduler", scheduler);
+            let kcm = |_: &mut ControlPlane, [port]: [u16; 1]| {
+                let mut kcm = Command::new(&kcm_bin);
+                kcm.arg(&kubeconfig)
+                    .args(["--leader-elect=false", "--bind-address=127.0.0.1", "--cluster-name=kvplane"])
+                    .arg(format!("--secure-port={port}"))
+                    .arg(format!("--cert-dir={}", root.join("kcm-certs").display()))
+                    .arg(format!("--service-account-private-key-file={}", sa_key_file.display()))
+                    .arg(format!("--root-ca-file={}", ca_file.display()));
+                kcm
+            };
+            let scheduler = |_: &mut ControlPlane, [port]: [u16; 1]| {
+                let mut scheduler = Command::new(&scheduler_bin);
+                scheduler
+                    .arg(&kubeconfig)
+                    .args(["--leader-elect=false", "--bind-address=127.0.0.1"])
+                    .arg(format!("--secure-port={port}"))
+                    .arg(format!("--cert-dir={}", root.join("scheduler-certs").display()));
+                scheduler
+            };
+            // Both start at once; then each is waited for.
+            let kcm_ports = cp.launch("kube-controller-manager", &kcm);
+            let scheduler_ports = cp.launch("kube-scheduler", &scheduler);
 
             let mut kwok = Command::new(&kwok_bin);
             kwok.arg(&kubeconfig)
@@ -286,17 +305,18 @@ impl ControlPlane {
             cp.spawn("kwok", kwok);
 
             let probe = health_agent();
-            for (name, port) in [("kube-controller-manager", kcm_port), ("kube-scheduler", scheduler_port)] {
-                cp.wait_for_component(name, || {
-                    let mut resp = probe.get(&format!("https://127.0.0.1:{port}/healthz")).call().ok()?;
-                    (resp.status().as_u16() == 200 && resp.body_mut().read_to_string().ok()? == "ok").then_some(())
-                });
-            }
+            let healthy = |_: &ControlPlane, [port]: [u16; 1]| -> bool {
+                let Ok(mut resp) = probe.get(&format!("https://127.0.0.1:{port}/healthz")).call() else { return false };
+                resp.status().as_u16() == 200 && resp.body_mut().read_to_string().is_ok_and(|body| body == "ok")
+            };
+            cp.settle("kube-controller-manager", kcm_ports, &kcm, &healthy);
+            cp.settle("kube-scheduler", scheduler_ports, &scheduler, &healthy);
             // The service account controller works: pods can be created in
             // `default` right away.
             cp.wait_for_component("kube-controller-manager", || {
                 cp.request("GET", "/api/v1/namespaces/default/serviceaccounts/default", None).ok().map(|_| ())
-            });
+            })
+            .unwrap_or_else(|why| cp.component_failed("kube-controller-manager", &why));
         }
         cp.started_in = started.elapsed();
         cp
@@ -527,34 +547,98 @@ impl ControlPlane {
         }
     }
 
-    /// Wait (up to [`START_TIMEOUT`]) for `ready`; panic with the component's
-    /// log tail if it exits or does not get ready.
-    fn wait_for_component(&self, name: &str, mut ready: impl FnMut() -> Option<()>) {
+    /// Starts component `name` on fresh loopback ports and waits until it
+    /// is ready; see [`ControlPlane::settle`]. Returns its ports.
+    fn start_component<const N: usize>(
+        &mut self,
+        name: &'static str,
+        command: &dyn Fn(&mut Self, [u16; N]) -> Command,
+        ready: &dyn Fn(&Self, [u16; N]) -> bool,
+    ) -> [u16; N] {
+        let ports = self.launch(name, command);
+        self.settle(name, ports, command, ready)
+    }
+
+    /// Spawns component `name` with `command` on fresh loopback ports, which
+    /// it returns.
+    fn launch<const N: usize>(&mut self, name: &'static str, command: &dyn Fn(&mut Self, [u16; N]) -> Command) -> [u16; N] {
+        let ports = free_ports::<N>();
+        let cmd = command(self, ports);
+        self.spawn(name, cmd);
+        ports
+    }
+
+    /// Waits (up to [`START_TIMEOUT`]) until component `name`, launched on
+    /// `ports`, listens on the first of them itself (not merely: something
+    /// answers there) and `ready` says so. If it exits because another
+    /// process took one of its ports before it bound them, it is launched
+    /// again on fresh ones, up to [`PORT_ATTEMPTS`] times. Panics with its
+    /// log if it exits for another reason or does not get ready. Returns the
+    /// ports it serves on.
+    fn settle<const N: usize>(
+        &mut self,
+        name: &'static str,
+        mut ports: [u16; N],
+        command: &dyn Fn(&mut Self, [u16; N]) -> Command,
+        ready: &dyn Fn(&Self, [u16; N]) -> bool,
+    ) -> [u16; N] {
+        for attempt in 1..=PORT_ATTEMPTS {
+            let pid = self.pid(name);
+            let why = match self.wait_for_component(name, || (listens_on(pid, ports[0]) && ready(self, ports)).then_some(())) {
+                Ok(()) => return ports,
+                Err(why) => why,
+            };
+            let log = self.dir().join(format!("{name}.log"));
+            if attempt == PORT_ATTEMPTS || !port_taken(&fs::read_to_string(&log).unwrap_or_default()) {
+                self.component_failed(name, &why);
+            }
+            eprintln!("control plane {}: a port of {name} ({ports:?}) was taken before it bound it; starting it again", self.version);
+            // Its log is kept for a post-mortem; the exited process is forgotten.
+            let _ = fs::rename(&log, self.dir().join(format!("{name}.port-taken-{attempt}.log")));
+            self.components.get_mut().unwrap_or_else(|e| e.into_inner()).retain(|c| c.name != name);
+            ports = self.launch(name, command);
+        }
+        unreachable!("the last attempt returns or panics")
+    }
+
+    fn pid(&self, name: &str) -> u32 {
+        let components = self.components.lock().unwrap_or_else(|e| e.into_inner());
+        components.iter().find(|c| c.name == name).expect("a spawned component").child.id()
+    }
+
+    /// Wait (up to [`START_TIMEOUT`]) for `ready`; `Err` saying why if the
+    /// component exits or does not get ready.
+    fn wait_for_component(&self, name: &str, mut ready: impl FnMut() -> Option<()>) -> Result<(), String> {
         let started = Instant::now();
         loop {
             if ready().is_some() {
-                return;
+                return Ok(());
             }
-            let (exited, log) = {
-                let mut components = self.components.lock().unwrap();
+            let exited = {
+                let mut components = self.components.lock().unwrap_or_else(|e| e.into_inner());
                 let c = components.iter_mut().find(|c| c.name == name).expect("a spawned component");
-                (c.child.try_wait().ok().flatten(), c.log.clone())
+                c.child.try_wait().ok().flatten()
             };
-            if exited.is_some() || started.elapsed() > START_TIMEOUT {
-                let why = match exited {
-                    Some(status) => format!("exited ({status})"),
-                    None => format!("did not get ready within {START_TIMEOUT:?}"),
-                };
-                panic!(
-                    "control plane {}: {name} {why}; last {LOG_TAIL_LINES} lines of {}:\n{}\n\nall components:{}{KEEP_HINT}",
-                    self.version,
-                    log.display(),
-                    tail(&log, LOG_TAIL_LINES),
-                    self.diagnostics()
-                );
+            if let Some(status) = exited {
+                return Err(format!("exited ({status})"));
+            }
+            if started.elapsed() > START_TIMEOUT {
+                return Err(format!("did not get ready within {START_TIMEOUT:?}"));
             }
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// Panics with `why` and the tail of component `name`'s log.
+    fn component_failed(&self, name: &str, why: &str) -> ! {
+        let log = self.dir().join(format!("{name}.log"));
+        panic!(
+            "control plane {}: {name} {why}; last {LOG_TAIL_LINES} lines of {}:\n{}\n\nall components:{}{KEEP_HINT}",
+            self.version,
+            log.display(),
+            tail(&log, LOG_TAIL_LINES),
+            self.diagnostics()
+        );
     }
 
     fn write_kubeconfig(&self) {
@@ -607,13 +691,6 @@ fn spawn_from_keeper_thread(cmd: Command) -> std::io::Result<Child> {
     let (reply, answer) = mpsc::channel();
     keeper.send((cmd, reply)).expect("the control-plane spawner thread is gone");
     answer.recv().expect("the control-plane spawner thread is gone")
-}
-
-/// N distinct free loopback ports (held together while choosing, so they
-/// differ from each other).
-fn free_ports<const N: usize>() -> [u16; N] {
-    let listeners: Vec<TcpListener> = (0..N).map(|_| TcpListener::bind("127.0.0.1:0").expect("finding a free loopback port")).collect();
-    std::array::from_fn(|i| listeners[i].local_addr().expect("a bound port").port())
 }
 
 /// An agent that trusts only the control plane's CA.

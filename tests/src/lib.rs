@@ -66,10 +66,16 @@ mod tests {
 /// A real `redis-server` for the tests, on a free loopback port, killed by
 /// PID when dropped, and by the kernel if the test process dies first.
 pub mod redis {
-    use std::net::{TcpListener, TcpStream};
+    use std::io::{BufRead, BufReader};
     use std::os::unix::process::CommandExt;
     use std::process::{Child, Command, Stdio};
+    use std::sync::{Arc, Mutex};
     use std::time::{Duration, Instant};
+
+    use crate::net::{free_ports, listens_on, port_taken, PORT_ATTEMPTS};
+
+    /// How long redis-server may take to listen.
+    const START_TIMEOUT: Duration = Duration::from_secs(10);
 
     pub struct RedisServer {
         pub port: u16,
@@ -79,24 +85,48 @@ pub mod redis {
 
     impl RedisServer {
         /// Start `redis-server` with `extra` arguments on a free port; waits
-        /// until it accepts connections. Panics with the reason if it cannot
-        /// start, since no test using it can run.
+        /// until it listens. Panics with the reason if it cannot start, since
+        /// no test using it can run.
+        ///
+        /// redis-server cannot be given port 0 (that turns TCP off), so the
+        /// port is chosen by binding and releasing one (see [`crate::net`]):
+        /// if another process takes it first, redis-server exits with
+        /// "Address already in use" and is started again on a fresh port.
         pub fn start(extra: &[&str]) -> RedisServer {
-            let port =
-                TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("finding a free loopback port");
-            let mut server = RedisServer { port, extra: extra.iter().map(|s| s.to_string()).collect(), child: None };
-            server.restart();
-            server
+            let mut server = RedisServer { port: 0, extra: extra.iter().map(|s| s.to_string()).collect(), child: None };
+            for attempt in 1..=PORT_ATTEMPTS {
+                let [port] = free_ports();
+                server.port = port;
+                match server.spawn() {
+                    Ok(()) => return server,
+                    Err(why) if port_taken(&why) && attempt < PORT_ATTEMPTS => {
+                        eprintln!("redis-server: port {port} was taken before it bound it; trying another");
+                    }
+                    Err(why) => panic!("redis-server did not start on port {port}: {why}"),
+                }
+            }
+            unreachable!("the last attempt returns or panics")
         }
 
-        /// (Re)start the server on the same port with the same arguments.
+        /// (Re)start the server on the same port with the same arguments
+        /// (the same port: clients were told it).
         pub fn restart(&mut self) {
             self.kill();
+            if let Err(why) = self.spawn() {
+                panic!("redis-server did not restart on port {}: {why}", self.port);
+            }
+        }
+
+        /// Starts redis-server on `self.port` and waits until it listens
+        /// there itself; `Err` with its log if it exits first or takes more
+        /// than [`START_TIMEOUT`].
+        fn spawn(&mut self) -> Result<(), String> {
             let mut cmd = Command::new("redis-server");
             cmd.args(["--bind", "127.0.0.1", "--port", &self.port.to_string(), "--save", "", "--appendonly", "no"])
                 .args(["--daemonize", "no", "--loglevel", "warning"])
                 .args(&self.extra)
-                .stdout(Stdio::null())
+                // Its log (on stdout) says why it exits, e.g. a port taken.
+                .stdout(Stdio::piped())
                 .stderr(Stdio::inherit());
             // SAFETY: prctl is async-signal-safe; it makes the kernel kill the
             // server when the test process dies without dropping its guard.
@@ -108,11 +138,38 @@ pub mod redis {
                     Ok(())
                 });
             }
-            let child = cmd.spawn().unwrap_or_else(|e| panic!("starting redis-server (install Debian's redis-server): {e}"));
-            self.child = Some(child);
+            let mut child = cmd.spawn().unwrap_or_else(|e| panic!("starting redis-server (install Debian's redis-server): {e}"));
+            // Drained for the server's whole life, so it never blocks on a full pipe.
+            let log = Arc::new(Mutex::new(String::new()));
+            let stdout = child.stdout.take().expect("piped stdout");
+            let drain = {
+                let log = Arc::clone(&log);
+                std::thread::spawn(move || {
+                    for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                        let mut log = log.lock().unwrap_or_else(|e| e.into_inner());
+                        log.push_str(&line);
+                        log.push('\n');
+                    }
+                })
+            };
             let started = Instant::now();
-            while TcpStream::connect(("127.0.0.1", self.port)).is_err() {
-                assert!(started.elapsed() < Duration::from_secs(10), "redis-server did not listen on port {} within 10 s", self.port);
+            loop {
+                if listens_on(child.id(), self.port) {
+                    self.child = Some(child);
+                    return Ok(());
+                }
+                if let Ok(Some(status)) = child.try_wait() {
+                    // Its stdout is closed: the log is complete once drained.
+                    let _ = drain.join();
+                    let log = log.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                    return Err(format!("it exited ({status}); its log:\n{log}"));
+                }
+                if started.elapsed() > START_TIMEOUT {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    let log = log.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                    return Err(format!("it did not listen within {START_TIMEOUT:?}; its log:\n{log}"));
+                }
                 std::thread::sleep(Duration::from_millis(20));
             }
         }
@@ -138,3 +195,4 @@ pub mod redis {
 }
 
 pub mod control_plane;
+mod net;

@@ -69,11 +69,15 @@ pub struct RawServerConfig {
     pub unix: Option<PathBuf>,
 }
 
-/// Serves the sink/source until the process is stopped.
+/// Serves the sink/source until the process is stopped. Once every listener
+/// is bound it says where on stderr (`kvplane bench-raw-server serving: tcp
+/// ADDR, unix PATH`), so a caller can ask for port 0 and read the real one.
 pub async fn serve(config: RawServerConfig) -> anyhow::Result<()> {
     let mut tasks = tokio::task::JoinSet::new();
+    let mut serving = Vec::new();
     if let Some(addr) = &config.listen {
         let l = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
+        serving.push(format!("tcp {}", l.local_addr().with_context(|| format!("the address bound for {addr}"))?));
         tasks.spawn(async move {
             loop {
                 let (s, _) = l.accept().await?;
@@ -88,6 +92,7 @@ pub async fn serve(config: RawServerConfig) -> anyhow::Result<()> {
     if let Some(path) = &config.unix {
         let _ = std::fs::remove_file(path);
         let l = tokio::net::UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
+        serving.push(format!("unix {}", path.display()));
         tasks.spawn(async move {
             loop {
                 let (s, _) = l.accept().await?;
@@ -101,6 +106,7 @@ pub async fn serve(config: RawServerConfig) -> anyhow::Result<()> {
     if tasks.is_empty() {
         bail!("give --listen and/or --unix");
     }
+    eprintln!("kvplane bench-raw-server serving: {}", serving.join(", "));
     while let Some(r) = tasks.join_next().await {
         r??;
     }

@@ -3,14 +3,51 @@
 //! stopped with SIGTERM. Also the bench drivers against their real baselines
 //! (the raw socket server and Debian's redis-server).
 
-use std::io::{BufRead, BufReader};
-use std::net::TcpListener;
+use std::io::{BufRead, BufReader, Read};
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc::{self, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+/// How long a server child may take to say where it serves.
+const START_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Every server here binds port 0 itself and says which port it got, read
+/// back by this: the line of `output` (the child's stderr or stdout) that
+/// contains `marker`. Output is read on a thread that keeps draining it
+/// afterwards, so the child never blocks on a full pipe. Panics with what
+/// the child printed if it exits first or takes longer than
+/// [`START_TIMEOUT`] (then it is killed).
+fn wait_for_line(child: &mut Child, output: impl Read + Send + 'static, marker: &str, what: &str) -> String {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(output).lines() {
+            let Ok(line) = line else { break };
+            // Nobody listens once the line was found: keep draining anyway.
+            let _ = tx.send(line);
+        }
+    });
+    let deadline = Instant::now() + START_TIMEOUT;
+    let mut seen = Vec::new();
+    loop {
+        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+            Ok(line) if line.contains(marker) => return line,
+            Ok(line) => seen.push(line),
+            Err(RecvTimeoutError::Disconnected) => {
+                panic!("{what} exited before serving ({:?}); it printed:\n{}", child.wait(), seen.join("\n"))
+            }
+            Err(RecvTimeoutError::Timeout) => {
+                let _ = child.kill();
+                panic!("{what} did not say where it serves within {START_TIMEOUT:?}; it printed:\n{}", seen.join("\n"))
+            }
+        }
+    }
+}
+
+/// ADDR in a "... serving: tcp ADDR, ..." line.
+fn tcp_addr(line: &str) -> String {
+    let rest = line.split_once("tcp ").unwrap_or_else(|| panic!("no tcp address in {line:?}")).1;
+    rest.split([',', ' ']).next().unwrap_or_default().to_string()
 }
 
 fn kvplane() -> Command {
@@ -45,28 +82,18 @@ impl NodeProcess {
     }
 
     fn start_with_env(extra: &[&str], env: &[(&str, std::path::PathBuf)]) -> NodeProcess {
-        let port = free_port();
-        let endpoint = format!("127.0.0.1:{port}");
         let mut child = kvplane()
-            .args(["node", "--listen", &endpoint, "--admin", "none", "--memory", "64MiB"])
+            .args(["node", "--listen", "127.0.0.1:0", "--admin", "none", "--memory", "64MiB"])
             .args(extra)
             .envs(env.iter().map(|(k, v)| (*k, v.as_os_str())))
             .stderr(Stdio::piped())
             .spawn()
             .expect("starting kvplane node");
         // The node says where it serves once every listener is bound.
-        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-        let started = Instant::now();
-        loop {
-            let line = lines.next().expect("node exited before serving").expect("reading node output");
-            if line.contains("kvplane node serving") {
-                assert!(line.contains(&endpoint), "{line}");
-                break;
-            }
-            assert!(started.elapsed() < Duration::from_secs(30), "node did not start");
-        }
-        // Keep draining its output so it never blocks on a full pipe.
-        std::thread::spawn(move || for _ in lines {});
+        let stderr = child.stderr.take().expect("piped stderr");
+        let line = wait_for_line(&mut child, stderr, "kvplane node serving", "kvplane node");
+        let endpoint = tcp_addr(&line);
+        assert!(endpoint.starts_with("127.0.0.1:") && !endpoint.ends_with(":0"), "{line}");
         NodeProcess { child, endpoint }
     }
 
@@ -183,19 +210,17 @@ fn bench(args: &[&str]) -> serde_json::Value {
 
 #[test]
 fn the_bench_drivers_move_blocks_through_the_raw_socket_and_redis_baselines() {
-    let port = free_port();
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("raw.sock");
     let mut raw = kvplane()
-        .args(["bench-raw-server", "--listen", &format!("127.0.0.1:{port}"), "--unix", sock.to_str().unwrap()])
+        .args(["bench-raw-server", "--listen", "127.0.0.1:0", "--unix", sock.to_str().unwrap()])
+        .stderr(Stdio::piped())
         .spawn()
         .expect("raw server");
-    let started = Instant::now();
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() || !sock.exists() {
-        assert!(started.elapsed() < Duration::from_secs(10), "raw server did not listen");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    for endpoint in [format!("127.0.0.1:{port}"), format!("unix://{}", sock.display())] {
+    // Printed once both listeners are bound.
+    let stderr = raw.stderr.take().expect("piped stderr");
+    let tcp = tcp_addr(&wait_for_line(&mut raw, stderr, "kvplane bench-raw-server serving", "kvplane bench-raw-server"));
+    for endpoint in [tcp, format!("unix://{}", sock.display())] {
         for op in ["put", "get"] {
             let r = bench(&["--target", "raw", "--endpoint", &endpoint, "--op", op, "--block-size", "64KiB"]);
             assert!(r["blocks"].as_u64().unwrap() > 0, "{r}");
@@ -220,11 +245,13 @@ struct HttpServer {
 
 impl HttpServer {
     fn serve(dir: &std::path::Path) -> HttpServer {
-        let port = free_port();
+        // Port 0: the server binds a free port itself and prints it, once
+        // listening, as "Serving HTTP on 127.0.0.1 port PORT (...) ..."
+        // (unbuffered, -u, so the line comes out at once).
         let mut cmd = Command::new("python3");
-        cmd.args(["-m", "http.server", "--bind", "127.0.0.1", &port.to_string(), "--directory"])
+        cmd.args(["-u", "-m", "http.server", "--bind", "127.0.0.1", "0", "--directory"])
             .arg(dir)
-            .stdout(Stdio::null())
+            .stdout(Stdio::piped())
             .stderr(Stdio::null());
         // SAFETY: prctl is async-signal-safe; the server dies with the test.
         unsafe {
@@ -233,12 +260,13 @@ impl HttpServer {
                 Ok(())
             });
         }
-        let child = cmd.spawn().expect("python3 -m http.server");
-        let started = Instant::now();
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(started.elapsed() < Duration::from_secs(10), "http.server did not listen");
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        let mut child = cmd.spawn().expect("python3 -m http.server");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let line = wait_for_line(&mut child, stdout, "Serving HTTP on", "python3 -m http.server");
+        let port = line
+            .split_once(" port ")
+            .and_then(|(_, rest)| rest.split(' ').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("no port in {line:?}"));
         HttpServer { child, port }
     }
 }
@@ -280,7 +308,7 @@ fn a_node_verifies_the_plugins_of_its_config_and_refuses_a_digest_mismatch() {
     let bad = dir.path().join("bad.json");
     std::fs::write(&bad, config(&"0".repeat(64))).unwrap();
     let out = kvplane()
-        .args(["node", "--listen", &format!("127.0.0.1:{}", free_port()), "--admin", "none", "--memory", "64MiB", "--config"])
+        .args(["node", "--listen", "127.0.0.1:0", "--admin", "none", "--memory", "64MiB", "--config"])
         .arg(&bad)
         .env("KVPLANE_CACHE_DIR", dir.path().join("cache"))
         .output()

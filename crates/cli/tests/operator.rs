@@ -12,6 +12,8 @@ use kvplane_tests::control_plane::{ControlPlane, Options};
 use serde_json::{json, Value};
 
 const WAIT: Duration = Duration::from_secs(60);
+/// How long a KVCache's status may take to reach a state.
+const STATUS_WAIT: Duration = Duration::from_secs(90);
 
 /// A `kvplane operator` process, killed by PID when dropped.
 struct Operator {
@@ -78,24 +80,34 @@ fn condition(kv: &Value, type_: &str) -> Option<(String, String, String)> {
     })
 }
 
+/// Condition `type_` as (status, reason, message), if it was written for the
+/// KVCache's current generation: one written for an older generation says
+/// nothing about the spec just applied.
+fn current_condition(kv: &Value, type_: &str) -> Option<(String, String, String)> {
+    let generation = &kv["metadata"]["generation"];
+    kv["status"]["conditions"].as_array()?.iter().find(|c| c["type"] == type_ && &c["observedGeneration"] == generation)?;
+    condition(kv, type_)
+}
+
 fn wait_condition(cp: &ControlPlane, ns: &str, name: &str, type_: &str, status: &str, op: &Operator) -> Value {
+    wait_kvcache(cp, ns, name, &format!("{type_} to become {status}"), op, |kv| {
+        current_condition(kv, type_).is_some_and(|(s, _, _)| s == status)
+    })
+}
+
+/// Polls the KVCache until `done` holds (up to [`STATUS_WAIT`]) and returns it.
+fn wait_kvcache(cp: &ControlPlane, ns: &str, name: &str, what: &str, op: &Operator, done: impl Fn(&Value) -> bool) -> Value {
     let path = kvcache_path(ns, name);
     let started = Instant::now();
+    let mut last: String;
     loop {
-        if let Ok(kv) = cp.request("GET", &path, None) {
-            // A condition written for an older generation says nothing
-            // about the spec just applied.
-            let current = kv["status"]["conditions"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .any(|c| c["type"] == type_ && c["observedGeneration"] == kv["metadata"]["generation"]);
-            if current && condition(&kv, type_).is_some_and(|(s, _, _)| s == status) {
-                return kv;
-            }
-            if started.elapsed() > Duration::from_secs(90) {
-                panic!("{ns}/{name}: {type_} never became {status}; status: {}\noperator log:\n{}", kv["status"], op.log());
-            }
+        match cp.request("GET", &path, None) {
+            Ok(kv) if done(&kv) => return kv,
+            Ok(kv) => last = kv["status"].to_string(),
+            Err(e) => last = format!("(GET failed: {e})"),
+        }
+        if started.elapsed() > STATUS_WAIT {
+            panic!("{ns}/{name}: timed out waiting for {what}; last status: {last}\noperator log:\n{}", op.log());
         }
         std::thread::sleep(Duration::from_millis(100));
     }
@@ -261,7 +273,17 @@ fn seed_example_lifecycle(version: &str) {
     assert_eq!(reason, "DigestMismatch", "{message}");
     assert!(message.contains("plugin placement") && message.contains("pins 0000"), "{message}");
     assert_eq!(condition(&kv, "Degraded").map(|c| c.0).as_deref(), Some("True"));
-    std::thread::sleep(Duration::from_secs(2));
+    // Later passes (the status write and the pods trigger more) must leave
+    // the pool alone too. Rather than wait a while and hope one ran, pin the
+    // plugin wrongly again and wait for the pass that reports the new pin:
+    // passes over one object run one at a time, so every pass queued before
+    // it has finished by then.
+    let patch = json!({"spec": {"plugins": [{"name": "placement", "kind": "placementRule",
+        "source": {"builtin": "gpu-affinity"}, "sha256": "1".repeat(64)}]}});
+    cp.request("PATCH", &kvcache_path(ns, name), Some(&patch)).expect("pin the plugin wrongly again");
+    wait_kvcache(&cp, ns, name, "the second wrong pin to be reported", &op, |kv| {
+        current_condition(kv, "PluginsResolved").is_some_and(|(s, _, m)| s == "False" && m.contains("pins 1111"))
+    });
     let sts_after = cp.get(&sts_path);
     assert_eq!(sts_before["metadata"]["generation"], sts_after["metadata"]["generation"], "a broken plugin changed the running pool");
     assert_eq!(pods_of(&cp, ns, name, "cache").len(), 2);
@@ -287,8 +309,9 @@ fn seed_example_lifecycle_on_kubernetes_1_31() {
     seed_example_lifecycle("1.31");
 }
 
-/// Killed right after the KVCache is created (mid-reconcile, or before it
-/// started), a restarted operator converges; two replicas never both lead.
+/// Killed once its first pass over a new KVCache has begun (mid-reconcile,
+/// or just after), a restarted operator converges; two replicas never both
+/// lead.
 #[test]
 fn a_restarted_operator_converges_and_only_the_leader_reconciles() {
     let cp = ControlPlane::start(Options { version: "1.34", scheduling: true });
@@ -309,7 +332,9 @@ fn a_restarted_operator_converges_and_only_the_leader_reconciles() {
         "metadata": {"name": "pool", "namespace": ns},
         "spec": {"cache": {"replicas": 2}, "metadata": {"etcd": {"replicas": 3}}}});
     cp.create(&format!("/apis/kvplane.io/v1alpha1/namespaces/{ns}/kvcaches"), &kv);
-    std::thread::sleep(Duration::from_millis(150));
+    // Its first child (the ConfigMap comes first) shows that op-a is at work.
+    let config = format!("/api/v1/namespaces/{ns}/configmaps/pool-config");
+    cp.wait_for("op-a to start reconciling", WAIT, || cp.request("GET", &config, None).ok());
     a.kill();
     // op-b takes over once the lease expires, and converges the pool.
     let kv = wait_condition(&cp, ns, "pool", "Ready", "True", &b);
