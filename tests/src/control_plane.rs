@@ -529,6 +529,7 @@ impl ControlPlane {
         // SAFETY: prctl and getppid are async-signal-safe; the kernel kills
         // the component when the thread that forked it (the spawner thread,
         // alive as long as the process) dies without dropping the guard.
+        #[allow(unsafe_code)] // pre_exec; see the SAFETY comment above.
         unsafe {
             cmd.pre_exec(move || {
                 if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {

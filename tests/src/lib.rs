@@ -2,6 +2,8 @@
 //! `build.rs` on every `cargo test` that needs them, so a test always loads
 //! the component matching the sources it was compiled with.
 
+#![deny(unsafe_code)]
+
 /// A `key-placement` plugin that misbehaves when asked to, to prove a guest
 /// cannot take the host down: the first key passed to `owners` picks the
 /// failure (see [`hostile`]); any other key gets a well-behaved answer, the
@@ -130,6 +132,7 @@ pub mod redis {
                 .stderr(Stdio::inherit());
             // SAFETY: prctl is async-signal-safe; it makes the kernel kill the
             // server when the test process dies without dropping its guard.
+            #[allow(unsafe_code)] // pre_exec; see the SAFETY comment above.
             unsafe {
                 cmd.pre_exec(|| {
                     if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {

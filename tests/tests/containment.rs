@@ -140,13 +140,13 @@ fn a_sha256_mismatch_is_refused_before_compiling() {
         LoadError::Sha256Mismatch { declared, actual, .. } => {
             assert_eq!(declared, &"0".repeat(64));
             let bytes = std::fs::read(kvplane_tests::HOSTILE).unwrap();
-            assert_eq!(actual, &kvplane_runtime::load::sha256_hex(&bytes));
+            assert_eq!(actual, &kvplane_runtime::sha256_hex(&bytes));
         }
         other => panic!("expected Sha256Mismatch, got {other}"),
     }
     // The right digest loads.
     let mut ok = hostile_decl();
-    ok.sha256 = Some(kvplane_runtime::load::sha256_hex(&std::fs::read(kvplane_tests::HOSTILE).unwrap()));
+    ok.sha256 = Some(kvplane_runtime::sha256_hex(&std::fs::read(kvplane_tests::HOSTILE).unwrap()));
     runtime().load_key_placement(ok).expect("the matching sha256 loads");
 }
 

@@ -2,15 +2,16 @@
 //!
 //! Two routes on a maintained HTTP stack (axum on hyper): `/metrics` renders
 //! the process's one Prometheus registry in the OpenMetrics text format, and
-//! `/healthz` answers 200 while the process wants traffic and 503 when it
-//! does not (a draining node, an operator that lost its lease). Everything a
-//! process measures is registered in that one registry by the crate that
-//! measures it; this crate only serves it.
+//! `/healthz` answers 200 while the process wants traffic and 503 with a
+//! reason when it does not (a draining node). Everything a process measures
+//! is registered in that one registry by the crate that measures it; this
+//! crate only serves it.
 
 #![forbid(unsafe_code)]
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context as _;
 use axum::extract::State;
@@ -28,13 +29,17 @@ pub type HealthCheck = Arc<dyn Fn() -> Result<(), String> + Send + Sync>;
 
 /// The content type of the OpenMetrics text exposition.
 const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+/// How long one request may take; a scraper that stalls is cut off.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long [`AdminServer::stop`] waits for requests in progress.
+const STOP_TIMEOUT: Duration = Duration::from_secs(5);
 
 struct AdminState {
     registry: Arc<Registry>,
     health: HealthCheck,
 }
 
-/// A running admin server.
+/// A running admin server; dropping it stops it too.
 pub struct AdminServer {
     addr: SocketAddr,
     shutdown: watch::Sender<bool>,
@@ -52,7 +57,13 @@ impl AdminServer {
             .route("/metrics", get(metrics))
             .route("/healthz", get(healthz))
             .fallback(|| async { (StatusCode::NOT_FOUND, "try /metrics or /healthz\n") })
-            .with_state(state);
+            .with_state(state)
+            .layer(axum::middleware::from_fn(|request, next: axum::middleware::Next| async move {
+                match tokio::time::timeout(REQUEST_TIMEOUT, next.run(request)).await {
+                    Ok(response) => response,
+                    Err(_) => (StatusCode::SERVICE_UNAVAILABLE, "request timed out\n").into_response(),
+                }
+            }));
         let (shutdown, mut stopped) = watch::channel(false);
         let task = tokio::spawn(async move {
             let serve = axum::serve(listener, app).with_graceful_shutdown(async move {
@@ -70,10 +81,19 @@ impl AdminServer {
         self.addr
     }
 
-    /// Stops accepting and waits for requests in progress.
-    pub async fn stop(self) {
+    /// Stops accepting and waits (a bounded time) for requests in progress.
+    pub async fn stop(mut self) {
         let _ = self.shutdown.send(true);
-        let _ = self.task.await;
+        if tokio::time::timeout(STOP_TIMEOUT, &mut self.task).await.is_err() {
+            self.task.abort();
+        }
+    }
+}
+
+impl Drop for AdminServer {
+    fn drop(&mut self) {
+        let _ = self.shutdown.send(true);
+        self.task.abort();
     }
 }
 

@@ -33,9 +33,9 @@ pub enum PluginCommand {
         /// Expected sha256 of the component.
         #[arg(long)]
         sha256: Option<String>,
-        /// Memory cap per instance, in MiB.
-        #[arg(long, default_value_t = 256)]
-        memory_mib: u64,
+        /// Memory cap per instance (e.g. 64Mi, 256MiB).
+        #[arg(long, default_value = "256Mi", value_parser = super::size::parse_size)]
+        memory: usize,
         /// Deadline per call, in milliseconds.
         #[arg(long, default_value_t = 2000)]
         timeout_ms: u64,
@@ -59,8 +59,8 @@ pub enum PluginCommand {
 pub async fn run(cmd: PluginCommand) -> anyhow::Result<ExitCode> {
     match cmd {
         PluginCommand::Inspect { plugin, json } => inspect(&plugin, json),
-        PluginCommand::Test { plugin, endpoint, config, sha256, memory_mib, timeout_ms } => {
-            test(&plugin, endpoint, &config, sha256, memory_mib, timeout_ms).await
+        PluginCommand::Test { plugin, endpoint, config, sha256, memory, timeout_ms } => {
+            test(&plugin, endpoint, &config, sha256, memory, timeout_ms).await
         }
         PluginCommand::New { world, lang, name, dir } => {
             let world = World::from_name(&world)
@@ -101,7 +101,7 @@ async fn test(
     endpoint: Option<String>,
     config: &[String],
     sha256: Option<String>,
-    memory_mib: u64,
+    memory: usize,
     timeout_ms: u64,
 ) -> anyhow::Result<ExitCode> {
     let runtime = PluginRuntime::with_default_cache()?;
@@ -114,7 +114,7 @@ async fn test(
     };
     let mut decl = PluginDecl::new(plugin, world, source);
     decl.sha256 = sha256;
-    decl.limits.memory_bytes = memory_mib << 20;
+    decl.limits.memory_bytes = memory as u64;
     decl.limits.timeout = Duration::from_millis(timeout_ms);
     decl.failure_policy = FailurePolicy::FailClosed;
     for entry in config {

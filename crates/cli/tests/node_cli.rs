@@ -285,7 +285,7 @@ fn a_node_verifies_the_plugins_of_its_config_and_refuses_a_digest_mismatch() {
     std::fs::create_dir(&www).unwrap();
     let ring = kvplane_runtime::builtin::bytes("ring").expect("builtin ring");
     std::fs::write(www.join("ring.wasm"), ring).unwrap();
-    let sha = kvplane_runtime::load::sha256_hex(ring);
+    let sha = kvplane_runtime::sha256_hex(ring);
     let http = HttpServer::serve(&www);
     let url = format!("http://127.0.0.1:{}/ring.wasm", http.port);
     let config = |sha256: &str| {

@@ -29,7 +29,10 @@ pub fn parse_bytes(text: &str) -> Result<u64, SizeError> {
     let number_end = t.trim_end_matches(|c: char| c.is_ascii_alphabetic()).len();
     let (number, suffix) = t.split_at(number_end);
     let number = number.trim_end();
-    if number.is_empty() || !number.starts_with(|c: char| c.is_ascii_digit() || c == '.') {
+    // parse-size would also skip `_` and spaces inside a number ("1 0Gi" as
+    // 10Gi): a size in a config file is not a place for digit grouping.
+    let number_chars_ok = number.chars().all(|c| c.is_ascii_digit() || matches!(c, '.' | 'e' | 'E' | '+' | '-'));
+    if number.is_empty() || !number.starts_with(|c: char| c.is_ascii_digit() || c == '.') || !number_chars_ok {
         return Err(SizeError(format!("{text:?} is not a size: expected a number with an optional unit, like 4096, 64KiB, 4Gi or 1G")));
     }
     if !(suffix.is_empty() || suffix == "B" || BINARY.contains(&suffix) || DECIMAL.contains(&suffix)) {
@@ -162,6 +165,11 @@ mod tests {
         assert!(parse_bytes("4 parsecs").unwrap_err().to_string().contains("unknown unit"));
         assert!(parse_bytes("lots").unwrap_err().to_string().contains("not a size"));
         assert!(parse_bytes("").is_err());
+        for bad in ["1 0Gi", "1_000", "0x10", "-1", "4 parsecs"] {
+            assert!(parse_bytes(bad).is_err(), "{bad:?} must be refused");
+        }
+        assert_eq!(parse_bytes(" 4 GiB "), Ok(4 << 30));
+        assert_eq!(parse_bytes("1e3"), Ok(1000));
     }
 
     #[test]

@@ -14,7 +14,7 @@
 //! (4 KiB each). Hit ratio is over block lookups. Op timings are medians of
 //! every `SAMPLE_EVERY`th call, measured in the same run.
 //!
-//! Run: `cargo bench -p kvplane --bench cache` (release; about half a minute).
+//! Run: `cargo bench -p kvplane-node --bench cache` (release; about half a minute).
 //! The traces are fixed by the seed; the cache's hash is keyed per process,
 //! so shard assignment, and with it the hit ratio, can move in the fourth
 //! digit between runs.

@@ -6,7 +6,7 @@
 //! `watcher` / `service {type, ports}` shape — so an AIBrix manifest works
 //! after changing only its `apiVersion`. kvplane's own fields are `backend`
 //! and `plugins`. Where both shapes say the same thing (`cache` and
-//! `cacheSpec`), [`crate::operator::resolve`] documents which one wins.
+//! `cacheSpec`), [`crate::resolve`] documents which one wins.
 //!
 //! The YAML in `crds/` is generated from these types (`kvplane crd`), and a
 //! test fails when the two disagree.

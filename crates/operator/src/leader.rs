@@ -34,10 +34,6 @@ impl LeaderElection {
         }
     }
 
-    pub fn identity(&self) -> &str {
-        &self.identity
-    }
-
     /// Waits until this replica holds the Lease.
     pub async fn acquire(&self) -> Result<(), kube::Error> {
         let mut logged = false;

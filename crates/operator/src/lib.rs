@@ -8,17 +8,16 @@
 
 #![forbid(unsafe_code)]
 
-pub mod conditions;
+pub(crate) mod conditions;
 pub mod crd;
-pub mod leader;
+pub(crate) mod leader;
 pub mod placement;
-pub mod plugins;
-pub mod reconcile;
-pub mod render;
-pub mod resolve;
+pub(crate) mod plugins;
+pub(crate) mod reconcile;
+pub(crate) mod render;
+pub(crate) mod resolve;
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -129,7 +128,6 @@ pub async fn run(client: Client, config: OperatorConfig) -> anyhow::Result<()> {
     if config.install_crd {
         install_crd(&client).await?;
     }
-    let leader = Arc::new(AtomicBool::new(config.leader_lease.is_none()));
     let runtime = PluginRuntime::with_default_cache().context("starting the plugin runtime")?;
     let ctx = Arc::new(Context {
         client: client.clone(),
@@ -140,7 +138,7 @@ pub async fn run(client: Client, config: OperatorConfig) -> anyhow::Result<()> {
         ),
         metrics: OperatorMetrics::default(),
     });
-    ctx.metrics.set_leader(leader.load(Ordering::Acquire));
+    ctx.metrics.set_leader(config.leader_lease.is_none());
     // Kept alive for the whole run; dropped (and so stopped) on return.
     let _admin = match config.admin {
         Some(addr) => {
@@ -148,7 +146,8 @@ pub async fn run(client: Client, config: OperatorConfig) -> anyhow::Result<()> {
             ctx.metrics.register(&mut registry);
             ctx.runtime.metrics().register(&mut registry);
             // Healthy while the process runs: a standby replica waiting for
-            // the lease is healthy too (it must not be restarted for it).
+            // the lease is healthy too (it must not be restarted for it);
+            // `kvplane_operator_leader` tells the leader apart.
             let health: HealthCheck = Arc::new(|| Ok(()));
             Some(AdminServer::start(addr, Arc::new(registry), health).await?)
         }
@@ -157,7 +156,6 @@ pub async fn run(client: Client, config: OperatorConfig) -> anyhow::Result<()> {
     let election = config.leader_lease.as_ref().map(|(ns, name)| leader::LeaderElection::new(client.clone(), ns, name, &config.identity));
     if let Some(e) = &election {
         e.acquire().await.context("acquiring the leader lease")?;
-        leader.store(true, Ordering::Release);
         ctx.metrics.set_leader(true);
     }
     let managed = watcher::Config::default().labels("app.kubernetes.io/managed-by=kvplane-operator");
@@ -177,7 +175,6 @@ pub async fn run(client: Client, config: OperatorConfig) -> anyhow::Result<()> {
             tokio::select! {
                 () = controller => Ok(()),
                 reason = e.hold() => {
-                    leader.store(false, Ordering::Release);
                     ctx.metrics.set_leader(false);
                     anyhow::bail!("stopped leading: {reason}")
                 }

@@ -196,7 +196,7 @@ pub fn initial_cluster(r: &Resolved, members: i32) -> String {
 /// Renders every child.
 pub fn render(r: &Resolved, placements: &Placements, owner: &OwnerReference) -> Children {
     let etcd_urls = etcd_client_urls(r);
-    let config_json = serde_json::to_string_pretty(&node_config(r, &etcd_urls)).unwrap_or_default();
+    let config_json = serde_json::to_string_pretty(&node_config(r, &etcd_urls)).expect("a NodeConfigFile always serializes");
     let config_hash = hex::encode(&Sha256::digest(config_json.as_bytes())[..8]);
     let config = ConfigMap {
         metadata: meta(r, Names::config(&r.name), ROLE_CACHE, owner),
@@ -362,6 +362,7 @@ fn container_port(name: &str, port: i32) -> ContainerPort {
 
 /// The pool memory a kvplane node reserves: 80% of its memory limit (the
 /// rest is the process itself), or the node's default without a limit.
+/// [`crate::resolve::resolve`] has already refused a limit that does not parse.
 fn node_memory(r: &Resolved) -> Option<ByteSize> {
     let limit = r.cache.resources.as_ref()?.limits.as_ref()?.get("memory")?;
     let bytes = kvplane_config::parse_bytes(&limit.0).ok()?;

@@ -126,6 +126,10 @@ pub fn resolve(kv: &KVCache) -> Result<Resolved, SpecError> {
     };
     let resources = merge_resources(cache_runtime.resources.clone(), cache_runtime.memory.as_deref(), cache_runtime.cpu.as_deref())
         .map_err(|m| err(format!("{cache_field}.memory"), m))?;
+    if let Some(limit) = resources.as_ref().and_then(|r| r.limits.as_ref()).and_then(|l| l.get("memory")) {
+        // The node's memory tier is sized from this limit.
+        kvplane_config::parse_bytes(&limit.0).map_err(|e| err(format!("{cache_field}.resources.limits.memory"), e.to_string()))?;
+    }
     let cache = Workload {
         replicas,
         image,
@@ -149,12 +153,23 @@ pub fn resolve(kv: &KVCache) -> Result<Resolved, SpecError> {
         backend_inferred,
         backend_endpoints,
         cache,
-        shared_memory_size: cache_runtime.shared_memory_size.clone(),
+        shared_memory_size: shared_memory_size(cache_runtime.shared_memory_size.as_deref(), cache_field)?,
         metadata,
         service_type,
         service_ports,
         plugins,
     })
+}
+
+/// vineyardd's `--size`, checked by the shared size rules and passed on as
+/// a byte count (vineyardd's own suffixes need not agree with ours).
+fn shared_memory_size(size: Option<&str>, cache_field: &str) -> Result<Option<String>, SpecError> {
+    match size.map(str::trim).filter(|s| !s.is_empty()) {
+        None => Ok(None),
+        Some(s) => kvplane_config::parse_bytes(s)
+            .map(|b| Some(b.to_string()))
+            .map_err(|e| err(format!("{cache_field}.sharedMemorySize"), e.to_string())),
+    }
 }
 
 /// `cache` over `cacheSpec`, field by field.
@@ -194,7 +209,15 @@ fn merge_resources(
         if m.is_empty() {
             return Err("empty memory size".into());
         }
-        set("memory", if m.chars().all(|c| c.is_ascii_digit()) { format!("{m}Gi") } else { m.to_string() });
+        // AIBrix's one exception to the shared size rules: a bare number is
+        // GiB. Anything else is read as every kvplane size is, and written
+        // back in the one spelling Kubernetes and kvplane agree on.
+        let bytes = if m.chars().all(|c| c.is_ascii_digit()) {
+            m.parse::<u64>().map_err(|e| format!("{m:?}: {e}"))?.checked_mul(1 << 30).ok_or_else(|| format!("{m:?} GiB is too large"))?
+        } else {
+            kvplane_config::parse_bytes(m).map_err(|e| e.to_string())?
+        };
+        set("memory", kvplane_config::ByteSize(bytes).to_string());
     }
     if let Some(c) = cpu {
         if !c.trim().is_empty() {
@@ -239,7 +262,14 @@ fn resolve_metadata(spec: &KVCacheSpec) -> Result<Metadata, SpecError> {
             env: runtime.env,
             resources: runtime.resources.or(etcd.resources),
         },
-        storage: etcd.storage.filter(|s| !s.size.trim().is_empty()),
+        storage: match etcd.storage.filter(|s| !s.size.trim().is_empty()) {
+            Some(mut storage) => {
+                let bytes = kvplane_config::parse_bytes(&storage.size).map_err(|e| err("metadata.etcd.storage.size", e.to_string()))?;
+                storage.size = kvplane_config::ByteSize(bytes).to_string();
+                Some(storage)
+            }
+            None => None,
+        },
     }))
 }
 

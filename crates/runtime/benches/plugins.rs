@@ -1,6 +1,6 @@
 //! One decision through a Wasm plugin vs the same algorithm natively.
 //!
-//! `cargo bench -p kvplane --bench plugins`. Each Wasm figure includes the
+//! `cargo bench -p kvplane-runtime --bench plugins`. Each Wasm figure includes the
 //! pool checkout, the deadline arming and a `block_on`; the `native/block_on`
 //! row measures that `block_on` alone so it can be subtracted.
 

@@ -18,10 +18,10 @@ mod engine;
 pub mod error;
 pub mod host;
 mod inspect;
-pub mod load;
+mod load;
 pub mod metrics;
 mod oci;
-pub mod placement_rule;
+mod placement_rule;
 mod pool;
 pub mod source;
 mod transport;
@@ -36,6 +36,8 @@ pub use error::{Fault, LoadError, PluginError};
 pub use inspect::{ComponentInfo, HOST_WIT_VERSION};
 /// The error vocabulary plugins answer with (shared with the wire protocol).
 pub use kvplane_protocol::KvError;
+pub use load::sha256_hex;
+pub use metrics::RuntimeMetrics;
 pub use pool::Plugin;
 pub use worlds::{Backend, KeyPlacement, Node, PlacementRule, RetryPolicy};
 

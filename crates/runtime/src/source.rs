@@ -36,20 +36,6 @@ pub enum SourceFailure {
     InvalidLimits,
 }
 
-impl SourceFailure {
-    /// CamelCase, as a Kubernetes condition reason.
-    pub fn reason(self) -> &'static str {
-        match self {
-            SourceFailure::UnknownBuiltin => "UnknownBuiltin",
-            SourceFailure::Unavailable => "SourceUnavailable",
-            SourceFailure::NotFound => "SourceNotFound",
-            SourceFailure::InvalidSource => "InvalidSource",
-            SourceFailure::DigestMismatch => "DigestMismatch",
-            SourceFailure::InvalidLimits => "InvalidLimits",
-        }
-    }
-}
-
 /// A refused plugin: what went wrong, and a message naming the plugin.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{message}")]

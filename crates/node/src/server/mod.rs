@@ -108,7 +108,7 @@ impl Node {
     /// As [`Node::start`], serving on `/metrics` whatever `registry` already
     /// holds (the plugin runtime's series) next to the node's own.
     pub async fn start_with_registry(config: NodeConfig, mut registry: Registry) -> anyhow::Result<Node> {
-        let pool = MemoryPool::new(config.pool.clone()).context("reserving the memory pool (--memory)")?;
+        let pool = MemoryPool::new(config.pool.clone()).context("reserving the memory pool (--memory, or memory in the config file)")?;
         let cache = BlockCache::new(pool, config.cache.clone());
         let (shutdown, _) = watch::channel(false);
         let mut tasks = JoinSet::new();
