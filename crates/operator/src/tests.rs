@@ -192,6 +192,16 @@ fn placement_is_rendered_into_both_roles() {
     }
 }
 
+#[test]
+fn aibrix_memory_shorthand_is_gib_and_sizes_are_written_in_one_spelling() {
+    let head = "apiVersion: kvplane.io/v1alpha1\nkind: KVCache\nmetadata: {name: m, namespace: ns}\nspec:\n";
+    for (memory, want) in [("\"2\"", "2Gi"), ("4GiB", "4Gi"), ("1G", "1000000000")] {
+        let r = resolve(&kv(&format!("{head}  cacheSpec: {{memory: {memory}}}\n"))).unwrap();
+        let limits = r.cache.resources.unwrap().limits.unwrap();
+        assert_eq!(limits["memory"].0, want, "memory: {memory}");
+    }
+}
+
 fn resolve_err(yaml: &str) -> String {
     resolve(&kv(yaml)).expect_err("invalid").to_string()
 }
@@ -215,6 +225,10 @@ fn invalid_specs_name_the_field() {
         ),
         ("  service: {type: ClusterIP, nodePort: 30001}", "spec.service.nodePort"),
         ("  metadata: {redis: {image: redis}}", "spec.metadata.redis: kvplane keeps pool metadata in etcd"),
+        // Sizes follow the one shared rule set; ambiguous ones are refused by field.
+        ("  cacheSpec: {memory: 4GB}", "spec.cacheSpec.memory: \"4GB\" is ambiguous"),
+        ("  cacheSpec: {image: v6d, sharedMemorySize: 1MB}", "spec.cacheSpec.sharedMemorySize: \"1MB\" is ambiguous"),
+        ("  metadata: {etcd: {storage: {size: 10 parsecs}}}", "spec.metadata.etcd.storage.size"),
     ];
     for (body, want) in cases {
         let e = resolve_err(&format!("{head}{body}\n"));
