@@ -26,7 +26,7 @@ impl Operator {
         let log = cp.dir().join(format!("operator-{identity}.log"));
         let out = std::fs::File::create(&log).expect("operator log");
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvplane"));
-        cmd.args(["operator", "--install-crd", "--admin", "none", "--identity", identity, "--leader-lease", lease])
+        cmd.args(["operator", "--install-crd", "--admin", "127.0.0.1:0", "--identity", identity, "--leader-lease", lease])
             .env("KUBECONFIG", cp.kubeconfig_path())
             .env("KVPLANE_CACHE_DIR", cp.dir().join("plugin-cache"))
             .env("KVPLANE_LOG", "info,kube=warn")
@@ -44,6 +44,22 @@ impl Operator {
 
     fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The operator's /metrics text, from the admin port it bound (port 0)
+    /// and logged.
+    fn metrics(&self) -> String {
+        let started = Instant::now();
+        let url = loop {
+            let log = self.log();
+            if let Some(rest) = log.split("admin serving on ").nth(1) {
+                break rest.split_whitespace().next().unwrap_or_default().to_owned();
+            }
+            assert!(started.elapsed() < Duration::from_secs(30), "the operator never logged its admin address:\n{log}");
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let mut resp = ureq::get(&url).call().unwrap_or_else(|e| panic!("GET {url}: {e}"));
+        resp.body_mut().read_to_string().expect("reading /metrics")
     }
 
     fn kill(&mut self) {
@@ -191,6 +207,17 @@ fn seed_example_lifecycle(version: &str) {
     eprintln!("{version}: Ready in {:?}", created.elapsed());
     assert_eq!(kv["status"]["backend"], "vineyard");
     assert_eq!(kv["status"]["readyReplicas"], 1);
+
+    // The operator's admin port: its own series and the plugin runtime's,
+    // through the one registry.
+    let metrics = op.metrics();
+    assert!(metrics.contains("kvplane_operator_leader 1"), "{metrics}");
+    let reconciles = metrics.lines().find_map(|l| l.strip_prefix("kvplane_operator_reconciles_total ")).unwrap_or("0");
+    assert!(reconciles.parse::<f64>().unwrap_or(0.0) >= 1.0, "{metrics}");
+    assert!(
+        metrics.lines().any(|l| l.starts_with("kvplane_plugin_calls_total{") && l.contains("function=\"place\"")),
+        "no placement-rule calls counted:\n{metrics}"
+    );
     assert_eq!(kv["status"]["observedGeneration"], kv["metadata"]["generation"]);
     assert_eq!(kv["status"]["endpoints"][0], format!("{name}.{ns}.svc:9600"));
     assert!(kv["status"]["plugins"][0]["sha256"].as_str().is_some_and(|s| s.len() == 64), "{}", kv["status"]);

@@ -149,7 +149,9 @@ pub async fn run(client: Client, config: OperatorConfig) -> anyhow::Result<()> {
             // the lease is healthy too (it must not be restarted for it);
             // `kvplane_operator_leader` tells the leader apart.
             let health: HealthCheck = Arc::new(|| Ok(()));
-            Some(AdminServer::start(addr, Arc::new(registry), health).await?)
+            let server = AdminServer::start(addr, Arc::new(registry), health).await?;
+            tracing::info!("admin serving on http://{}/metrics", server.addr());
+            Some(server)
         }
         None => None,
     };
