@@ -1,11 +1,15 @@
 //! What a node measures, through the process's one Prometheus registry.
 //!
-//! Request-path series are prometheus-client handles resolved once at start
-//! (one per operation), so recording is an atomic add and a histogram
-//! observation with no label lookup. The cache's and the pool's own counters
-//! are read at scrape time by a collector, never copied on the request path.
+//! Recording on the request path is relaxed atomic adds only: counters are
+//! prometheus-client handles resolved once at start (one per operation, no
+//! label lookup), and latency goes into fixed-bucket atomic histograms of our
+//! own, because prometheus-client's `Histogram` takes a mutex per
+//! observation, which every connection serving the same operation would
+//! contend on. The histograms, and the cache's and the pool's own counters,
+//! are read at scrape time by a collector.
 
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Weak;
 use std::time::Duration;
 
@@ -14,7 +18,7 @@ use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetri
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
-use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 
 use super::NodeState;
@@ -54,18 +58,43 @@ struct OpLabel {
 /// enough for a 4 KiB hit and a 64 MiB batch alike.
 const BUCKETS: [f64; 14] = [1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 0.5, 2.5];
 
-fn latency_histogram() -> Histogram {
-    Histogram::new(BUCKETS)
+/// A latency histogram recorded with relaxed atomic adds.
+#[derive(Default)]
+struct LatencyHistogram {
+    buckets: [AtomicU64; BUCKETS.len()],
+    count: AtomicU64,
+    sum_ns: AtomicU64,
+}
+
+impl LatencyHistogram {
+    fn record(&self, d: Duration) {
+        let secs = d.as_secs_f64();
+        if let Some(i) = BUCKETS.iter().position(|&b| secs <= b) {
+            self.buckets[i].fetch_add(1, Ordering::Relaxed);
+        }
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.sum_ns.fetch_add(d.as_nanos().min(u64::MAX as u128) as u64, Ordering::Relaxed);
+    }
+
+    /// (sum in seconds, count, per-bucket counts) as the encoder wants them;
+    /// observations above the last bound count only toward `+Inf`.
+    fn snapshot(&self) -> (f64, u64, Vec<(f64, u64)>) {
+        let buckets: Vec<(f64, u64)> = BUCKETS.iter().zip(&self.buckets).map(|(b, c)| (*b, c.load(Ordering::Relaxed))).collect();
+        let count = self.count.load(Ordering::Relaxed);
+        let in_buckets: u64 = buckets.iter().map(|(_, c)| c).sum();
+        let mut with_inf = buckets;
+        with_inf.push((f64::INFINITY, count.saturating_sub(in_buckets)));
+        (self.sum_ns.load(Ordering::Relaxed) as f64 / 1e9, count, with_inf)
+    }
 }
 
 /// Everything a node counts besides what the cache and pool count themselves.
 pub struct Metrics {
     requests_family: Family<OpLabel, Counter>,
     keys_family: Family<OpLabel, Counter>,
-    latency_family: Family<OpLabel, Histogram, fn() -> Histogram>,
     requests: [Counter; 5],
     keys: [Counter; 5],
-    latency: [Histogram; 5],
+    latency: [LatencyHistogram; 5],
     pub connections_open: Gauge,
     pub connections_total: Counter,
     pub connections_refused: Counter,
@@ -79,15 +108,13 @@ impl Default for Metrics {
     fn default() -> Self {
         let requests_family = Family::<OpLabel, Counter>::default();
         let keys_family = Family::<OpLabel, Counter>::default();
-        let latency_family = Family::<OpLabel, Histogram, fn() -> Histogram>::new_with_constructor(latency_histogram);
         let label = |op: Op| OpLabel { op: op.name() };
         Metrics {
             requests: Op::ALL.map(|op| requests_family.get_or_create_owned(&label(op))),
             keys: Op::ALL.map(|op| keys_family.get_or_create_owned(&label(op))),
-            latency: Op::ALL.map(|op| latency_family.get_or_create_owned(&label(op))),
+            latency: Default::default(),
             requests_family,
             keys_family,
-            latency_family,
             connections_open: Gauge::default(),
             connections_total: Counter::default(),
             connections_refused: Counter::default(),
@@ -103,7 +130,7 @@ impl Metrics {
     pub fn record(&self, op: Op, keys: usize, elapsed: Duration) {
         self.requests[op as usize].inc();
         self.keys[op as usize].inc_by(keys as u64);
-        self.latency[op as usize].observe(elapsed.as_secs_f64());
+        self.latency[op as usize].record(elapsed);
     }
 
     pub fn requests(&self, op: Op) -> u64 {
@@ -115,7 +142,6 @@ impl Metrics {
     pub(super) fn register(&self, registry: &mut Registry, state: Weak<NodeState>) {
         registry.register("kvplane_requests", "Requests handled, by operation", self.requests_family.clone());
         registry.register("kvplane_op_keys", "Keys handled, by operation (a batch of 32 counts 32)", self.keys_family.clone());
-        registry.register("kvplane_op_duration_seconds", "Request latency inside the node, by operation", self.latency_family.clone());
         registry.register("kvplane_connections_open", "Client connections currently open", self.connections_open.clone());
         registry.register("kvplane_connections", "Client connections accepted", self.connections_total.clone());
         registry.register("kvplane_connections_refused", "Connections refused (limit, token, handshake)", self.connections_refused.clone());
@@ -192,6 +218,16 @@ impl Collector for TierCollector {
         gauge(&mut e, "kvplane_memory_capacity_bytes", "Size of the preallocated block pool", pool.capacity_bytes as u64)?;
         gauge(&mut e, "kvplane_memory_used_bytes", "Pool bytes held by live blocks (by size class)", pool.used_bytes as u64)?;
         counter(&mut e, "kvplane_memory_failed_allocations", "Block allocations refused for lack of memory", pool.failed_allocations)?;
+        let mut family = e.encode_descriptor(
+            "kvplane_op_duration_seconds",
+            "Request latency inside the node, by operation",
+            None,
+            MetricType::Histogram,
+        )?;
+        for op in Op::ALL {
+            let (sum, count, buckets) = state.metrics.latency[op as usize].snapshot();
+            family.encode_family(&OpLabel { op: op.name() })?.encode_histogram::<OpLabel>(sum, count, &buckets, None)?;
+        }
         Ok(())
     }
 }
