@@ -66,6 +66,8 @@ pub struct Versions {
     pub kubernetes: Vec<String>,
     pub etcd: String,
     pub kwok: String,
+    /// The distribution registry (`tests/src/registry.rs`), e.g. `3.1.2`.
+    pub registry: String,
 }
 
 impl Versions {
@@ -87,6 +89,7 @@ impl Versions {
             kubernetes: get("K8S_VERSIONS").split_whitespace().map(String::from).collect(),
             etcd: get("ETCD_VERSION"),
             kwok: get("KWOK_VERSION"),
+            registry: get("REGISTRY_VERSION"),
         }
     }
 
@@ -673,8 +676,8 @@ impl Drop for ControlPlane {
 /// Spawn from one thread that lives as long as the process, so that
 /// `PR_SET_PDEATHSIG` (which follows the forking thread) fires only when the
 /// whole test process goes away, not when the test thread that started the
-/// control plane ends.
-fn spawn_from_keeper_thread(cmd: Command) -> std::io::Result<Child> {
+/// control plane ends. Also used by [`crate::registry`].
+pub(crate) fn spawn_from_keeper_thread(cmd: Command) -> std::io::Result<Child> {
     type Request = (Command, mpsc::Sender<std::io::Result<Child>>);
     static KEEPER: OnceLock<mpsc::Sender<Request>> = OnceLock::new();
     let keeper = KEEPER.get_or_init(|| {
@@ -807,7 +810,7 @@ mod tests {
     #[test]
     fn versions_file_lists_what_the_build_script_builds() {
         let v = super::Versions::load();
-        assert!(!v.kubernetes.is_empty() && !v.etcd.is_empty() && !v.kwok.is_empty(), "{v:?}");
+        assert!(!v.kubernetes.is_empty() && !v.etcd.is_empty() && !v.kwok.is_empty() && !v.registry.is_empty(), "{v:?}");
         for full in &v.kubernetes {
             let minor = full.rsplit_once('.').unwrap().0;
             assert_eq!(&v.resolve(minor), full);

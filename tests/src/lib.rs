@@ -199,3 +199,4 @@ pub mod redis {
 
 pub mod control_plane;
 mod net;
+pub mod registry;

@@ -30,7 +30,8 @@ pub enum SourceFailure {
     NotFound,
     /// The declaration names no source, or several.
     InvalidSource,
-    /// The bytes do not have the pinned sha256.
+    /// The bytes do not have the pinned sha256 (the declaration's, or, for
+    /// an OCI artifact, the digest its manifest or reference names).
     DigestMismatch,
     /// `limits` could not be read.
     InvalidLimits,
@@ -73,10 +74,32 @@ pub fn world_of(kind: PluginKind) -> World {
     }
 }
 
-/// Fetches a builtin, URL or OCI source. A ConfigMap source is not
-/// fetched here (`Ok(None)`): the caller reads it from the API server or
-/// from the volume it is mounted on.
+/// How [`fetch_with`] reaches remote sources.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FetchOptions {
+    /// OCI registries (`host:port`) pulled from over plain HTTP; every other
+    /// registry over HTTPS.
+    pub insecure_registries: Vec<String>,
+}
+
+impl FetchOptions {
+    /// What [`fetch`] uses: the insecure registries listed in
+    /// `KVPLANE_INSECURE_REGISTRIES` (comma-separated `host:port`).
+    pub fn from_env() -> FetchOptions {
+        FetchOptions { insecure_registries: crate::oci::insecure_registries_from_env() }
+    }
+}
+
+/// Fetches a builtin, URL or OCI source, with [`FetchOptions::from_env`].
+/// A ConfigMap source is not fetched here (`Ok(None)`): the caller reads it
+/// from the API server or from the volume it is mounted on.
 pub async fn fetch(plugin: &str, src: &PluginSourceSpec) -> Result<Option<Fetched>, SourceError> {
+    fetch_with(plugin, src, &FetchOptions::from_env()).await
+}
+
+/// [`fetch`] with explicit options, for a caller that must not depend on the
+/// process environment (e.g. tests running in parallel threads).
+pub async fn fetch_with(plugin: &str, src: &PluginSourceSpec, options: &FetchOptions) -> Result<Option<Fetched>, SourceError> {
     let set = [src.builtin.is_some(), src.config_map.is_some(), src.url.is_some(), src.oci.is_some()].iter().filter(|s| **s).count();
     if set != 1 {
         return Err(SourceError::new(
@@ -102,9 +125,12 @@ pub async fn fetch(plugin: &str, src: &PluginSourceSpec) -> Result<Option<Fetche
         return Ok(Some(Fetched { origin: url.clone(), bytes: Arc::from(bytes) }));
     }
     if let Some(reference) = &src.oci {
-        let bytes = crate::oci::pull_wasm(reference)
+        // The error names the reference; what it means decides the failure
+        // (a missing tag is NotFound, a layer that is not what its digest
+        // says is DigestMismatch).
+        let bytes = crate::oci::pull_wasm(reference, &options.insecure_registries)
             .await
-            .map_err(|e| SourceError::new(SourceFailure::Unavailable, format!("plugin {plugin}: pulling {reference}: {e:#}")))?;
+            .map_err(|e| SourceError::new(crate::oci::failure_of(&e), format!("plugin {plugin}: {e:#}")))?;
         return Ok(Some(Fetched { origin: format!("oci:{reference}"), bytes: Arc::from(bytes) }));
     }
     Ok(None)
