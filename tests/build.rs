@@ -2,7 +2,8 @@
 //! alone is enough: nobody has to remember a separate fixture build, and a
 //! test can never run against a stale component.
 //!
-//! - the Rust fixtures (`fixtures/hostile`, `fixtures/future-major`) with a
+//! - the Rust fixtures (`fixtures/hostile`, `fixtures/future-major`,
+//!   `fixtures/placement-rule-v0.1`) with a
 //!   nested `cargo build` for `wasm32-wasip2`, in a target dir of their own
 //!   so the nested cargo never waits on the lock the outer cargo holds;
 //! - the Python ring (`examples/plugins/python-ring`) with componentize-py.
@@ -30,15 +31,27 @@ fn main() {
 
     // Paths relative to this package; the nested build covers its own
     // dependencies, but a bumped wit-bindgen in Cargo.lock must reach it too.
-    for path in ["build.rs", "fixtures/hostile", "fixtures/future-major", "../wit", "../Cargo.lock"] {
+    for path in [
+        "build.rs",
+        "fixtures/hostile",
+        "fixtures/future-major",
+        "fixtures/placement-rule-v0.1",
+        "fixtures/key-placement-v0.1",
+        "fixtures/sneaky-placement",
+        "../wit",
+        "../Cargo.lock",
+    ] {
         println!("cargo:rerun-if-changed={path}");
     }
 
-    let (hostile, future_major) = build_rust_fixtures(&root);
+    let [hostile, future_major, placement_rule_v0_1, key_placement_v0_1, sneaky_placement] = build_rust_fixtures(&root);
     let python_ring = build_python_ring(&root, &out_dir);
 
     println!("cargo:rustc-env=KVPLANE_FIXTURE_HOSTILE={}", hostile.display());
     println!("cargo:rustc-env=KVPLANE_FIXTURE_FUTURE_MAJOR={}", future_major.display());
+    println!("cargo:rustc-env=KVPLANE_FIXTURE_PLACEMENT_RULE_V0_1={}", placement_rule_v0_1.display());
+    println!("cargo:rustc-env=KVPLANE_FIXTURE_KEY_PLACEMENT_V0_1={}", key_placement_v0_1.display());
+    println!("cargo:rustc-env=KVPLANE_FIXTURE_SNEAKY_PLACEMENT={}", sneaky_placement.display());
     println!("cargo:rustc-env=KVPLANE_PYTHON_RING={}", python_ring.display());
 }
 
@@ -48,7 +61,7 @@ fn fail(message: &str) -> ! {
     std::process::exit(1);
 }
 
-fn build_rust_fixtures(root: &Path) -> (PathBuf, PathBuf) {
+fn build_rust_fixtures(root: &Path) -> [PathBuf; 5] {
     let target_dir = root.join("target").join("wasm-fixtures");
     let cargo = env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut cmd = Command::new(cargo);
@@ -58,6 +71,8 @@ fn build_rust_fixtures(root: &Path) -> (PathBuf, PathBuf) {
         .arg(root.join("Cargo.toml"))
         .args(["--release", "--target", "wasm32-wasip2"])
         .args(["-p", "kvplane-fixture-hostile", "-p", "kvplane-fixture-future-major"])
+        .args(["-p", "kvplane-fixture-placement-rule-v0-1", "-p", "kvplane-fixture-key-placement-v0-1"])
+        .args(["-p", "kvplane-fixture-sneaky-placement"])
         .arg("--target-dir")
         .arg(&target_dir)
         // Flags meant for the host build (coverage, sanitizers, target-cpu)
@@ -77,7 +92,13 @@ fn build_rust_fixtures(root: &Path) -> (PathBuf, PathBuf) {
         }
         path
     };
-    (found("kvplane_fixture_hostile.wasm"), found("kvplane_fixture_future_major.wasm"))
+    [
+        found("kvplane_fixture_hostile.wasm"),
+        found("kvplane_fixture_future_major.wasm"),
+        found("kvplane_fixture_placement_rule_v0_1.wasm"),
+        found("kvplane_fixture_key_placement_v0_1.wasm"),
+        found("kvplane_fixture_sneaky_placement.wasm"),
+    ]
 }
 
 fn build_python_ring(root: &Path, out_dir: &Path) -> PathBuf {

@@ -4,12 +4,26 @@
 
 #![deny(unsafe_code)]
 
-/// A `key-placement` plugin that misbehaves when asked to, to prove a guest
-/// cannot take the host down: the first key passed to `owners` picks the
-/// failure (see [`hostile`]); any other key gets a well-behaved answer, the
-/// first `replicas` member ids in `set-members` order, so a test can check
-/// that a replacement instance serves again after a trap.
+/// A `backend` plugin that misbehaves when asked to, to prove a guest cannot
+/// take the host down or make it spend more than the declaration grants: the
+/// first key of `exists` picks a guest fault, the first key of `get` a host
+/// resource to exhaust (see [`hostile`] and the fixture's module docs); any
+/// other key gets a well-behaved answer (`false`, `not-found`), so a test can
+/// check that the plugin serves again after each.
 pub const HOSTILE: &str = env!("KVPLANE_FIXTURE_HOSTILE");
+
+/// A `placement-rule` plugin built against `kvplane:plugin@0.1.0`, whose
+/// world did not change in 0.2.0: it must keep loading. It answers the
+/// required node term `kvplane.io/fixture In [v0.1, ROLE]`.
+pub const PLACEMENT_RULE_V0_1: &str = env!("KVPLANE_FIXTURE_PLACEMENT_RULE_V0_1");
+
+/// A `key-placement` plugin built against `kvplane:plugin@0.1.0`, whose
+/// world changed in 0.2.0: it must be refused naming both versions.
+pub const KEY_PLACEMENT_V0_1: &str = env!("KVPLANE_FIXTURE_KEY_PLACEMENT_V0_1");
+
+/// A 0.2.0 `key-placement` plugin that also imports `transport`, which its
+/// world does not offer: it must fail to link.
+pub const SNEAKY_PLACEMENT: &str = env!("KVPLANE_FIXTURE_SNEAKY_PLACEMENT");
 
 /// A `key-placement` plugin built against `kvplane:plugin@1.0.0`, a major
 /// version the host does not speak: loading it must fail with a message that
@@ -22,9 +36,29 @@ pub const FUTURE_MAJOR: &str = env!("KVPLANE_FIXTURE_FUTURE_MAJOR");
 /// the Rust ring owner for owner.
 pub const PYTHON_RING: &str = env!("KVPLANE_PYTHON_RING");
 
-/// First keys that make [`HOSTILE`]'s `owners` misbehave. Kept here so tests
-/// and fixture cannot drift apart.
+
+/// First keys that make [`HOSTILE`] misbehave. Kept here so tests and
+/// fixture cannot drift apart.
 pub mod hostile {
+    /// `get`: opens connections to config `endpoint` until refused.
+    pub const CONNECTIONS: &[u8] = b"connections";
+    /// `get`: queues 1 MiB writes without flushing until refused.
+    pub const QUEUED: &[u8] = b"queued";
+    /// `get`: slices its destination, keeping every view, until refused.
+    pub const BUFFERS: &[u8] = b"buffers";
+    /// `get`: asks `read-buffer` for 1 GiB from config `endpoint`.
+    pub const BUFFER_BYTES: &[u8] = b"buffer-bytes";
+    /// `get`: keeps (a view of) its destination past the call.
+    pub const KEEP: &[u8] = b"keep";
+    /// `get`: reads from config `endpoint` into the view `KEEP` kept.
+    pub const STALE: &[u8] = b"stale";
+    /// `get`: sends `PING`, reads 100 bytes the peer never sends (a read
+    /// that times out mid-message), keeps the connection.
+    pub const HALF_READ: &[u8] = b"half-read";
+    /// `get`: reads one byte on the connection `HALF_READ` kept.
+    pub const REUSE: &[u8] = b"reuse";
+    /// `exists`: reports 100 000 distinct counters.
+    pub const METRICS: &[u8] = b"metrics";
     /// Spins forever: only the call deadline stops it.
     pub const LOOP: &[u8] = b"loop";
     /// Allocates and touches 1 MiB blocks forever: only the memory cap stops
@@ -35,19 +69,16 @@ pub mod hostile {
     /// Recurses without bound on the engine's call stack: the host's wasm
     /// stack limit stops it ("call stack exhausted").
     pub const RECURSE: &[u8] = b"recurse";
-    /// Answers this key with [`HUGE_OWNERS`] distinct owner ids of
-    /// [`HUGE_ID_LEN`] bytes each, whatever `replicas` was; other keys of the
-    /// batch get the well-behaved answer. The host must reject the answer.
+    /// `exists` answers [`HUGE_ANSWERS`] results whatever the key count. The
+    /// host must reject the answer.
     pub const HUGE: &[u8] = b"huge";
     /// Probes environment, arguments, files and sockets and reports what it
     /// was granted as gauges `ambient-*` (1 granted, 0 denied), and whether
     /// it can read `/data/hello` (containing "hello") and write `/data/escape`
     /// as `granted-read` / `granted-write`; then answers normally.
     pub const AMBIENT: &[u8] = b"ambient";
-    /// Owners in the answer to [`HUGE`].
-    pub const HUGE_OWNERS: usize = 200_000;
-    /// Bytes in each owner id of the answer to [`HUGE`].
-    pub const HUGE_ID_LEN: usize = 64;
+    /// Results in the answer to [`HUGE`].
+    pub const HUGE_ANSWERS: usize = 200_000;
 }
 
 #[cfg(test)]
@@ -58,7 +89,14 @@ mod tests {
 
     #[test]
     fn every_fixture_is_a_component() {
-        for path in [super::HOSTILE, super::FUTURE_MAJOR, super::PYTHON_RING] {
+        for path in [
+            super::HOSTILE,
+            super::FUTURE_MAJOR,
+            super::PLACEMENT_RULE_V0_1,
+            super::KEY_PLACEMENT_V0_1,
+            super::SNEAKY_PLACEMENT,
+            super::PYTHON_RING,
+        ] {
             let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{path}: {e}"));
             assert_eq!(bytes.get(..8), Some(&COMPONENT_PREAMBLE[..]), "{path} is not a Wasm component");
         }

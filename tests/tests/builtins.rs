@@ -19,15 +19,19 @@ async fn ring_passes_the_key_placement_kit() {
     assert!(report.passed(), "{report}");
 }
 
+/// `builtin:ring`'s table is the native fail-open default's, slot for slot,
+/// with members in every state and of several weights.
 #[tokio::test]
 async fn ring_agrees_with_the_native_ring() {
+    use kvplane_protocol::placement::{Member, MemberState, SLOTS};
     let ring = runtime().load_key_placement(decl("ring", World::KeyPlacement)).unwrap();
-    let members: Vec<_> =
-        (0..7).map(|i| kvplane_runtime::Node { id: format!("n{i}"), endpoint: format!("h{i}:1"), labels: vec![] }).collect();
-    ring.set_members(members.clone()).await.unwrap();
-    let keys: Vec<Vec<u8>> = (0..1000u32).map(|i| i.to_le_bytes().to_vec()).collect();
-    let wasm = ring.owners(keys.clone(), 3).await.unwrap();
-    let native = kvplane_runtime::worlds::native_owners(&members, &keys, 3).unwrap();
+    let mut members: Vec<Member> = (0..7).map(|i| Member::up(format!("n{i}"), format!("h{i}:1"))).collect();
+    members[1].state = MemberState::Draining;
+    members[2].state = MemberState::Down;
+    members[3].state = MemberState::Joining;
+    members[4].weight = 300;
+    let wasm = ring.compute(1, members.clone(), SLOTS, 3).await.unwrap();
+    let native = kvplane_runtime::worlds::native_slot_table(1, members, SLOTS, 3).unwrap();
     assert_eq!(wasm, native);
 }
 

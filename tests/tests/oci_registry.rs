@@ -72,6 +72,7 @@ fn spec(name: &str, reference: &str, sha256: Option<String>) -> PluginSpec {
         limits: None,
         failure_policy: Default::default(),
         allowed_endpoints: Vec::new(),
+        drivers: Vec::new(),
     }
 }
 

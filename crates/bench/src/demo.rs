@@ -3,9 +3,15 @@
 
 use std::process::ExitCode;
 
+use kvplane_protocol::placement::{Member, MemberState, SLOTS};
 use kvplane_runtime::bindings::WitError;
 use kvplane_runtime::worlds::{Decision, Failure, Operation, PodRequest};
-use kvplane_runtime::{Node, PluginDecl, PluginRuntime, PluginSource, World};
+use kvplane_runtime::{PluginDecl, PluginRuntime, PluginSource, World};
+
+/// The ids of `key`'s owners in `table`, primary first, for printing.
+fn owner_ids(table: &kvplane_protocol::placement::SlotTable, key: &[u8]) -> Vec<String> {
+    table.owner_members(key).map(|m| m.id.clone()).collect()
+}
 
 pub async fn run() -> anyhow::Result<ExitCode> {
     let runtime = PluginRuntime::with_default_cache()?;
@@ -16,28 +22,39 @@ pub async fn run() -> anyhow::Result<ExitCode> {
         "== key placement (builtin:ring, loaded from {})",
         if ring.plugin.from_cache { "the compile cache" } else { "a fresh compile" }
     );
-    let members: Vec<Node> =
-        (0..4).map(|i| Node { id: format!("cache-{i}"), endpoint: format!("10.0.0.{}:9600", 10 + i), labels: vec![] }).collect();
-    ring.set_members(members.clone()).await?;
+    let mut members: Vec<Member> = (0..4).map(|i| Member::up(format!("cache-{i}"), format!("10.0.0.{}:9600", 10 + i))).collect();
+    // The plugin computes the slot table once per membership change; every
+    // key is then looked up natively (crc32c, a modulo and a slice index).
+    let started = std::time::Instant::now();
+    let table = ring.compute(1, members.clone(), SLOTS, 2).await?;
+    println!("  slot table v{}: {} slots x {} owners, computed in {:?}", table.version, table.slots(), table.replicas(), started.elapsed());
     let keys: Vec<Vec<u8>> = (0..6).map(|i| format!("prompt-7f3a/block-{i}").into_bytes()).collect();
-    let owners = ring.owners(keys.clone(), 2).await?;
-    for (k, o) in keys.iter().zip(&owners) {
-        println!("  {:<24} -> {}", String::from_utf8_lossy(k), o.join(", "));
+    for k in &keys {
+        println!("  {:<24} -> {}", String::from_utf8_lossy(k), owner_ids(&table, k).join(", "));
     }
-    ring.set_members(members[..3].to_vec()).await?;
-    let after = ring.owners(keys.clone(), 2).await?;
-    let moved = owners.iter().zip(&after).filter(|(a, b)| a[0] != b[0]).count();
-    println!("  cache-3 leaves: {moved} of {} primaries move", keys.len());
+    members[3].state = MemberState::Draining;
+    let after = ring.compute(2, members, SLOTS, 2).await?;
+    let moved = keys.iter().filter(|k| owner_ids(&table, k) != owner_ids(&after, k)).count();
+    println!(
+        "  cache-3 drains: {moved} of {} keys change owners; {:.1}% of slots change primary",
+        keys.len(),
+        table.moved_fraction(&after) * 100.0
+    );
 
     let backoff = runtime.load_retry_policy(builtin("backoff", World::RetryPolicy))?;
     println!("== retry policy (builtin:backoff)");
+    let deadline_ms = 1_000;
     let mut elapsed = 0;
     for attempt in 1..=8 {
         let failure = Failure {
             operation: Operation::Get,
+            idempotent: true,
+            target: "cache-1".into(),
+            replica: 0,
             attempt,
             error: WitError::Timeout("peer slow".into()),
             elapsed_ms: elapsed,
+            deadline_left_ms: deadline_ms - elapsed.min(deadline_ms),
             jitter_seed: fastrand::u64(..),
         };
         let d = backoff.decide(failure).await?;

@@ -75,13 +75,17 @@ pub async fn run(args: NodeArgs) -> anyhow::Result<ExitCode> {
     // and its settings are the defaults the flags override.
     let mut registry = Registry::default();
     let mut file_memory = None;
+    // Declared plugins, each with one configured instance, kept while the
+    // node serves.
+    let mut plugins = Vec::new();
     if let Some(path) = &args.config {
         let file = kvplane_node::server::config::read(path)?;
         let runtime = kvplane_runtime::PluginRuntime::with_default_cache()?;
         let verified = kvplane_node::server::config::verify_plugins(&file, path, &runtime).await?;
         for p in &verified {
-            eprintln!("plugin {} ({}) verified: {} sha256 {}", p.name, p.world, p.origin, p.sha256);
+            eprintln!("plugin {} ({}) started: {} sha256 {}", p.name, p.world, p.origin, p.sha256);
         }
+        plugins = verified;
         eprintln!("backend {} (second tier not yet served by this node build; the memory tier serves alone)", file.backend.name());
         runtime.metrics().register(&mut registry);
         file_memory = file
@@ -133,6 +137,7 @@ pub async fn run(args: NodeArgs) -> anyhow::Result<ExitCode> {
     eprintln!("kvplane node: draining");
     let drained = node.shutdown().await;
     eprintln!("kvplane node: stopped{}", if drained { "" } else { " (drain deadline passed)" });
+    drop(plugins);
     Ok(ExitCode::SUCCESS)
 }
 

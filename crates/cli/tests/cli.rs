@@ -36,7 +36,7 @@ fn plugin_inspect_shows_world_version_and_digest() {
     let out = kvplane(&["plugin", "inspect", "builtin:resp"], cache.path());
     let t = text(&out);
     assert!(out.status.success(), "{t}");
-    for want in ["world:       backend", "kvplane:plugin@0.1.0", "kvplane:plugin/transport@0.1.0", "kvplane:plugin/store@0.1.0", "sha256:"]
+    for want in ["world:       backend", "kvplane:plugin@0.2.0", "kvplane:plugin/transport@0.2.0", "kvplane:plugin/store@0.2.0", "sha256:"]
     {
         assert!(t.contains(want), "missing {want:?} in:\n{t}");
     }

@@ -14,7 +14,7 @@ pub mod plugin;
 pub mod size;
 
 pub use node::{BackendType, MetadataEndpoints, NodeConfigFile};
-pub use plugin::{FailurePolicy, PluginKind, PluginLimits, PluginSourceSpec, PluginSpec};
+pub use plugin::{DriverRef, FailurePolicy, PluginKind, PluginLimits, PluginSourceSpec, PluginSpec};
 pub use size::{parse_bytes, ByteSize, SizeError};
 
 /// A configuration text that could not be read as the expected type.

@@ -96,6 +96,7 @@ mod tests {
                 limits: None,
                 failure_policy: Default::default(),
                 allowed_endpoints: vec![],
+                drivers: vec![],
             }],
         };
         let text = serde_json::to_string_pretty(&file).unwrap();

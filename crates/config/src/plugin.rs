@@ -53,9 +53,28 @@ pub struct PluginSpec {
     pub limits: Option<PluginLimits>,
     #[serde(default)]
     pub failure_policy: FailurePolicy,
-    /// `host:port` endpoints the plugin may connect to.
+    /// What the plugin may connect to: `host:port`, `host:*` (any port),
+    /// an address or CIDR with a port (`10.0.0.0/8:6379`, `[fd00::]/8:*`),
+    /// or `unix:/path/to.sock`. Names are resolved by the host and every
+    /// address is checked before connecting.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub allowed_endpoints: Vec<String>,
+    /// Native driver libraries (see include/kvplane_driver.h) the plugin may
+    /// open through the contract's `driver` interface, by name.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub drivers: Vec<DriverRef>,
+}
+
+/// A driver a backend plugin may open.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DriverRef {
+    /// The name the plugin opens it by (`driver.session.open(name, ...)`).
+    #[schemars(length(min = 1, max = 63))]
+    pub name: String,
+    /// Absolute path of the shared library on the node (in its image).
+    #[schemars(regex(pattern = r"^/"))]
+    pub path: String,
 }
 
 /// Exactly one of the four sources.
@@ -95,12 +114,42 @@ pub struct PluginLimits {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(regex(pattern = r"^[0-9]+(ms|s)$"))]
     pub timeout: Option<String>,
+    /// Open connections per instance (default 16).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub connections: Option<u32>,
+    /// Bytes queued for sending per instance before `flush` (default 64Mi).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queued_bytes: Option<String>,
+    /// Buffer handles an instance may hold at once (default 4096).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub buffers: Option<u32>,
+    /// Bytes of host buffers an instance may allocate (`read-buffer`) and hold
+    /// at once (default 256Mi).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub buffer_bytes: Option<String>,
+    /// Handles of any kind (connections, buffers, driver sessions) in an
+    /// instance's resource table (default 8192).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handles: Option<u32>,
+    /// Distinct metric series the plugin may report (default 256).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metric_series: Option<u32>,
 }
 
 impl PluginLimits {
     /// The memory cap in bytes, if one is set.
     pub fn memory_bytes(&self) -> Result<Option<u64>, String> {
         self.memory.as_deref().map(|m| parse_bytes(m).map_err(|e| format!("limits.memory: {e}"))).transpose()
+    }
+
+    /// `queuedBytes`, if set.
+    pub fn queued_bytes(&self) -> Result<Option<u64>, String> {
+        self.queued_bytes.as_deref().map(|m| parse_bytes(m).map_err(|e| format!("limits.queuedBytes: {e}"))).transpose()
+    }
+
+    /// `bufferBytes`, if set.
+    pub fn buffer_bytes(&self) -> Result<Option<u64>, String> {
+        self.buffer_bytes.as_deref().map(|m| parse_bytes(m).map_err(|e| format!("limits.bufferBytes: {e}"))).transpose()
     }
 
     /// The per-call deadline, if one is set.
@@ -145,10 +194,10 @@ mod tests {
 
     #[test]
     fn limits_parse_with_the_shared_size_rules() {
-        let l = PluginLimits { memory: Some("64Mi".into()), timeout: Some("200ms".into()) };
+        let l = PluginLimits { memory: Some("64Mi".into()), timeout: Some("200ms".into()), ..Default::default() };
         assert_eq!(l.memory_bytes(), Ok(Some(64 << 20)));
         assert_eq!(l.timeout(), Ok(Some(Duration::from_millis(200))));
-        let bad = PluginLimits { memory: Some("64MB".into()), timeout: Some("2 minutes".into()) };
+        let bad = PluginLimits { memory: Some("64MB".into()), timeout: Some("2 minutes".into()), ..Default::default() };
         assert!(bad.memory_bytes().unwrap_err().contains("ambiguous"));
         assert!(bad.timeout().unwrap_err().contains("200ms"));
     }

@@ -350,6 +350,7 @@ fn builtin_plugin(name: &str, kind: PluginKind, allowed_endpoints: Vec<String>) 
         limits: None,
         failure_policy: FailurePolicy::FailClosed,
         allowed_endpoints,
+        drivers: Vec::new(),
     }
 }
 

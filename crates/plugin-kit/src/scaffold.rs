@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context as _};
 
-use kvplane_runtime::World;
+use kvplane_runtime::{World, HOST_WIT_VERSION};
 
 /// The contract, as compiled into this host.
 const WIT_FILES: &[(&str, &str)] = &[
@@ -91,7 +91,13 @@ pub fn create(world: World, lang: &str, name: &str, parent: &Path) -> anyhow::Re
             }
         }
     }
-    write(&dir.join("README.md"), &format!("# {name}\n\nA kvplane `{world}` plugin.\n\n{}\n", next_steps(world, lang, name)))?;
+    write(
+        &dir.join("README.md"),
+        &format!(
+            "# {name}\n\nA kvplane `{world}` plugin, built against the contract `kvplane:plugin@{HOST_WIT_VERSION}` in `wit/`.\n\n{}\n",
+            next_steps(world, lang, name)
+        ),
+    )?;
     Ok(dir)
 }
 
@@ -106,5 +112,73 @@ pub fn next_steps(world: World, lang: &str, name: &str) -> String {
             name.replace('-', "_"),
             if world == World::Backend { " --endpoint HOST:PORT" } else { "" }
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn read(dir: &Path, file: &str) -> String {
+        std::fs::read_to_string(dir.join(file)).unwrap_or_else(|e| panic!("reading {file}: {e}"))
+    }
+
+    /// The projects carry the host's contract and templates written for it:
+    /// the 0.2.0 `compute` and the 0.2.0 failure, not 0.1.0's calls.
+    #[test]
+    fn projects_carry_the_current_contract() {
+        let parent = tempfile::tempdir().unwrap();
+        for world in [World::KeyPlacement, World::RetryPolicy, World::PlacementRule] {
+            for lang in ["rust", "python"] {
+                let name = format!("{lang}-{world}");
+                let dir = create(world, lang, &name, parent.path()).unwrap();
+                for (file, text) in WIT_FILES {
+                    assert_eq!(&read(&dir, &format!("wit/{file}")), text);
+                    assert!(text.contains(&format!("package kvplane:plugin@{HOST_WIT_VERSION};")), "{file}");
+                }
+                assert!(read(&dir, "README.md").contains(&format!("kvplane:plugin@{HOST_WIT_VERSION}")));
+                let source = if lang == "rust" { read(&dir, "src/lib.rs") } else { read(&dir, "app.py") };
+                for gone in
+                    ["set_members", "set-members", "fn owners", "def owners", "types.Node", ", Node}", "import clock", "plugin::clock"]
+                {
+                    assert!(!source.contains(gone), "{name} still mentions {gone:?}");
+                }
+                let wanted: &[&str] = match (world, lang) {
+                    (World::KeyPlacement, "rust") => {
+                        &["fn compute(members: Vec<Member>, slots: u32, replicas: u32) -> Result<SlotTable, Error>", "MemberState::Up"]
+                    }
+                    (World::KeyPlacement, _) => &[
+                        "def compute(self, members: List[types.Member], slots: int, replicas: int) -> placement.SlotTable",
+                        "types.MemberState.UP",
+                    ],
+                    (World::RetryPolicy, "rust") => {
+                        &["deadline_left_ms", "idempotent", "E::Busy(busy)", "E::Unsupported(_)", "E::Denied(_)"]
+                    }
+                    (World::RetryPolicy, _) => {
+                        &["deadline_left_ms", "idempotent", "types.Error_Busy", "types.Error_Unsupported", "types.Error_Denied"]
+                    }
+                    _ => &["place"],
+                };
+                for want in wanted {
+                    assert!(source.contains(want), "{name} lacks {want:?}");
+                }
+                if lang == "rust" {
+                    let cargo = read(&dir, "Cargo.toml");
+                    assert!(cargo.contains(&format!("name = \"{name}\"")) && cargo.contains("wit-bindgen"), "{cargo}");
+                    assert!(source.contains("path: \"wit\""), "{name}: the bindings must read the project's own wit/");
+                }
+            }
+        }
+        // A backend starts from builtin:resp, pointed at the project's wit/.
+        let dir = create(World::Backend, "rust", "my-backend", parent.path()).unwrap();
+        assert!(read(&dir, "src/plugin.rs").contains("path: \"wit\""));
+        assert!(create(World::Backend, "python", "py-backend", parent.path()).unwrap_err().to_string().contains("--lang rust"));
+        assert!(create(World::KeyPlacement, "rust", "my-backend", parent.path()).unwrap_err().to_string().contains("already exists"));
+    }
+
+    #[test]
+    fn python_build_steps_use_the_pinned_componentize_py() {
+        let steps = next_steps(World::KeyPlacement, "python", "p");
+        assert!(steps.contains("componentize-py==0.25.1") && steps.contains("-w key-placement componentize app"), "{steps}");
     }
 }

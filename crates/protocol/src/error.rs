@@ -16,6 +16,9 @@ pub enum ErrorCode {
     Invalid,
     Capacity,
     Internal,
+    Unsupported,
+    Busy,
+    Denied,
     BadMagic,
     BadVersion,
     FrameTooLarge,
@@ -42,6 +45,9 @@ impl ErrorCode {
             ErrorCode::Invalid => 4,
             ErrorCode::Capacity => 5,
             ErrorCode::Internal => 6,
+            ErrorCode::Unsupported => 7,
+            ErrorCode::Busy => 8,
+            ErrorCode::Denied => 9,
             ErrorCode::BadMagic => 16,
             ErrorCode::BadVersion => 17,
             ErrorCode::FrameTooLarge => 18,
@@ -67,6 +73,9 @@ impl ErrorCode {
             4 => ErrorCode::Invalid,
             5 => ErrorCode::Capacity,
             6 => ErrorCode::Internal,
+            7 => ErrorCode::Unsupported,
+            8 => ErrorCode::Busy,
+            9 => ErrorCode::Denied,
             16 => ErrorCode::BadMagic,
             17 => ErrorCode::BadVersion,
             18 => ErrorCode::FrameTooLarge,
@@ -91,6 +100,9 @@ impl ErrorCode {
             ErrorCode::Invalid => "invalid",
             ErrorCode::Capacity => "capacity",
             ErrorCode::Internal => "internal",
+            ErrorCode::Unsupported => "unsupported",
+            ErrorCode::Busy => "busy",
+            ErrorCode::Denied => "denied",
             ErrorCode::BadMagic => "bad-magic",
             ErrorCode::BadVersion => "bad-version",
             ErrorCode::FrameTooLarge => "frame-too-large",
@@ -120,6 +132,19 @@ impl ErrorCode {
             ErrorCode::Invalid => KvError::Invalid(message),
             ErrorCode::Capacity => KvError::Capacity(message),
             ErrorCode::Internal => KvError::Internal(message),
+            ErrorCode::Unsupported => KvError::Unsupported(message),
+            ErrorCode::Busy => {
+                // `retry-after-ms=N rest`: the form `Response::from_kv_error` writes.
+                let parsed = message.strip_prefix("retry-after-ms=").and_then(|rest| {
+                    let (n, rest) = rest.split_once(' ').unwrap_or((rest, ""));
+                    Some((n.parse().ok()?, rest.to_owned()))
+                });
+                match parsed {
+                    Some((retry_after_ms, message)) => KvError::Busy { retry_after_ms, message },
+                    None => KvError::Busy { retry_after_ms: 0, message },
+                }
+            }
+            ErrorCode::Denied => KvError::Denied(message),
             ErrorCode::FrameTooLarge | ErrorCode::TooManyKeys => KvError::Capacity(detail),
             // A checksum mismatch is corruption in flight: another attempt
             // may well succeed, so it must not look like a caller bug.
@@ -148,6 +173,9 @@ impl From<&KvError> for ErrorCode {
             KvError::Invalid(_) => ErrorCode::Invalid,
             KvError::Capacity(_) => ErrorCode::Capacity,
             KvError::Internal(_) => ErrorCode::Internal,
+            KvError::Unsupported(_) => ErrorCode::Unsupported,
+            KvError::Busy { .. } => ErrorCode::Busy,
+            KvError::Denied(_) => ErrorCode::Denied,
         }
     }
 }

@@ -1,6 +1,6 @@
 //! The error vocabulary shared by the wire protocol, the cache and plugins.
 //!
-//! It mirrors the WIT `types.error` variant one to one, so an error raised by
+//! It mirrors the WIT `types.error` variant (kvplane:plugin@0.2.0) one to one, so an error raised by
 //! a backend plugin, a peer node or the host itself means the same thing to a
 //! retry policy.
 
@@ -27,6 +27,15 @@ pub enum KvError {
     /// A bug or unexpected state.
     #[error("internal: {0}")]
     Internal(String),
+    /// The store cannot do this at all. Never worth a retry.
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    /// Overloaded: try again after `retry_after_ms` (0: unknown).
+    #[error("busy (retry after {retry_after_ms} ms): {message}")]
+    Busy { retry_after_ms: u64, message: String },
+    /// Not permitted by a declaration or the store. Never worth a retry.
+    #[error("denied: {0}")]
+    Denied(String),
 }
 
 impl KvError {
@@ -39,6 +48,9 @@ impl KvError {
             KvError::Invalid(_) => ErrorKind::Invalid,
             KvError::Capacity(_) => ErrorKind::Capacity,
             KvError::Internal(_) => ErrorKind::Internal,
+            KvError::Unsupported(_) => ErrorKind::Unsupported,
+            KvError::Busy { .. } => ErrorKind::Busy,
+            KvError::Denied(_) => ErrorKind::Denied,
         }
     }
 }
@@ -52,6 +64,9 @@ pub enum ErrorKind {
     Invalid,
     Capacity,
     Internal,
+    Unsupported,
+    Busy,
+    Denied,
 }
 
 impl fmt::Display for ErrorKind {
@@ -63,6 +78,9 @@ impl fmt::Display for ErrorKind {
             ErrorKind::Invalid => "invalid",
             ErrorKind::Capacity => "capacity",
             ErrorKind::Internal => "internal",
+            ErrorKind::Unsupported => "unsupported",
+            ErrorKind::Busy => "busy",
+            ErrorKind::Denied => "denied",
         })
     }
 }

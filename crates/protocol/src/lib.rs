@@ -21,6 +21,7 @@ mod frame;
 mod kv_error;
 mod limits;
 mod message;
+pub mod placement;
 
 #[cfg(feature = "io")]
 pub mod io;

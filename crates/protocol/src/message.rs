@@ -160,7 +160,12 @@ impl Response {
             | crate::KvError::Unavailable(m)
             | crate::KvError::Invalid(m)
             | crate::KvError::Capacity(m)
-            | crate::KvError::Internal(m) => m.clone(),
+            | crate::KvError::Internal(m)
+            | crate::KvError::Unsupported(m)
+            | crate::KvError::Denied(m) => m.clone(),
+            // The back-off travels at the front of the message (see
+            // `ErrorCode::into_kv_error`).
+            crate::KvError::Busy { retry_after_ms, message } => format!("retry-after-ms={retry_after_ms} {message}"),
         };
         Response::Error { code: ErrorCode::from(e), message }
     }

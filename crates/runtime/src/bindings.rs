@@ -1,9 +1,10 @@
-//! Generated bindings for the `kvplane:plugin` contract.
+//! Generated bindings for the `kvplane:plugin@0.2.0` contract.
 //!
 //! One synthetic world imports every host interface and exports every plugin
-//! interface, so each host interface is implemented once; a plugin of any
-//! world is then loaded through the `GuestIndices` of the one interface it
-//! exports. Hand-written host code lives beside this module, never in it.
+//! interface, so each host interface is implemented once; each plugin world
+//! is then linked with only its own imports (`engine.rs`) and loaded through
+//! the `GuestIndices` of the one interface it exports. Hand-written host code
+//! lives beside this module, never in it.
 
 wasmtime::component::bindgen!({
     path: "../../wit",
@@ -11,31 +12,36 @@ wasmtime::component::bindgen!({
         package kvplane:host;
 
         world plugin-host {
-            import kvplane:plugin/buffers@0.1.0;
-            import kvplane:plugin/transport@0.1.0;
-            import kvplane:plugin/log@0.1.0;
-            import kvplane:plugin/clock@0.1.0;
-            import kvplane:plugin/metrics@0.1.0;
-            export kvplane:plugin/store@0.1.0;
-            export kvplane:plugin/placement@0.1.0;
-            export kvplane:plugin/retry@0.1.0;
-            export kvplane:plugin/scheduling@0.1.0;
+            import kvplane:plugin/buffers@0.2.0;
+            import kvplane:plugin/transport@0.2.0;
+            import kvplane:plugin/driver@0.2.0;
+            import kvplane:plugin/log@0.2.0;
+            import kvplane:plugin/clock@0.2.0;
+            import kvplane:plugin/metrics@0.2.0;
+            export kvplane:plugin/store@0.2.0;
+            export kvplane:plugin/placement@0.2.0;
+            export kvplane:plugin/retry@0.2.0;
+            export kvplane:plugin/scheduling@0.2.0;
         }
     ",
     imports: {
         "kvplane:plugin/transport": async | trappable,
+        "kvplane:plugin/driver": async | trappable,
         default: trappable,
     },
     exports: { default: async },
     additional_derives: [PartialEq],
     with: {
-        "kvplane:plugin/buffers.buffer": crate::host::BlockBuffer,
+        "kvplane:plugin/buffers.buffer": crate::buffer::BlockBuffer,
         "kvplane:plugin/transport.connection": crate::transport::Connection,
+        "kvplane:plugin/driver.session": crate::driver::DriverSession,
     },
 });
 
 pub use exports::kvplane::plugin::{placement, retry, scheduling, store};
-pub use kvplane::plugin::types::{BackendFeatures, Error as WitError, Node as WitNode};
+pub use kvplane::plugin::types::{
+    BackendFeatures, Busy, CallOptions, Error as WitError, Member as WitMember, MemberState as WitMemberState,
+};
 
 impl From<WitError> for kvplane_protocol::KvError {
     fn from(e: WitError) -> Self {
@@ -47,6 +53,9 @@ impl From<WitError> for kvplane_protocol::KvError {
             WitError::Invalid(m) => KvError::Invalid(m),
             WitError::Capacity(m) => KvError::Capacity(m),
             WitError::Internal(m) => KvError::Internal(m),
+            WitError::Unsupported(m) => KvError::Unsupported(m),
+            WitError::Busy(b) => KvError::Busy { retry_after_ms: b.retry_after_ms, message: b.message },
+            WitError::Denied(m) => KvError::Denied(m),
         }
     }
 }
@@ -61,6 +70,40 @@ impl From<kvplane_protocol::KvError> for WitError {
             KvError::Invalid(m) => WitError::Invalid(m),
             KvError::Capacity(m) => WitError::Capacity(m),
             KvError::Internal(m) => WitError::Internal(m),
+            KvError::Unsupported(m) => WitError::Unsupported(m),
+            KvError::Busy { retry_after_ms, message } => WitError::Busy(Busy { retry_after_ms, message }),
+            KvError::Denied(m) => WitError::Denied(m),
         }
+    }
+}
+
+impl From<kvplane_protocol::placement::MemberState> for WitMemberState {
+    fn from(s: kvplane_protocol::placement::MemberState) -> Self {
+        use kvplane_protocol::placement::MemberState as S;
+        match s {
+            S::Joining => WitMemberState::Joining,
+            S::Up => WitMemberState::Up,
+            S::Draining => WitMemberState::Draining,
+            S::Down => WitMemberState::Down,
+        }
+    }
+}
+
+impl From<&kvplane_protocol::placement::Member> for WitMember {
+    fn from(m: &kvplane_protocol::placement::Member) -> Self {
+        WitMember {
+            id: m.id.clone(),
+            endpoint: m.endpoint.clone(),
+            zone: m.zone.clone(),
+            weight: m.weight,
+            state: m.state.into(),
+            labels: m.labels.clone(),
+        }
+    }
+}
+
+impl From<&kvplane_protocol::KvError> for WitError {
+    fn from(e: &kvplane_protocol::KvError) -> Self {
+        e.clone().into()
     }
 }

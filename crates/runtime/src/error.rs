@@ -25,6 +25,8 @@ pub enum LoadError {
     Compile { plugin: String, source_name: String, reason: String },
     #[error("plugin {plugin}: built for kvplane:plugin@{plugin_version}, but this host speaks kvplane:plugin@{host_version}; the major versions differ, so rebuild the plugin against the host's WIT")]
     VersionMismatch { plugin: String, plugin_version: String, host_version: String },
+    #[error("plugin {plugin}: built for world {world} of kvplane:plugin@{plugin_version}, which changed in kvplane:plugin@{host_version} (this host); rebuild the plugin against the host's WIT (docs/plugins.md lists the changes)")]
+    WorldChanged { plugin: String, world: String, plugin_version: String, host_version: String },
     #[error("plugin {plugin}: declared as world {declared}, but the component {found}")]
     WrongWorld { plugin: String, declared: String, found: String },
     #[error("plugin {plugin}: cannot be linked: {reason}")]
@@ -52,6 +54,14 @@ pub enum Fault {
     /// A fresh instance could not be created or configured.
     #[error("could not start an instance: {0}")]
     Instantiate(String),
+    /// `open` / `configure` refused the declaration's config: the plugin
+    /// is broken until a retry (with backoff) succeeds.
+    #[error("open/configure failed: {0}")]
+    Configure(KvError),
+    /// A recent `open` / `configure` failed; no instance is tried until the
+    /// backoff has passed.
+    #[error("is broken ({cause}); next try in {retry_in:?}")]
+    Broken { cause: Box<Fault>, retry_in: Duration },
     /// The plugin answered with an error of the contract.
     #[error("returned {0}")]
     Returned(KvError),

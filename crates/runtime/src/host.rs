@@ -1,17 +1,19 @@
-//! The per-instance host state and the small host interfaces (`buffers`,
-//! `log`, `clock`, `metrics`) that every plugin may import.
+//! The per-instance host state, what it counts against the declaration's
+//! limits, and the small host interfaces (`buffers`, `log`, `clock`,
+//! `metrics`).
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use bytes::Bytes;
 use wasmtime::component::{Resource, ResourceTable};
 use wasmtime::ResourceLimiter;
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
 use super::bindings::kvplane::plugin::{buffers, clock, log, metrics, types};
+use super::buffer::{BlockBuffer, Region};
 use super::decl::PluginDecl;
 
 /// Bytes of stderr kept per instance: enough for a panic message and a few
@@ -21,18 +23,8 @@ const STDERR_CAPACITY: usize = 16 << 10;
 pub const MAX_PEEK: u32 = 4096;
 /// Longest log line accepted from a plugin; the rest is cut.
 const MAX_LOG_LINE: usize = 4096;
-/// Distinct metric names one plugin may create: a guard against a plugin
-/// exhausting host memory with generated names.
-const MAX_METRIC_NAMES: usize = 256;
-
-/// A block payload owned by the host and lent to a plugin by handle.
-///
-/// `Bytes` makes lending cheap: the table entry and the host's own copy share
-/// one allocation.
-#[derive(Debug, Clone)]
-pub struct BlockBuffer {
-    pub data: Bytes,
-}
+/// Longest metric name accepted; longer names are dropped and counted.
+const MAX_METRIC_NAME: usize = 128;
 
 /// Metrics a plugin recorded through the `metrics` interface.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
@@ -48,32 +40,59 @@ pub enum MetricValue {
 pub struct PluginShared {
     pub decl: PluginDecl,
     pub metrics: Mutex<BTreeMap<String, MetricValue>>,
+    /// Times a host limit refused the plugin, by limit name.
+    pub limit_hits: Mutex<BTreeMap<&'static str, u64>>,
+    /// Loaded driver libraries, by declared name (loaded on first open).
+    pub(crate) drivers: Mutex<BTreeMap<String, Arc<kvplane_driver::Driver>>>,
+    /// Metric updates dropped because the series limit was reached.
+    pub dropped_metric_updates: AtomicU64,
 }
 
 impl PluginShared {
     pub fn new(decl: PluginDecl) -> Arc<PluginShared> {
-        Arc::new(PluginShared { decl, metrics: Mutex::new(BTreeMap::new()) })
+        Arc::new(PluginShared {
+            decl,
+            metrics: Mutex::new(BTreeMap::new()),
+            limit_hits: Mutex::new(BTreeMap::new()),
+            drivers: Mutex::new(BTreeMap::new()),
+            dropped_metric_updates: AtomicU64::new(0),
+        })
     }
 
     pub fn metrics_snapshot(&self) -> BTreeMap<String, MetricValue> {
         self.metrics.lock().map(|m| m.clone()).unwrap_or_default()
     }
 
+    /// Count one refusal by the limit named `limit`.
+    pub fn hit_limit(&self, limit: &'static str) {
+        if let Ok(mut hits) = self.limit_hits.lock() {
+            *hits.entry(limit).or_default() += 1;
+        }
+    }
+
+    pub fn limit_hits_snapshot(&self) -> BTreeMap<&'static str, u64> {
+        self.limit_hits.lock().map(|h| h.clone()).unwrap_or_default()
+    }
+
     fn record(&self, name: String, update: impl FnOnce(Option<&mut MetricValue>) -> Option<MetricValue>) {
         let Ok(mut metrics) = self.metrics.lock() else {
             return;
         };
-        let full = metrics.len() >= MAX_METRIC_NAMES;
+        let full = metrics.len() >= self.decl.limits.metric_series as usize;
         match metrics.get_mut(&name) {
             Some(existing) => {
                 update(Some(existing));
             }
-            None if !full => {
+            None if !full && name.len() <= MAX_METRIC_NAME => {
                 if let Some(v) = update(None) {
                     metrics.insert(name, v);
                 }
             }
-            None => {}
+            None => {
+                drop(metrics);
+                self.dropped_metric_updates.fetch_add(1, Ordering::Relaxed);
+                self.hit_limit("metric-series");
+            }
         }
     }
 }
@@ -106,6 +125,25 @@ impl ResourceLimiter for MemoryCap {
     }
 }
 
+/// What one instance holds of the host, counted against its limits.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Usage {
+    pub connections: u32,
+    pub buffers: u32,
+    pub buffer_bytes: u64,
+    pub queued_bytes: u64,
+    /// Every entry of the resource table (connections, buffers, sessions).
+    pub handles: u32,
+}
+
+/// Which kind of handle a table entry is, for the accounting.
+#[derive(Debug, Clone, Copy)]
+pub enum HandleKind {
+    Connection,
+    Buffer { charged: u64 },
+    Session,
+}
+
 /// Everything one plugin instance's `Store` carries.
 pub struct HostState {
     pub shared: Arc<PluginShared>,
@@ -113,6 +151,7 @@ pub struct HostState {
     pub wasi: WasiCtx,
     pub stderr: MemoryOutputPipe,
     pub memory: MemoryCap,
+    pub usage: Usage,
     /// When the current call must end; host I/O waits no longer than this.
     pub deadline: Option<tokio::time::Instant>,
 }
@@ -120,12 +159,20 @@ pub struct HostState {
 impl HostState {
     /// A fresh state granting exactly what `shared.decl` declares: no
     /// environment, no arguments, no sockets through WASI, and a file system
-    /// only if a directory was granted.
+    /// only if a directory was granted. WASI's clocks read zero and its
+    /// randomness is a fixed sequence: the contract's `clock` (for worlds
+    /// that import it) and the host-drawn `jitter-seed` are the only sources
+    /// of time and chance, so placement and retry plugins stay deterministic.
     pub fn new(shared: Arc<PluginShared>) -> anyhow::Result<HostState> {
         use anyhow::Context as _;
         let stderr = MemoryOutputPipe::new(STDERR_CAPACITY);
         let mut wasi = WasiCtx::builder();
         wasi.stderr(stderr.clone()).allow_tcp(false).allow_udp(false).allow_ip_name_lookup(false);
+        wasi.secure_random(wasmtime_wasi::Deterministic::new(vec![0x6b, 0x76, 0x70, 0x6c]))
+            .insecure_random(wasmtime_wasi::Deterministic::new(vec![0x6b, 0x76, 0x70, 0x6c]))
+            .insecure_random_seed(0)
+            .wall_clock(FrozenClock)
+            .monotonic_clock(FrozenClock);
         if let Some(dir) = &shared.decl.granted_dir {
             wasi.preopened_dir(dir, "/data", wasmtime_wasi::FsPerms::ReadOnly)
                 .map_err(anyhow::Error::from)
@@ -138,8 +185,85 @@ impl HostState {
             wasi: wasi.build(),
             stderr,
             memory: MemoryCap { limit, hit: false },
+            usage: Usage::default(),
             deadline: None,
         })
+    }
+
+    /// Refuse with `capacity` (and count it) when `used + more` would pass
+    /// `limit`.
+    pub fn check_limit(&self, name: &'static str, used: u64, more: u64, limit: u64) -> Result<(), types::Error> {
+        if used.saturating_add(more) > limit {
+            self.shared.hit_limit(name);
+            return Err(types::Error::Capacity(format!(
+                "plugin {}: {name} limit reached ({used} in use, {more} more asked, limit {limit})",
+                self.shared.decl.name
+            )));
+        }
+        Ok(())
+    }
+
+    /// Admit one more table entry of `kind`, or refuse with `capacity`.
+    pub fn admit(&mut self, kind: HandleKind) -> Result<(), types::Error> {
+        let limits = self.shared.decl.limits;
+        self.check_limit("handles", u64::from(self.usage.handles), 1, u64::from(limits.handles))?;
+        match kind {
+            HandleKind::Connection => {
+                self.check_limit("connections", u64::from(self.usage.connections), 1, u64::from(limits.connections))?;
+                self.usage.connections += 1;
+            }
+            HandleKind::Buffer { charged } => {
+                self.check_limit("buffers", u64::from(self.usage.buffers), 1, u64::from(limits.buffers))?;
+                self.check_limit("buffer-bytes", self.usage.buffer_bytes, charged, limits.buffer_bytes)?;
+                self.usage.buffers += 1;
+                self.usage.buffer_bytes += charged;
+            }
+            HandleKind::Session => {}
+        }
+        self.usage.handles += 1;
+        Ok(())
+    }
+
+    /// Undo [`admit`](Self::admit) when an entry leaves the table.
+    pub fn release(&mut self, kind: HandleKind) {
+        self.usage.handles = self.usage.handles.saturating_sub(1);
+        match kind {
+            HandleKind::Connection => self.usage.connections = self.usage.connections.saturating_sub(1),
+            HandleKind::Buffer { charged } => {
+                self.usage.buffers = self.usage.buffers.saturating_sub(1);
+                self.usage.buffer_bytes = self.usage.buffer_bytes.saturating_sub(charged);
+            }
+            HandleKind::Session => {}
+        }
+    }
+
+    /// Put a buffer view in the table, counted against the limits.
+    pub fn push_buffer(&mut self, buffer: BlockBuffer) -> wasmtime::Result<Result<Resource<BlockBuffer>, types::Error>> {
+        let charged = Self::charge_of(&buffer);
+        if let Err(e) = self.admit(HandleKind::Buffer { charged }) {
+            return Ok(Err(e));
+        }
+        Ok(Ok(self.table.push(buffer)?))
+    }
+
+    /// Bytes a view's region counts against `buffer-bytes`: a region the host
+    /// allocated for the plugin counts once, with its only view — the first
+    /// when it is added, the last when it leaves.
+    fn charge_of(buffer: &BlockBuffer) -> u64 {
+        let region: &Arc<Region> = buffer.region();
+        if region.charged > 0 && Arc::strong_count(region) == 1 {
+            region.charged as u64
+        } else {
+            0
+        }
+    }
+
+    /// Remove a buffer from the table and uncount it.
+    pub fn delete_buffer(&mut self, buffer: Resource<BlockBuffer>) -> wasmtime::Result<BlockBuffer> {
+        let b = self.table.delete(buffer)?;
+        let charged = Self::charge_of(&b);
+        self.release(HandleKind::Buffer { charged });
+        Ok(b)
     }
 
     /// What the guest wrote to stderr, trimmed, for error messages.
@@ -168,26 +292,34 @@ impl buffers::Host for HostState {
 
 impl buffers::HostBuffer for HostState {
     fn len(&mut self, buffer: Resource<BlockBuffer>) -> wasmtime::Result<u64> {
-        Ok(self.table.get(&buffer)?.data.len() as u64)
+        Ok(self.table.get(&buffer)?.len() as u64)
+    }
+
+    fn writable(&mut self, buffer: Resource<BlockBuffer>) -> wasmtime::Result<bool> {
+        Ok(self.table.get(&buffer)?.writable())
     }
 
     fn peek(&mut self, buffer: Resource<BlockBuffer>, offset: u64, len: u32) -> wasmtime::Result<Result<Vec<u8>, types::Error>> {
-        let data = &self.table.get(&buffer)?.data;
         if len > MAX_PEEK {
             return Ok(Err(types::Error::Invalid(format!("peek of {len} bytes exceeds max-peek {MAX_PEEK}"))));
         }
-        let start = usize::try_from(offset).unwrap_or(usize::MAX);
-        match start.checked_add(len as usize).filter(|&end| end <= data.len()) {
-            Some(end) => Ok(Ok(data[start..end].to_vec())),
-            None => Ok(Err(types::Error::Invalid(format!(
-                "peek of {len} bytes at offset {offset} is outside a buffer of {} bytes",
-                data.len()
-            )))),
+        Ok(self.table.get(&buffer)?.peek(offset, len as usize))
+    }
+
+    fn slice(
+        &mut self,
+        buffer: Resource<BlockBuffer>,
+        offset: u64,
+        len: u64,
+    ) -> wasmtime::Result<Result<Resource<BlockBuffer>, types::Error>> {
+        match self.table.get(&buffer)?.slice(offset, len) {
+            Ok(view) => self.push_buffer(view),
+            Err(e) => Ok(Err(e)),
         }
     }
 
     fn drop(&mut self, buffer: Resource<BlockBuffer>) -> wasmtime::Result<()> {
-        self.table.delete(buffer)?;
+        self.delete_buffer(buffer)?;
         Ok(())
     }
 }
@@ -261,5 +393,27 @@ impl metrics::Host for HostState {
             None => Some(MetricValue::Histogram { count: 1, sum: value }),
         });
         Ok(())
+    }
+}
+
+/// WASI's clocks as plugins see them: always zero. Time comes only from the
+/// contract's `clock` interface, for the worlds that import it.
+struct FrozenClock;
+
+impl wasmtime_wasi::HostWallClock for FrozenClock {
+    fn resolution(&self) -> Duration {
+        Duration::from_secs(1)
+    }
+    fn now(&self) -> Duration {
+        Duration::ZERO
+    }
+}
+
+impl wasmtime_wasi::HostMonotonicClock for FrozenClock {
+    fn resolution(&self) -> u64 {
+        1_000_000_000
+    }
+    fn now(&self) -> u64 {
+        0
     }
 }

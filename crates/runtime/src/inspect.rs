@@ -8,7 +8,7 @@ use wasmtime::Engine;
 use super::decl::World;
 
 /// The `kvplane:plugin` version this host implements.
-pub const HOST_WIT_VERSION: &str = "0.1.0";
+pub const HOST_WIT_VERSION: &str = "0.2.0";
 const PACKAGE: &str = "kvplane:plugin/";
 
 /// A summary of a component, as printed by `kvplane plugin inspect`.
@@ -41,6 +41,19 @@ fn major(version: &str) -> Option<(u64, u64)> {
 /// Whether a plugin built for `plugin_version` can run on this host.
 pub fn compatible(plugin_version: &str) -> bool {
     matches!((major(plugin_version), major(HOST_WIT_VERSION)), (Some(a), Some(b)) if a == b)
+}
+
+/// Whether a plugin of `world` built for `plugin_version` can run here:
+/// the host's own version, or an older one whose world did not change
+/// (0.1.0's placement-rule, see `compat`).
+pub fn compatible_world(plugin_version: &str, world: Option<World>) -> bool {
+    compatible(plugin_version) || (major(plugin_version) == Some((0, 1)) && world == Some(World::PlacementRule))
+}
+
+/// Whether `plugin_version` is an older release of this major line's
+/// predecessors that this host knows (so a refusal can say the world changed).
+pub fn is_known_older(plugin_version: &str) -> bool {
+    major(plugin_version) == Some((0, 1))
 }
 
 impl ComponentInfo {
@@ -80,9 +93,12 @@ mod tests {
 
     #[test]
     fn versions_compare_by_semver_major() {
-        assert!(compatible("0.1.0"));
-        assert!(compatible("0.1.7"));
-        assert!(!compatible("0.2.0"));
+        assert!(compatible("0.2.0"));
+        assert!(compatible("0.2.7"));
+        assert!(!compatible("0.1.0"));
+        assert!(compatible_world("0.1.0", Some(World::PlacementRule)));
+        assert!(!compatible_world("0.1.0", Some(World::Backend)));
+        assert!(!compatible_world("0.3.0", Some(World::PlacementRule)));
         assert!(!compatible("1.0.0"));
         assert!(!compatible("garbage"));
         assert_eq!(contract_item("kvplane:plugin/placement@1.0.0"), Some(("placement", "1.0.0")));

@@ -12,8 +12,11 @@
 #![deny(unsafe_code)]
 
 pub mod bindings;
+pub mod buffer;
 pub mod builtin;
+mod compat;
 mod decl;
+mod driver;
 mod engine;
 pub mod error;
 pub mod host;
@@ -30,7 +33,8 @@ pub mod worlds;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-pub use decl::{FailurePolicy, Limits, PluginDecl, PluginSource, World};
+pub use buffer::WritableMemory;
+pub use decl::{EndpointRule, FailurePolicy, Limits, PluginDecl, PluginSource, World};
 pub use engine::PluginEngine;
 pub use error::{Fault, LoadError, PluginError};
 pub use inspect::{ComponentInfo, HOST_WIT_VERSION};
@@ -39,7 +43,7 @@ pub use kvplane_protocol::KvError;
 pub use load::sha256_hex;
 pub use metrics::RuntimeMetrics;
 pub use pool::Plugin;
-pub use worlds::{Backend, KeyPlacement, Node, PlacementRule, RetryPolicy};
+pub use worlds::{Backend, KeyPlacement, PlacementRule, RetryPolicy};
 
 use pool::GuestExports;
 

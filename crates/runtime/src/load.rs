@@ -14,7 +14,7 @@ use super::decl::{PluginDecl, PluginSource};
 use super::engine::PluginEngine;
 use super::error::LoadError;
 use super::host::HostState;
-use super::inspect::{compatible, ComponentInfo, HOST_WIT_VERSION};
+use super::inspect::{compatible_world, is_known_older, ComponentInfo, HOST_WIT_VERSION};
 
 /// A component ready to instantiate for one declaration.
 pub struct Loaded {
@@ -94,7 +94,15 @@ pub fn load(engine: &PluginEngine, decl: &PluginDecl) -> Result<Loaded, LoadErro
         }
     }
     let (component, info, from_cache) = compile_and_inspect(engine, plugin, &source_name, &bytes)?;
-    if let Some(v) = info.wit_version.as_deref().filter(|v| !compatible(v)) {
+    if let Some(v) = info.wit_version.as_deref().filter(|v| !compatible_world(v, info.world)) {
+        if is_known_older(v) {
+            return Err(LoadError::WorldChanged {
+                plugin: plugin.to_owned(),
+                world: info.world.map_or_else(|| "(none)".to_owned(), |w| w.to_string()),
+                plugin_version: v.to_owned(),
+                host_version: HOST_WIT_VERSION.to_owned(),
+            });
+        }
         return Err(LoadError::VersionMismatch {
             plugin: plugin.to_owned(),
             plugin_version: v.to_owned(),
@@ -104,7 +112,9 @@ pub fn load(engine: &PluginEngine, decl: &PluginDecl) -> Result<Loaded, LoadErro
     if info.world != Some(decl.world) {
         return Err(LoadError::WrongWorld { plugin: plugin.to_owned(), declared: decl.world.to_string(), found: info.describe_exports() });
     }
-    let pre =
-        engine.linker.instantiate_pre(&component).map_err(|e| LoadError::Link { plugin: plugin.to_owned(), reason: format!("{e:#}") })?;
+    let pre = engine
+        .linker(decl.world)
+        .instantiate_pre(&component)
+        .map_err(|e| LoadError::Link { plugin: plugin.to_owned(), reason: format!("{e:#}") })?;
     Ok(Loaded { pre, info, from_cache })
 }

@@ -43,6 +43,12 @@ struct PluginLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct LimitLabels {
+    plugin: String,
+    limit: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ReportedLabels {
     plugin: String,
     name: String,
@@ -93,6 +99,8 @@ fn fault_label(fault: &Fault) -> &'static str {
         Fault::StackOverflow => "stack_overflow",
         Fault::BadOutput(_) => "bad_output",
         Fault::Instantiate(_) => "instantiate",
+        Fault::Configure(_) => "configure",
+        Fault::Broken { .. } => "broken",
         Fault::Returned(_) => "returned_error",
     }
 }
@@ -165,9 +173,13 @@ impl prometheus_client::collector::Collector for Reported {
         let gauges: Family<ReportedLabels, Gauge<f64, AtomicU64>> = Family::default();
         let histogram_counts: Family<ReportedLabels, Counter> = Family::default();
         let histogram_sums: Family<ReportedLabels, Gauge<f64, AtomicU64>> = Family::default();
+        let limit_hits: Family<LimitLabels, Counter> = Family::default();
         let plugins: Vec<Arc<PluginShared>> =
             self.0.plugins.lock().map(|p| p.iter().filter_map(Weak::upgrade).collect()).unwrap_or_default();
         for plugin in plugins {
+            for (limit, hits) in plugin.limit_hits_snapshot() {
+                limit_hits.get_or_create(&LimitLabels { plugin: plugin.decl.name.clone(), limit }).inc_by(hits);
+            }
             for (name, value) in plugin.metrics_snapshot() {
                 let labels = ReportedLabels { plugin: plugin.decl.name.clone(), name };
                 match value {
@@ -183,6 +195,10 @@ impl prometheus_client::collector::Collector for Reported {
                     }
                 }
             }
+        }
+        if !limit_hits.is_empty() {
+            let help = "Times a plugin was refused by one of its declared host limits (connections, queued-bytes, buffers, buffer-bytes, handles, metric-series)";
+            limit_hits.encode(encoder.encode_descriptor("kvplane_plugin_limit_hits", help, None, limit_hits.metric_type())?)?;
         }
         for (name, help, family) in [
             (

@@ -8,7 +8,9 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use tokio::sync::Semaphore;
 use wasmtime::component::InstancePre;
@@ -66,8 +68,71 @@ macro_rules! guest_exports {
 }
 guest_exports!(placement, call_configure);
 guest_exports!(retry, call_configure);
-guest_exports!(scheduling, call_configure);
 guest_exports!(store, call_open);
+
+/// A placement-rule instance's exports: 0.2.0, or 0.1.0 (see `compat`).
+pub enum SchedulingGuest {
+    V2(scheduling::Guest),
+    V1(crate::compat::SchedulingV1),
+}
+
+pub enum SchedulingIndices {
+    V2(scheduling::GuestIndices),
+    V1(crate::compat::SchedulingV1Indices),
+}
+
+impl GuestExports for SchedulingGuest {
+    type Indices = SchedulingIndices;
+    fn indices(pre: &InstancePre<HostState>) -> wasmtime::Result<Self::Indices> {
+        match scheduling::GuestIndices::new(pre) {
+            Ok(i) => Ok(SchedulingIndices::V2(i)),
+            Err(v2) => crate::compat::SchedulingV1Indices::new(pre).map(SchedulingIndices::V1).map_err(|_| v2),
+        }
+    }
+    fn load(indices: &Self::Indices, store: &mut Store<HostState>, instance: &wasmtime::component::Instance) -> wasmtime::Result<Self> {
+        Ok(match indices {
+            SchedulingIndices::V2(i) => SchedulingGuest::V2(i.load(store, instance)?),
+            SchedulingIndices::V1(i) => SchedulingGuest::V1(i.load(store, instance)?),
+        })
+    }
+    #[allow(clippy::ptr_arg)]
+    fn init<'a>(
+        &'a self,
+        store: &'a mut Store<HostState>,
+        config: &'a Vec<(String, String)>,
+    ) -> BoxFuture<'a, wasmtime::Result<Result<(), WitError>>> {
+        match self {
+            SchedulingGuest::V2(g) => Box::pin(g.call_configure(store, config)),
+            SchedulingGuest::V1(g) => Box::pin(g.call_configure(store, config)),
+        }
+    }
+}
+
+impl SchedulingGuest {
+    pub async fn call_place(
+        &self,
+        store: &mut Store<HostState>,
+        request: &scheduling::PodRequest,
+    ) -> wasmtime::Result<Result<scheduling::Placement, WitError>> {
+        match self {
+            SchedulingGuest::V2(g) => g.call_place(store, request).await,
+            SchedulingGuest::V1(g) => g.call_place(store, request).await,
+        }
+    }
+}
+
+/// First wait after `open` / `configure` fails; doubled on each further
+/// failure up to [`MAX_BROKEN_BACKOFF`].
+pub const FIRST_BROKEN_BACKOFF: Duration = Duration::from_millis(100);
+pub const MAX_BROKEN_BACKOFF: Duration = Duration::from_secs(30);
+
+/// Why a plugin is broken and until when no new instance is tried.
+#[derive(Debug, Clone)]
+struct Broken {
+    until: tokio::time::Instant,
+    backoff: Duration,
+    fault: Fault,
+}
 
 /// One live instance.
 pub struct Instance<G> {
@@ -88,6 +153,10 @@ pub struct Plugin<G: GuestExports> {
     /// Bounds concurrently running instances (and so the pool's memory).
     running: Semaphore,
     config: Vec<(String, String)>,
+    /// Set while `open` / `configure` keeps failing: calls fail fast (and
+    /// fall open where the policy says so) until the backoff has passed.
+    broken: Mutex<Option<Broken>>,
+    instantiations: AtomicU64,
     pub info: ComponentInfo,
     pub from_cache: bool,
 }
@@ -108,6 +177,8 @@ impl<G: GuestExports> Plugin<G> {
             idle: Mutex::new(Vec::new()),
             running,
             config,
+            broken: Mutex::new(None),
+            instantiations: AtomicU64::new(0),
             info: loaded.info,
             from_cache: loaded.from_cache,
         })
@@ -131,6 +202,23 @@ impl<G: GuestExports> Plugin<G> {
         self.idle.lock().map(|i| i.len()).unwrap_or(0)
     }
 
+    /// Instances created so far (a broken plugin is not re-instantiated on
+    /// every call).
+    pub fn instantiations(&self) -> u64 {
+        self.instantiations.load(Ordering::Relaxed)
+    }
+
+    /// Create one instance and run its `open` / `configure` now, keeping it
+    /// for the first call: a node checks every declared plugin this way
+    /// before it serves.
+    pub async fn warm_up(&self) -> Result<(), PluginError> {
+        let instance = self.fresh_instance().await?;
+        if let Ok(mut idle) = self.idle.lock() {
+            idle.push(instance);
+        }
+        Ok(())
+    }
+
     fn error(&self, function: &'static str, fault: Fault) -> PluginError {
         PluginError { plugin: self.shared.decl.name.clone(), function, fault }
     }
@@ -142,6 +230,28 @@ impl<G: GuestExports> Plugin<G> {
     }
 
     async fn fresh_instance(&self) -> Result<Instance<G>, PluginError> {
+        if let Some(b) = self.broken.lock().ok().and_then(|b| b.clone()) {
+            let now = tokio::time::Instant::now();
+            if now < b.until {
+                return Err(self.error("configure", Fault::Broken { cause: Box::new(b.fault), retry_in: b.until - now }));
+            }
+        }
+        self.instantiations.fetch_add(1, Ordering::Relaxed);
+        let result = self.instantiate().await;
+        if let Ok(mut broken) = self.broken.lock() {
+            match &result {
+                Ok(_) => *broken = None,
+                Err(e) => {
+                    let backoff = broken.as_ref().map_or(FIRST_BROKEN_BACKOFF, |b| (b.backoff * 2).min(MAX_BROKEN_BACKOFF));
+                    tracing::warn!(plugin = %self.shared.decl.name, "plugin is broken, next try in {backoff:?}: {e}");
+                    *broken = Some(Broken { until: tokio::time::Instant::now() + backoff, backoff, fault: e.fault.clone() });
+                }
+            }
+        }
+        result
+    }
+
+    async fn instantiate(&self) -> Result<Instance<G>, PluginError> {
         let state = HostState::new(self.shared.clone()).map_err(|e| self.error("instantiate", Fault::Instantiate(format!("{e:#}"))))?;
         let mut store = Store::new(&self.engine.engine, state);
         store.limiter(|s| &mut s.memory);
@@ -158,7 +268,7 @@ impl<G: GuestExports> Plugin<G> {
         match started {
             Err(_) => Err(self.error("instantiate", Fault::Deadline { timeout })),
             Ok(Err(e)) => Err(self.error("instantiate", classify(&store, e))),
-            Ok(Ok((_, Err(e)))) => Err(self.error("configure", Fault::Returned(e.into()))),
+            Ok(Ok((_, Err(e)))) => Err(self.error("configure", Fault::Configure(e.into()))),
             Ok(Ok((guest, Ok(())))) => Ok(Instance { store, guest, synced: 0 }),
         }
     }

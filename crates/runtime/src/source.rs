@@ -172,6 +172,25 @@ pub fn decl(spec: &PluginSpec, fetched: Fetched) -> Result<PluginDecl, SourceErr
         if let Some(timeout) = limits.timeout().map_err(invalid)? {
             d.limits.timeout = timeout;
         }
+        if let Some(n) = limits.connections {
+            d.limits.connections = n;
+        }
+        if let Some(bytes) = limits.queued_bytes().map_err(invalid)? {
+            d.limits.queued_bytes = bytes;
+        }
+        if let Some(n) = limits.buffers {
+            d.limits.buffers = n;
+        }
+        if let Some(bytes) = limits.buffer_bytes().map_err(invalid)? {
+            d.limits.buffer_bytes = bytes;
+        }
+        if let Some(n) = limits.handles {
+            d.limits.handles = n;
+        }
+        if let Some(n) = limits.metric_series {
+            d.limits.metric_series = n;
+        }
     }
+    d.drivers = spec.drivers.iter().map(|r| (r.name.clone(), std::path::PathBuf::from(&r.path))).collect();
     Ok(d)
 }

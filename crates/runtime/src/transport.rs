@@ -1,37 +1,56 @@
-//! The `transport` host interface: TCP connections a plugin may open to the
-//! endpoints its declaration allows.
+//! The `transport` host interface: TCP and Unix-domain connections a plugin
+//! may open to what its declaration allows.
 //!
 //! Control bytes cross into the guest; block payloads go straight between
-//! host `BlockBuffer`s and the socket. Every wait is bounded by the deadline
-//! of the plugin call that started it, so a silent server becomes `timeout`
-//! for the plugin (which may report it) instead of a stuck instance.
+//! host buffers and the socket: `write-buffer` queues a reference to the
+//! payload (the kernel copies it at `flush`, in one vectored write with the
+//! control bytes around it), and `read-into` reads from the socket into the
+//! destination the host lent. Every wait is bounded by the deadline of the
+//! plugin call that started it, so a silent server becomes `timeout` for
+//! the plugin instead of a stuck instance.
+//!
+//! A connection whose read or write failed part-way is closed for good: the
+//! next reply on it could be the tail of the one that timed out, and a
+//! plugin that reused it would hand a caller another key's bytes.
 
+use std::collections::VecDeque;
 use std::future::Future;
+use std::io::IoSlice;
+use std::net::SocketAddr;
 
-use bytes::BytesMut;
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::net::TcpStream;
+use bytes::{Bytes, BytesMut};
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::net::{TcpStream, UnixStream};
 use wasmtime::component::Resource;
 
 use super::bindings::kvplane::plugin::transport;
 use super::bindings::kvplane::plugin::types::Error;
-use super::host::{BlockBuffer, HostState};
+use super::buffer::{BlockBuffer, Region};
+use super::host::{HandleKind, HostState};
 
 /// Largest control read (`read-exact`) a guest may ask for.
 pub const MAX_CONTROL_READ: u32 = 64 << 10;
-/// Largest payload `read-buffer` accepts: a sanity bound on a length field
-/// read from the wire, far above any KV block.
-pub const MAX_BLOCK_BYTES: u64 = 1 << 30;
 /// Read-side buffer: holds reply headers so that parsing them costs no system
 /// call each, yet is small next to a block so payloads bypass it.
 const READ_BUFFER: usize = 64 << 10;
+/// Most slices handed to one `writev`.
+const MAX_IOVECS: usize = 64;
+
+trait Stream: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Stream for T {}
 
 /// One open connection, owned by the plugin instance's resource table.
 pub struct Connection {
     endpoint: String,
-    stream: BufReader<TcpStream>,
-    /// Bytes queued by `write` / `write-buffer`, sent by `flush`.
-    pending: Vec<u8>,
+    stream: BufReader<Box<dyn Stream>>,
+    /// Segments queued by `write` / `write-buffer`, sent by `flush`: control
+    /// bytes copied from the guest, payloads referenced.
+    pending: VecDeque<Bytes>,
+    /// Control bytes not yet closed into a segment.
+    tail: BytesMut,
+    queued: u64,
+    /// Why the connection is closed, once an operation failed part-way.
+    broken: Option<String>,
 }
 
 impl std::fmt::Debug for Connection {
@@ -62,6 +81,35 @@ async fn bounded<T>(
 }
 
 impl Connection {
+    fn new(endpoint: String, stream: Box<dyn Stream>) -> Connection {
+        Connection {
+            endpoint,
+            stream: BufReader::with_capacity(READ_BUFFER, stream),
+            pending: VecDeque::new(),
+            tail: BytesMut::new(),
+            queued: 0,
+            broken: None,
+        }
+    }
+
+    /// `unavailable` when an earlier operation broke the connection.
+    fn usable(&self) -> Result<(), Error> {
+        match &self.broken {
+            Some(why) => Err(Error::Unavailable(format!("connection to {} was closed after an earlier failure: {why}", self.endpoint))),
+            None => Ok(()),
+        }
+    }
+
+    /// Record a failure that leaves the stream at an unknown position.
+    fn check<T>(&mut self, result: Result<T, Error>) -> Result<T, Error> {
+        if let Err(e) = &result {
+            if self.broken.is_none() {
+                self.broken = Some(format!("{e:?}"));
+            }
+        }
+        result
+    }
+
     async fn read_until(&mut self, delimiter: u8, max: u32) -> std::io::Result<Result<Vec<u8>, Error>> {
         let mut out = Vec::new();
         loop {
@@ -99,19 +147,129 @@ impl Connection {
         }
         Ok(data)
     }
+
+    /// Send every queued segment, several per system call.
+    async fn send_pending(&mut self) -> std::io::Result<()> {
+        if !self.tail.is_empty() {
+            self.pending.push_back(self.tail.split().freeze());
+        }
+        let stream = self.stream.get_mut();
+        while !self.pending.is_empty() {
+            let slices: Vec<IoSlice<'_>> = self.pending.iter().take(MAX_IOVECS).map(|b| IoSlice::new(b)).collect();
+            let mut written = stream.write_vectored(&slices).await?;
+            if written == 0 {
+                return Err(std::io::ErrorKind::WriteZero.into());
+            }
+            while written > 0 {
+                let front = self.pending.front_mut().expect("written bytes come from queued segments");
+                if written >= front.len() {
+                    written -= front.len();
+                    self.pending.pop_front();
+                } else {
+                    let _ = front.split_to(written);
+                    written = 0;
+                }
+            }
+        }
+        stream.flush().await
+    }
+
+    fn clear_pending(&mut self) -> u64 {
+        self.pending.clear();
+        self.tail.clear();
+        std::mem::take(&mut self.queued)
+    }
+}
+
+impl HostState {
+    fn queue(&mut self, conn: &Resource<Connection>, bytes: QueuedBytes) -> wasmtime::Result<Result<(), Error>> {
+        let len = bytes.len() as u64;
+        let limit = self.shared.decl.limits.queued_bytes;
+        if let Err(e) = self.check_limit("queued-bytes", self.usage.queued_bytes, len, limit) {
+            return Ok(Err(e));
+        }
+        let c = self.table.get_mut(conn)?;
+        if let Err(e) = c.usable() {
+            return Ok(Err(e));
+        }
+        match bytes {
+            QueuedBytes::Control(b) => c.tail.extend_from_slice(&b),
+            QueuedBytes::Payload(b) => {
+                if !c.tail.is_empty() {
+                    let control = c.tail.split().freeze();
+                    c.pending.push_back(control);
+                }
+                c.pending.push_back(b);
+            }
+        }
+        c.queued += len;
+        self.usage.queued_bytes += len;
+        Ok(Ok(()))
+    }
+
+    fn resolve_allowed(&self, endpoint: &str) -> impl Future<Output = Result<Vec<SocketAddr>, Error>> + Send + 'static {
+        let (shared, deadline, endpoint) = (self.shared.clone(), self.deadline, endpoint.to_owned());
+        async move { resolve_allowed(&shared.decl, deadline, &endpoint).await }
+    }
+
+    fn admit_connection(&mut self, endpoint: String, stream: Box<dyn Stream>) -> wasmtime::Result<Result<Resource<Connection>, Error>> {
+        if let Err(e) = self.admit(HandleKind::Connection) {
+            return Ok(Err(e));
+        }
+        Ok(Ok(self.table.push(Connection::new(endpoint, stream))?))
+    }
+}
+
+/// Resolve `endpoint` and keep the addresses the declaration allows;
+/// `denied` naming what it resolved to when none is.
+async fn resolve_allowed(
+    decl: &super::decl::PluginDecl,
+    deadline: Option<tokio::time::Instant>,
+    endpoint: &str,
+) -> Result<Vec<SocketAddr>, Error> {
+    let resolved: Vec<SocketAddr> =
+        bounded(deadline, endpoint, "resolve", async { tokio::net::lookup_host(endpoint).await.map(|a| a.collect()) }).await?;
+    let (allowed, refused): (Vec<SocketAddr>, Vec<SocketAddr>) = resolved.into_iter().partition(|a| decl.allows_address(endpoint, *a));
+    if allowed.is_empty() {
+        return Err(Error::Denied(format!(
+            "endpoint {endpoint:?} (resolved to {refused:?}) is not in plugin {}'s allowedEndpoints {:?}",
+            decl.name, decl.allowed_endpoints
+        )));
+    }
+    Ok(allowed)
+}
+
+enum QueuedBytes {
+    Control(Vec<u8>),
+    Payload(Bytes),
+}
+
+impl QueuedBytes {
+    fn len(&self) -> usize {
+        match self {
+            QueuedBytes::Control(b) => b.len(),
+            QueuedBytes::Payload(b) => b.len(),
+        }
+    }
 }
 
 impl transport::Host for HostState {}
 
 impl transport::HostConnection for HostState {
     async fn connect(&mut self, endpoint: String) -> wasmtime::Result<Result<Resource<Connection>, Error>> {
-        if !self.shared.decl.allows_endpoint(&endpoint) {
-            return Ok(Err(Error::Invalid(format!(
-                "endpoint {endpoint:?} is not in plugin {}'s allowedEndpoints {:?}",
-                self.shared.decl.name, self.shared.decl.allowed_endpoints
-            ))));
+        // Count the handle before any I/O, so a plugin past its limit costs
+        // the host no connection attempt.
+        let limits = self.shared.decl.limits;
+        if let Err(e) = self.check_limit("connections", u64::from(self.usage.connections), 1, u64::from(limits.connections)) {
+            return Ok(Err(e));
         }
-        let stream = match bounded(self.deadline, &endpoint, "connect to", TcpStream::connect(endpoint.as_str())).await {
+        let addrs = match self.resolve_allowed(&endpoint).await {
+            Ok(a) => a,
+            Err(e) => return Ok(Err(e)),
+        };
+        // Connect to the checked addresses, never to the name again: what
+        // was checked is what is reached.
+        let stream = match bounded(self.deadline, &endpoint, "connect to", TcpStream::connect(&addrs[..])).await {
             Ok(s) => s,
             Err(e) => return Ok(Err(e)),
         };
@@ -119,68 +277,140 @@ impl transport::HostConnection for HostState {
         if let Err(e) = stream.set_nodelay(true) {
             return Ok(Err(Error::Unavailable(format!("connect to {endpoint}: setting TCP_NODELAY: {e}"))));
         }
-        let conn = Connection { endpoint, stream: BufReader::with_capacity(READ_BUFFER, stream), pending: Vec::new() };
-        Ok(Ok(self.table.push(conn)?))
+        self.admit_connection(endpoint, Box::new(stream))
+    }
+
+    async fn connect_unix(&mut self, path: String) -> wasmtime::Result<Result<Resource<Connection>, Error>> {
+        let decl = &self.shared.decl;
+        if !decl.allows_unix(&path) {
+            return Ok(Err(Error::Denied(format!(
+                "unix socket {path:?} is not in plugin {}'s allowedEndpoints {:?} (allow it as \"unix:{path}\")",
+                decl.name, decl.allowed_endpoints
+            ))));
+        }
+        let limits = decl.limits;
+        if let Err(e) = self.check_limit("connections", u64::from(self.usage.connections), 1, u64::from(limits.connections)) {
+            return Ok(Err(e));
+        }
+        let endpoint = format!("unix:{path}");
+        match bounded(self.deadline, &endpoint, "connect to", UnixStream::connect(&path)).await {
+            Ok(s) => self.admit_connection(endpoint, Box::new(s)),
+            Err(e) => Ok(Err(e)),
+        }
     }
 
     async fn write(&mut self, conn: Resource<Connection>, bytes: Vec<u8>) -> wasmtime::Result<Result<(), Error>> {
-        self.table.get_mut(&conn)?.pending.extend_from_slice(&bytes);
-        Ok(Ok(()))
+        self.queue(&conn, QueuedBytes::Control(bytes))
     }
 
     async fn write_buffer(&mut self, conn: Resource<Connection>, payload: Resource<BlockBuffer>) -> wasmtime::Result<Result<(), Error>> {
-        let data = self.table.get(&payload)?.data.clone();
-        self.table.get_mut(&conn)?.pending.extend_from_slice(&data);
-        Ok(Ok(()))
+        match self.table.get(&payload)?.source_bytes() {
+            Ok(bytes) => self.queue(&conn, QueuedBytes::Payload(bytes)),
+            Err(e) => Ok(Err(e)),
+        }
     }
 
     async fn flush(&mut self, conn: Resource<Connection>) -> wasmtime::Result<Result<(), Error>> {
         let deadline = self.deadline;
         let c = self.table.get_mut(&conn)?;
-        let pending = std::mem::take(&mut c.pending);
-        let stream = c.stream.get_mut();
-        let result = bounded(deadline, &c.endpoint, "write to", stream.write_all(&pending)).await;
-        // Keep the allocation for the next batch.
-        c.pending = pending;
-        c.pending.clear();
+        if let Err(e) = c.usable() {
+            return Ok(Err(e));
+        }
+        let endpoint = c.endpoint.clone();
+        let result = bounded(deadline, &endpoint, "write to", c.send_pending()).await;
+        let result = c.check(result);
+        let sent = c.clear_pending();
+        self.usage.queued_bytes = self.usage.queued_bytes.saturating_sub(sent);
         Ok(result)
     }
 
     async fn read_until(&mut self, conn: Resource<Connection>, delimiter: u8, max: u32) -> wasmtime::Result<Result<Vec<u8>, Error>> {
         let deadline = self.deadline;
         let c = self.table.get_mut(&conn)?;
+        if let Err(e) = c.usable() {
+            return Ok(Err(e));
+        }
         let endpoint = c.endpoint.clone();
-        Ok(bounded(deadline, &endpoint, "read from", c.read_until(delimiter, max)).await.and_then(|r| r))
+        let result = bounded(deadline, &endpoint, "read from", c.read_until(delimiter, max)).await.and_then(|r| r);
+        Ok(c.check(result))
     }
 
     async fn read_exact(&mut self, conn: Resource<Connection>, len: u32) -> wasmtime::Result<Result<Vec<u8>, Error>> {
         if len > MAX_CONTROL_READ {
-            return Ok(Err(Error::Invalid(format!("read-exact of {len} bytes exceeds {MAX_CONTROL_READ}; use read-buffer for payloads"))));
+            return Ok(Err(Error::Invalid(format!("read-exact of {len} bytes exceeds {MAX_CONTROL_READ}; use read-into for payloads"))));
         }
         let deadline = self.deadline;
         let c = self.table.get_mut(&conn)?;
+        if let Err(e) = c.usable() {
+            return Ok(Err(e));
+        }
         let mut out = vec![0; len as usize];
         let endpoint = c.endpoint.clone();
-        Ok(bounded(deadline, &endpoint, "read from", c.stream.read_exact(&mut out)).await.map(|_| out))
+        let result = bounded(deadline, &endpoint, "read from", c.stream.read_exact(&mut out)).await.map(|_| out);
+        Ok(c.check(result))
     }
 
     async fn read_buffer(&mut self, conn: Resource<Connection>, len: u64) -> wasmtime::Result<Result<Resource<BlockBuffer>, Error>> {
-        if len > MAX_BLOCK_BYTES {
-            return Ok(Err(Error::Capacity(format!(
-                "read-buffer of {len} bytes exceeds the largest block the host accepts ({MAX_BLOCK_BYTES})"
-            ))));
+        // Check before allocating: a length read off the wire is the peer's
+        // word, and the plugin's budget is the host's.
+        let limits = self.shared.decl.limits;
+        if let Err(e) = self
+            .check_limit("buffer-bytes", self.usage.buffer_bytes, len, limits.buffer_bytes)
+            .and_then(|()| self.check_limit("buffers", u64::from(self.usage.buffers), 1, u64::from(limits.buffers)))
+        {
+            return Ok(Err(e));
         }
         let deadline = self.deadline;
         let c = self.table.get_mut(&conn)?;
+        if let Err(e) = c.usable() {
+            return Ok(Err(e));
+        }
         let endpoint = c.endpoint.clone();
-        match bounded(deadline, &endpoint, "read from", c.read_payload(len as usize)).await {
-            Ok(data) => Ok(Ok(self.table.push(BlockBuffer { data: data.freeze() })?)),
+        let result = bounded(deadline, &endpoint, "read from", c.read_payload(len as usize)).await;
+        match c.check(result) {
+            Ok(data) => self.push_buffer(BlockBuffer::whole(Region::allocated(data.freeze()))),
             Err(e) => Ok(Err(e)),
         }
     }
 
+    async fn read_into(&mut self, conn: Resource<Connection>, destination: Resource<BlockBuffer>) -> wasmtime::Result<Result<(), Error>> {
+        let deadline = self.deadline;
+        let mut guard = match self.table.get(&destination)?.lock_destination().await {
+            Ok(g) => g,
+            Err(e) => return Ok(Err(e)),
+        };
+        let c = self.table.get_mut(&conn)?;
+        if let Err(e) = c.usable() {
+            return Ok(Err(e));
+        }
+        let endpoint = c.endpoint.clone();
+        let result = bounded(deadline, &endpoint, "read from", c.stream.read_exact(guard.bytes_mut())).await.map(drop);
+        Ok(c.check(result))
+    }
+
+    async fn skip(&mut self, conn: Resource<Connection>, len: u64) -> wasmtime::Result<Result<(), Error>> {
+        let deadline = self.deadline;
+        let c = self.table.get_mut(&conn)?;
+        if let Err(e) = c.usable() {
+            return Ok(Err(e));
+        }
+        let endpoint = c.endpoint.clone();
+        let skipping = async {
+            let n = tokio::io::copy(&mut (&mut c.stream).take(len), &mut tokio::io::sink()).await?;
+            if n < len {
+                return Err(std::io::ErrorKind::UnexpectedEof.into());
+            }
+            Ok(())
+        };
+        let result = bounded(deadline, &endpoint, "read from", skipping).await;
+        Ok(c.check(result))
+    }
+
     async fn drop(&mut self, conn: Resource<Connection>) -> wasmtime::Result<()> {
-        self.table.delete(conn)?;
+        let mut c = self.table.delete(conn)?;
+        let queued = c.clear_pending();
+        self.usage.queued_bytes = self.usage.queued_bytes.saturating_sub(queued);
+        self.release(HandleKind::Connection);
         Ok(())
     }
 }

@@ -2,19 +2,20 @@
 //! calls. Each validates the plugin's answer against the contract and
 //! applies the declaration's failure policy.
 
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 
 use bytes::Bytes;
-
-use super::bindings::{placement, retry, scheduling, store, BackendFeatures, WitNode};
-use super::decl::FailurePolicy;
-use super::error::{Fault, PluginError};
-use super::pool::Plugin;
+use kvplane_protocol::placement::{Member, MemberState, SlotTable};
 use kvplane_protocol::KvError;
 
+use super::bindings::{placement, retry, store, BackendFeatures, CallOptions, WitMember};
+use super::buffer::{BlockBuffer, Region, WritableMemory};
+use super::decl::FailurePolicy;
+use super::error::{Fault, PluginError};
+use super::pool::{Plugin, SchedulingGuest};
+
+pub use super::bindings::scheduling::{Placement, PodRequest};
 pub use retry::{Decision, Failure, Operation};
-pub use scheduling::{Placement, PodRequest};
-pub type Node = WitNode;
 
 /// Log and count a fail-open fallback; return whether to fall back.
 fn falls_open<G: super::pool::GuestExports>(plugin: &Plugin<G>, error: &PluginError) -> bool {
@@ -26,112 +27,59 @@ fn falls_open<G: super::pool::GuestExports>(plugin: &Plugin<G>, error: &PluginEr
     open
 }
 
-/// A key-placement plugin with the pool's current membership.
+/// A key-placement plugin: computes slot tables.
 pub struct KeyPlacement {
     pub plugin: Plugin<placement::Guest>,
-    /// (generation, members): instances that saw an older generation get
-    /// `set-members` before their next `owners` call.
-    members: RwLock<(u64, Arc<Vec<Node>>)>,
 }
 
 impl KeyPlacement {
     pub(crate) fn new(plugin: Plugin<placement::Guest>) -> Self {
-        KeyPlacement { plugin, members: RwLock::new((0, Arc::new(Vec::new()))) }
+        KeyPlacement { plugin }
     }
 
-    /// Replace the membership. Checked on one instance right away, so a
-    /// membership the plugin rejects is reported here, not on the next read.
-    pub async fn set_members(&self, members: Vec<Node>) -> Result<(), PluginError> {
-        let members = Arc::new(members);
-        let generation = {
-            let mut m = self.members.write().unwrap_or_else(|p| p.into_inner());
-            m.0 += 1;
-            m.1 = members.clone();
-            m.0
-        };
-        self.plugin
-            .call("set-members", move |inst| {
-                Box::pin(async move {
-                    let r = inst.guest.call_set_members(&mut inst.store, &members).await?;
-                    Ok(r.map(|()| inst.synced = generation).map_err(|e| Fault::Returned(e.into())))
-                })
-            })
-            .await
-    }
-
-    pub fn members(&self) -> Arc<Vec<Node>> {
-        self.members.read().unwrap_or_else(|p| p.into_inner()).1.clone()
-    }
-
-    /// For each key, `replicas` distinct owner ids, primary first.
+    /// The slot table of `members` (sorted here by id) with `slots` slots
+    /// and up to `replicas` owners each, checked against the contract.
     ///
     /// Fail-open default: the native ring (`kvplane-ring-core`) over the
-    /// same membership.
-    pub async fn owners(&self, keys: Vec<Vec<u8>>, replicas: u32) -> Result<Vec<Vec<String>>, PluginError> {
-        let (generation, members) = self.members.read().unwrap_or_else(|p| p.into_inner()).clone();
-        let fallback_keys = keys.clone();
+    /// same membership, so a broken plugin never leaves keys unowned.
+    pub async fn compute(&self, version: u64, mut members: Vec<Member>, slots: u32, replicas: u32) -> Result<SlotTable, PluginError> {
+        members.sort_by(|a, b| a.id.cmp(&b.id));
+        let wit: Arc<Vec<WitMember>> = Arc::new(members.iter().map(WitMember::from).collect());
+        let checked_members = members.clone();
         let result = self
             .plugin
-            .call("owners", {
-                let members = members.clone();
-                move |inst| {
-                    Box::pin(async move {
-                        if inst.synced != generation {
-                            if let Err(e) = inst.guest.call_set_members(&mut inst.store, &members).await? {
-                                return Ok(Err(Fault::Returned(e.into())));
-                            }
-                            inst.synced = generation;
-                        }
-                        let answer = inst.guest.call_owners(&mut inst.store, &keys, replicas).await?;
-                        Ok(match answer {
-                            Err(e) => Err(Fault::Returned(e.into())),
-                            Ok(owners) => check_owners(&members, keys.len(), replicas, owners),
-                        })
+            .call("compute", move |inst| {
+                Box::pin(async move {
+                    Ok(match inst.guest.call_compute(&mut inst.store, &wit, slots, replicas).await? {
+                        Err(e) => Err(Fault::Returned(e.into())),
+                        Ok(t) => SlotTable::new(version, checked_members, slots, replicas, t.replicas, t.owners)
+                            .map_err(|e| Fault::BadOutput(e.to_string())),
                     })
-                }
+                })
             })
             .await;
         match result {
-            Err(e) if falls_open(&self.plugin, &e) => native_owners(&members, &fallback_keys, replicas).map_err(|_| e),
+            Err(e) if falls_open(&self.plugin, &e) => native_slot_table(version, members, slots, replicas).map_err(|_| e),
             other => other,
         }
     }
 }
 
-/// The contract of `owners`: one answer per key, each min(replicas, N)
-/// distinct ids of current members.
-fn check_owners(members: &[Node], keys: usize, replicas: u32, owners: Vec<Vec<String>>) -> Result<Vec<Vec<String>>, Fault> {
-    if owners.len() != keys {
-        return Err(Fault::BadOutput(format!("{} owner lists for {keys} keys", owners.len())));
-    }
-    let want = (replicas as usize).min(members.len());
-    for (i, set) in owners.iter().enumerate() {
-        if set.len() != want {
-            return Err(Fault::BadOutput(format!(
-                "{} owners for key #{i}, expected {want} (replicas {replicas}, {} members)",
-                set.len(),
-                members.len()
-            )));
-        }
-        for (j, id) in set.iter().enumerate() {
-            if !members.iter().any(|m| &m.id == id) {
-                return Err(Fault::BadOutput(format!("owner {id:?} of key #{i} is not a member")));
-            }
-            if set[..j].contains(id) {
-                return Err(Fault::BadOutput(format!("owner {id:?} appears twice for key #{i}")));
-            }
-        }
-    }
-    Ok(owners)
-}
-
-/// The fail-open default placement: the same ring, computed natively.
-pub fn native_owners(members: &[Node], keys: &[Vec<u8>], replicas: u32) -> Result<Vec<Vec<String>>, KvError> {
-    let ids: Vec<&str> = members.iter().map(|m| m.id.as_str()).collect();
-    let ring = kvplane_ring_core::Ring::new(&ids, kvplane_ring_core::DEFAULT_VNODES).map_err(|e| KvError::Invalid(e.to_string()))?;
-    keys.iter()
-        .map(|k| ring.owners(k, replicas).map(|o| o.into_iter().map(str::to_owned).collect()).map_err(|e| KvError::Invalid(e.to_string())))
-        .collect()
+/// The fail-open default placement: `builtin:ring`'s table, computed natively.
+pub fn native_slot_table(version: u64, mut members: Vec<Member>, slots: u32, replicas: u32) -> Result<SlotTable, KvError> {
+    members.sort_by(|a, b| a.id.cmp(&b.id));
+    let view: Vec<kvplane_ring_core::SlotMember<'_>> = members
+        .iter()
+        .map(|m| kvplane_ring_core::SlotMember {
+            id: &m.id,
+            weight: m.weight,
+            eligible: matches!(m.state, MemberState::Up | MemberState::Joining),
+        })
+        .collect();
+    let (r, owners) = kvplane_ring_core::slot_table(&view, slots, replicas, kvplane_ring_core::DEFAULT_VNODES)
+        .map_err(|e| KvError::Invalid(e.to_string()))?;
+    drop(view);
+    SlotTable::new(version, members, slots, replicas, r, owners).map_err(|e| KvError::Internal(e.to_string()))
 }
 
 /// A retry-policy plugin.
@@ -154,9 +102,9 @@ impl RetryPolicy {
     }
 }
 
-/// A placement-rule plugin.
+/// A placement-rule plugin (0.2.0, or 0.1.0 whose world did not change).
 pub struct PlacementRule {
-    pub plugin: Plugin<scheduling::Guest>,
+    pub plugin: Plugin<SchedulingGuest>,
 }
 
 impl PlacementRule {
@@ -200,71 +148,122 @@ fn check_count<T>(function: &str, keys: usize, results: Vec<T>) -> Result<Vec<T>
     }
 }
 
+/// Lend `regions` to an instance as owned handles. On `capacity` (the
+/// instance already holds too many buffers) the call is not made.
+fn lend(
+    state: &mut super::host::HostState,
+    regions: &[Arc<Region>],
+) -> wasmtime::Result<Result<Vec<wasmtime::component::Resource<BlockBuffer>>, Fault>> {
+    let mut handles = Vec::with_capacity(regions.len());
+    for r in regions {
+        match state.push_buffer(BlockBuffer::whole(r.clone()))? {
+            Ok(h) => handles.push(h),
+            Err(e) => return Ok(Err(Fault::Returned(e.into()))),
+        }
+    }
+    Ok(Ok(handles))
+}
+
 impl Backend {
     pub async fn features(&self) -> Result<BackendFeatures, PluginError> {
         self.plugin.call("features", |inst| Box::pin(async move { Ok(Ok(inst.guest.call_features(&mut inst.store).await?)) })).await
     }
 
-    /// Store each (key, payload). The payloads are lent to the plugin as host
-    /// buffers; their bytes are never copied into the guest.
-    /// Fail-open default: the write is skipped (a later read misses).
-    pub async fn put(&self, entries: Vec<(Vec<u8>, Bytes)>) -> Result<Vec<Result<(), KvError>>, PluginError> {
+    /// Store each (key, payload). The payloads are lent to the plugin as
+    /// source buffers: shared, never copied, and taken back when the call
+    /// returns. Fail-open default: the write is skipped (a later read misses).
+    pub async fn put(&self, entries: Vec<(Vec<u8>, Bytes)>, options: CallOptions) -> Result<Vec<Result<(), KvError>>, PluginError> {
         let n = entries.len();
+        let (keys, payloads): (Vec<Vec<u8>>, Vec<Bytes>) = entries.into_iter().unzip();
+        let regions: Vec<Arc<Region>> = payloads.into_iter().map(Region::source).collect();
+        let lent = regions.clone();
         let result = self
             .plugin
             .call("put", move |inst| {
                 Box::pin(async move {
-                    // Ownership of each handle passes to the guest, which
-                    // drops it when done; the bytes are shared, not copied.
-                    let mut lent = Vec::with_capacity(entries.len());
-                    for (key, data) in entries {
-                        let handle = inst.store.data_mut().table.push(super::host::BlockBuffer { data })?;
-                        lent.push((key, handle));
-                    }
-                    let answer = inst.guest.call_put(&mut inst.store, &lent).await?;
+                    let handles = match lend(inst.store.data_mut(), &lent)? {
+                        Ok(h) => h,
+                        Err(f) => return Ok(Err(f)),
+                    };
+                    let entries: Vec<_> = keys.into_iter().zip(handles).collect();
+                    let answer = inst.guest.call_put(&mut inst.store, &entries, &options).await?;
                     Ok(check_count("put", n, answer).map(|r| r.into_iter().map(|r| r.map_err(KvError::from)).collect()))
                 })
             })
             .await;
+        for r in &regions {
+            r.release();
+        }
         match result {
             Err(e) if falls_open(&self.plugin, &e) => Ok((0..n).map(|_| Ok(())).collect()),
             other => other,
         }
     }
 
-    /// Fetch each key. Fail-open default: every key misses.
-    pub async fn get(&self, keys: Vec<Vec<u8>>) -> Result<Vec<Result<Bytes, KvError>>, PluginError> {
-        let n = keys.len();
+    /// Fill each destination with its key's value: the plugin reads from the
+    /// store straight into the caller's memory (`read-into`, a driver get).
+    /// Answers the memories back, in order, with each key's result (the
+    /// length written). Fail-open default: every key misses.
+    pub async fn get<M: WritableMemory>(
+        &self,
+        entries: Vec<(Vec<u8>, M)>,
+        options: CallOptions,
+    ) -> (Vec<M>, Result<Vec<Result<usize, KvError>>, PluginError>) {
+        let n = entries.len();
+        let (keys, memories): (Vec<Vec<u8>>, Vec<M>) = entries.into_iter().unzip();
+        let regions: Vec<Arc<Region>> = memories.into_iter().map(Region::destination).collect();
+        let sizes: Vec<usize> = regions.iter().map(|r| r.len()).collect();
+        let lent = regions.clone();
         let result = self
             .plugin
             .call("get", move |inst| {
                 Box::pin(async move {
-                    let answer = inst.guest.call_get(&mut inst.store, &keys).await?;
-                    let mut out = Vec::with_capacity(answer.len());
-                    for r in answer {
+                    let handles = match lend(inst.store.data_mut(), &lent)? {
+                        Ok(h) => h,
+                        Err(f) => return Ok(Err(f)),
+                    };
+                    let entries: Vec<_> = keys.into_iter().zip(handles).collect();
+                    let answer = inst.guest.call_get(&mut inst.store, &entries, &options).await?;
+                    let answer = match check_count("get", n, answer) {
+                        Ok(a) => a,
+                        Err(f) => return Ok(Err(f)),
+                    };
+                    let mut out = Vec::with_capacity(n);
+                    for (i, r) in answer.into_iter().enumerate() {
                         out.push(match r {
-                            Ok(handle) => Ok(inst.store.data_mut().table.delete(handle)?.data),
+                            Ok(len) if len as usize <= sizes[i] => Ok(len as usize),
+                            Ok(len) => {
+                                return Ok(Err(Fault::BadOutput(format!(
+                                    "get answered {len} bytes for key #{i} into a {}-byte destination",
+                                    sizes[i]
+                                ))))
+                            }
                             Err(e) => Err(KvError::from(e)),
                         });
                     }
-                    Ok(check_count("get", keys.len(), out))
+                    Ok(Ok(out))
                 })
             })
             .await;
-        match result {
+        let mut memories = Vec::with_capacity(n);
+        for r in &regions {
+            memories.push(r.reclaim::<M>().await);
+        }
+        let result = match result {
             Err(e) if falls_open(&self.plugin, &e) => Ok((0..n).map(|_| Err(KvError::NotFound)).collect()),
             other => other,
-        }
+        };
+        (memories, result)
     }
 
     /// Whether each key exists. Fail-open default: none does.
-    pub async fn exists(&self, keys: Vec<Vec<u8>>) -> Result<Vec<Result<bool, KvError>>, PluginError> {
+    pub async fn exists(&self, keys: Vec<Vec<u8>>, options: CallOptions) -> Result<Vec<Result<bool, KvError>>, PluginError> {
         let n = keys.len();
         let result = self
             .plugin
             .call("exists", move |inst| {
                 Box::pin(async move {
-                    let answer = inst.guest.call_exists(&mut inst.store, &keys).await?;
+                    let answer = inst.guest.call_exists(&mut inst.store, &keys, &options).await?;
                     Ok(check_count("exists", keys.len(), answer).map(|r| r.into_iter().map(|r| r.map_err(KvError::from)).collect()))
                 })
             })
@@ -276,13 +275,13 @@ impl Backend {
     }
 
     /// Remove each key. Fail-open default: skipped.
-    pub async fn delete(&self, keys: Vec<Vec<u8>>) -> Result<Vec<Result<(), KvError>>, PluginError> {
+    pub async fn delete(&self, keys: Vec<Vec<u8>>, options: CallOptions) -> Result<Vec<Result<(), KvError>>, PluginError> {
         let n = keys.len();
         let result = self
             .plugin
             .call("delete", move |inst| {
                 Box::pin(async move {
-                    let answer = inst.guest.call_delete(&mut inst.store, &keys).await?;
+                    let answer = inst.guest.call_delete(&mut inst.store, &keys, &options).await?;
                     Ok(check_count("delete", keys.len(), answer).map(|r| r.into_iter().map(|r| r.map_err(KvError::from)).collect()))
                 })
             })

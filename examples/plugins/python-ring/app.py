@@ -1,4 +1,4 @@
-"""`key-placement` plugin in Python: the same ring as `builtin:ring`.
+"""`key-placement` plugin in Python: the same slot table as `builtin:ring`.
 
 It shows that a policy can be written in another language and still agree
 with the Rust plugin owner for owner, which is what lets a pool mix hosts
@@ -10,17 +10,20 @@ from typing import List, Tuple
 
 from componentize_py_types import Err
 from wit_world import exports
+from wit_world.exports import placement
 from wit_world.imports import types
 
 import ring_core
 
 
 # componentize-py constructs a fresh `Placement` for every exported call, so
-# state kept on `self` would be lost between `set-members` and `owners`. It
+# state kept on `self` would be lost between `configure` and `compute`. It
 # lives at module level instead, which lasts exactly as long as the host's
 # plugin instance.
 _vnodes = ring_core.DEFAULT_VNODES
-_ring = ring_core.Ring()
+
+# Members that may own keys; draining and down members own nothing.
+_MAY_OWN = (types.MemberState.UP, types.MemberState.JOINING)
 
 
 class Placement(exports.Placement):
@@ -34,15 +37,10 @@ class Placement(exports.Placement):
             except ring_core.RingError as e:
                 raise Err(types.Error_Invalid(str(e)))
 
-    def set_members(self, members: List[types.Node]) -> None:
-        global _ring
+    def compute(self, members: List[types.Member], slots: int, replicas: int) -> placement.SlotTable:
+        view = [ring_core.SlotMember(m.id, m.weight, m.state in _MAY_OWN) for m in members]
         try:
-            _ring = ring_core.Ring([m.id for m in members], _vnodes)
+            r, owners = ring_core.slot_table(view, slots, replicas, _vnodes)
         except ring_core.RingError as e:
             raise Err(types.Error_Invalid(str(e)))
-
-    def owners(self, keys: List[bytes], replicas: int) -> List[List[str]]:
-        try:
-            return [_ring.owners(bytes(k), replicas) for k in keys]
-        except ring_core.RingError as e:
-            raise Err(types.Error_Invalid(str(e)))
+        return placement.SlotTable(r, owners)

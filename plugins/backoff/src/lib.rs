@@ -11,7 +11,7 @@ pub mod policy;
 use std::cell::RefCell;
 
 use exports::kvplane::plugin::retry::{Decision, Error, Failure, Guest};
-use policy::{Action, FailureKind, Policy};
+use policy::{Action, Context, FailureKind, Policy};
 
 wit_bindgen::generate!({
     world: "retry-policy",
@@ -30,6 +30,9 @@ fn kind(error: &Error) -> FailureKind {
         Error::Unavailable(_) => FailureKind::Unavailable,
         Error::Timeout(_) => FailureKind::Timeout,
         Error::Internal(_) => FailureKind::Internal,
+        Error::Unsupported(_) => FailureKind::Unsupported,
+        Error::Denied(_) => FailureKind::Denied,
+        Error::Busy(b) => FailureKind::Busy { retry_after_ms: b.retry_after_ms },
     }
 }
 
@@ -45,7 +48,9 @@ impl Guest for Backoff {
     }
 
     fn decide(failure: Failure) -> Decision {
-        let action = POLICY.with(|p| p.borrow().decide(kind(&failure.error), failure.attempt, failure.elapsed_ms, failure.jitter_seed));
+        let cx = Context { deadline_left_ms: failure.deadline_left_ms, idempotent: failure.idempotent };
+        let action =
+            POLICY.with(|p| p.borrow().decide_in(kind(&failure.error), failure.attempt, failure.elapsed_ms, failure.jitter_seed, cx));
         match action {
             Action::RetryAfter(ms) => Decision::RetryAfter(ms),
             Action::FailOver => Decision::FailOver,
@@ -54,7 +59,7 @@ impl Guest for Backoff {
     }
 }
 
-// The exported symbol names (`kvplane:plugin/retry@0.1.0#decide`) are not
+// The exported symbol names (`kvplane:plugin/retry@0.2.0#decide`) are not
 // valid in a native linker version script, so the native cdylib built for
 // unit tests carries no exports.
 #[cfg(target_arch = "wasm32")]
@@ -66,7 +71,17 @@ mod tests {
     use exports::kvplane::plugin::retry::Operation;
 
     fn failure(error: Error, attempt: u32) -> Failure {
-        Failure { operation: Operation::Get, attempt, error, elapsed_ms: 0, jitter_seed: 50 }
+        Failure {
+            operation: Operation::Get,
+            idempotent: true,
+            target: "node-0".into(),
+            replica: 0,
+            attempt,
+            error,
+            elapsed_ms: 0,
+            deadline_left_ms: 10_000,
+            jitter_seed: 50,
+        }
     }
 
     #[test]

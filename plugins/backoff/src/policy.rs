@@ -24,6 +24,23 @@ pub enum FailureKind {
     Unavailable,
     Timeout,
     Internal,
+    /// The store cannot do this at all.
+    Unsupported,
+    /// Not permitted.
+    Denied,
+    /// Overloaded; the store asked for this many milliseconds of quiet.
+    Busy {
+        retry_after_ms: u64,
+    },
+}
+
+/// What 0.2.0's `failure` adds beyond the error and attempt count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Context {
+    /// Milliseconds left before the caller's deadline.
+    pub deadline_left_ms: u64,
+    /// Whether repeating the operation is harmless.
+    pub idempotent: bool,
 }
 
 /// What the caller should do next.
@@ -111,9 +128,23 @@ impl Policy {
     /// `elapsed_ms` is time since the first attempt started; `jitter_seed` is
     /// the host's random draw, which makes the choice replayable.
     pub fn decide(&self, kind: FailureKind, attempt: u32, elapsed_ms: u64, jitter_seed: u64) -> Action {
+        self.decide_in(kind, attempt, elapsed_ms, jitter_seed, Context { deadline_left_ms: u64::MAX, idempotent: true })
+    }
+
+    /// [`decide`](Self::decide) knowing the caller's deadline and whether the
+    /// operation may be repeated:
+    /// - a non-idempotent operation is retried only after `busy` (the store
+    ///   refused it, so it did not happen); after a timeout or a dropped
+    ///   connection it may have happened, so the caller hears the error;
+    /// - `busy` waits at least the store's retry-after;
+    /// - a delay that would not end before the deadline gives up instead of
+    ///   sleeping past it.
+    pub fn decide_in(&self, kind: FailureKind, attempt: u32, elapsed_ms: u64, jitter_seed: u64, cx: Context) -> Action {
         match kind {
             // The answer would be the same next time.
-            FailureKind::NotFound | FailureKind::Invalid => return Action::GiveUp,
+            FailureKind::NotFound | FailureKind::Invalid | FailureKind::Unsupported | FailureKind::Denied => return Action::GiveUp,
+            FailureKind::Busy { .. } => {}
+            _ if !cx.idempotent => return Action::GiveUp,
             _ => {}
         }
         if attempt >= self.max_attempts {
@@ -129,12 +160,15 @@ impl Policy {
             _ => {}
         }
         let cap = self.cap_ms(attempt);
-        let delay = match cap.checked_add(1) {
+        let mut delay = match cap.checked_add(1) {
             Some(range) => jitter_seed % range,
             // cap == u64::MAX: every seed is already within 0..=cap.
             None => jitter_seed,
         };
-        if elapsed_ms.saturating_add(delay) > self.budget_ms {
+        if let FailureKind::Busy { retry_after_ms } = kind {
+            delay = delay.max(retry_after_ms);
+        }
+        if elapsed_ms.saturating_add(delay) > self.budget_ms || delay >= cx.deadline_left_ms {
             return Action::GiveUp;
         }
         Action::RetryAfter(delay)
@@ -147,6 +181,20 @@ mod tests {
 
     fn cfg(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
         pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn context_of_0_2_shapes_the_decision() {
+        let p = Policy::default();
+        let cx = |deadline_left_ms, idempotent| Context { deadline_left_ms, idempotent };
+        // A put that may have happened is not repeated...
+        assert_eq!(p.decide_in(FailureKind::Timeout, 1, 0, 5, cx(1000, false)), Action::GiveUp);
+        // ...unless the store said it was busy, and then not before its retry-after.
+        assert_eq!(p.decide_in(FailureKind::Busy { retry_after_ms: 40 }, 1, 0, 5, cx(1000, false)), Action::RetryAfter(40));
+        // A delay that outlasts the caller's deadline is pointless.
+        assert_eq!(p.decide_in(FailureKind::Busy { retry_after_ms: 40 }, 1, 0, 5, cx(30, true)), Action::GiveUp);
+        assert_eq!(p.decide_in(FailureKind::Unsupported, 1, 0, 5, cx(1000, true)), Action::GiveUp);
+        assert_eq!(p.decide_in(FailureKind::Denied, 1, 0, 5, cx(1000, true)), Action::GiveUp);
     }
 
     /// A small deterministic generator so the property tests need no crate

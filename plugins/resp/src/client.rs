@@ -6,7 +6,7 @@
 //! middle of a batch, can be exercised natively against scripted replies and
 //! a real `redis-server`. The WIT adapter in `lib.rs` only forwards calls.
 
-use crate::resp::{self, ErrorClass, Reply, MAX_LINE};
+use crate::resp::{self, ErrorClass, Expiry, Reply, MAX_LINE};
 
 /// Mirrors the WIT `error` variant so this module stays WIT-free.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -17,21 +17,37 @@ pub enum Fail {
     Invalid(String),
     Capacity(String),
     Internal(String),
+    Unsupported(String),
+    Busy { retry_after_ms: u64, message: String },
+    Denied(String),
+}
+
+/// The per-call options of the contract's `call-options`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CallOptions {
+    /// `SET ... PX ttl-ms`, overriding the config's `ttl-seconds`.
+    pub ttl_ms: Option<u64>,
+    /// Keys live under `prefix + namespace + ":"`.
+    pub namespace: Option<String>,
 }
 
 /// The `transport.connection` operations the client needs, one to one.
 pub trait Conn {
     /// A borrowed host buffer holding a value to store.
     type Payload: ?Sized;
-    /// A host buffer filled from the socket.
-    type Received;
+    /// A host buffer the host wants a value read into.
+    type Dest: ?Sized;
     fn payload_len(payload: &Self::Payload) -> u64;
+    fn dest_len(dest: &Self::Dest) -> u64;
     fn write(&mut self, bytes: &[u8]) -> Result<(), Fail>;
     fn write_payload(&mut self, payload: &Self::Payload) -> Result<(), Fail>;
     fn flush(&mut self) -> Result<(), Fail>;
     fn read_until(&mut self, delimiter: u8, max: u32) -> Result<Vec<u8>, Fail>;
     fn read_exact(&mut self, len: u32) -> Result<Vec<u8>, Fail>;
-    fn read_payload(&mut self, len: u64) -> Result<Self::Received, Fail>;
+    /// Read exactly `len` bytes (at most `dest_len`) into the start of `dest`.
+    fn read_into(&mut self, dest: &Self::Dest, len: u64) -> Result<(), Fail>;
+    /// Read and drop `len` bytes.
+    fn skip(&mut self, len: u64) -> Result<(), Fail>;
 }
 
 /// Opens connections; separate from [`Conn`] so a dropped connection can be
@@ -144,7 +160,7 @@ fn server_error(command: &str, text: String) -> Fail {
     match resp::classify_error(&text) {
         ErrorClass::Capacity => Fail::Capacity(message),
         ErrorClass::Unavailable => Fail::Unavailable(message),
-        ErrorClass::Denied => Fail::Invalid(message),
+        ErrorClass::Denied => Fail::Denied(message),
         ErrorClass::Other => Fail::Internal(message),
     }
 }
@@ -181,30 +197,49 @@ fn expect_integer<C: Conn>(conn: &mut C, command: &str) -> KeyReply<i64> {
     }
 }
 
-fn read_get<C: Conn>(conn: &mut C) -> KeyReply<C::Received> {
+/// Read one GET reply's value into `dest`; a value longer than `dest` is
+/// skipped (the host drops its bytes, the stream stays in step) and
+/// answered `capacity`.
+fn read_get<C: Conn>(conn: &mut C, dest: &C::Dest) -> KeyReply<u64> {
     let len = match read_reply(conn, "GET")? {
         Reply::Bulk(len) => len,
         Reply::NullBulk => return Ok(Err(Fail::NotFound)),
         Reply::Error(text) => return Ok(Err(server_error("GET", text))),
         other => return Err(unexpected("GET", "a bulk string or $-1", &other)),
     };
-    let value = conn.read_payload(len).map_err(|e| match e {
-        // The host refuses values larger than its biggest block. Only this
-        // key is too large, but its unread bytes leave the stream out of
-        // step, and draining them would pull block bytes into the guest.
-        Fail::Capacity(why) => Broken {
-            this: Fail::Capacity(format!("GET: {len}-byte value: {why}")),
-            rest: Fail::Unavailable(format!(
-                "connection dropped because an earlier value in the batch ({len} bytes) was too large to receive"
-            )),
-        },
-        other => Broken::same(other),
-    })?;
+    let room = C::dest_len(dest);
+    let outcome = if len <= room {
+        conn.read_into(dest, len).map_err(Broken::same)?;
+        Ok(len)
+    } else {
+        conn.skip(len).map_err(Broken::same)?;
+        Err(Fail::Capacity(format!("GET: the {len}-byte value does not fit its {room}-byte destination")))
+    };
     let end = conn.read_exact(2).map_err(Broken::same)?;
     if end != b"\r\n" {
         return Err(Broken::internal(format!("reply to GET: expected CRLF after the {len}-byte value, got \"{}\"", end.escape_ascii())));
     }
-    Ok(Ok(value))
+    Ok(outcome)
+}
+
+/// Largest `ttl-ms` passed on as `PX`: Redis adds it to the current time in
+/// milliseconds as a signed 64-bit number; a thousand years is far below
+/// that bound and far above any cache entry's life.
+pub const MAX_TTL_MS: u64 = 1000 * 365 * 24 * 3600 * 1000;
+
+/// The key prefix of one call: the config's `prefix`, then the call's
+/// namespace and a colon. A namespace must be non-empty and free of `:`,
+/// or two namespaces could share keys (`a:b` + `c` and `a` + `b:c`).
+fn call_prefix(settings: &Settings, options: &CallOptions) -> Result<Vec<u8>, Fail> {
+    let mut prefix = settings.prefix.clone();
+    if let Some(ns) = &options.namespace {
+        if ns.is_empty() || ns.contains(':') {
+            return Err(Fail::Invalid(format!("namespace {ns:?}: must be non-empty and contain no ':'")));
+        }
+        prefix.extend_from_slice(ns.as_bytes());
+        prefix.push(b':');
+    }
+    Ok(prefix)
 }
 
 /// Control bytes are gathered and written in one call before each payload
@@ -295,6 +330,8 @@ impl<D: Dial> Client<D> {
                     let message = format!("{endpoint} refused {command}: {text}");
                     return Err(match resp::classify_error(&text) {
                         ErrorClass::Unavailable => Fail::Unavailable(message),
+                        // Credentials the server refused: the contract's `denied`.
+                        ErrorClass::Denied => Fail::Denied(message),
                         _ => Fail::Invalid(message),
                     });
                 }
@@ -360,15 +397,27 @@ impl<D: Dial> Client<D> {
         results
     }
 
-    pub fn put(&mut self, entries: &[(Vec<u8>, &<D::Conn as Conn>::Payload)]) -> Vec<Result<(), Fail>> {
+    pub fn put(&mut self, entries: &[(Vec<u8>, &<D::Conn as Conn>::Payload)], options: &CallOptions) -> Vec<Result<(), Fail>> {
+        let expiry = match options.ttl_ms {
+            Some(ms) if !(1..=MAX_TTL_MS).contains(&ms) => {
+                let why = format!("ttl-ms {ms}: Redis accepts PX 1..={MAX_TTL_MS}");
+                return entries.iter().map(|_| Err(Fail::Invalid(why.clone()))).collect();
+            }
+            Some(ms) => Some(Expiry::Millis(ms)),
+            None => self.settings.ttl_seconds.map(Expiry::Seconds),
+        };
+        let prefix = match call_prefix(&self.settings, options) {
+            Ok(p) => p,
+            Err(e) => return entries.iter().map(|_| Err(e.clone())).collect(),
+        };
         self.batch(
             entries.len(),
-            |out, s| {
+            |out, _| {
                 for (key, payload) in entries {
                     let len = <D::Conn as Conn>::payload_len(payload);
-                    resp::push_set_head(&mut out.pending, &s.prefix, key, len, s.ttl_seconds);
+                    resp::push_set_head(&mut out.pending, &prefix, key, len, expiry);
                     out.payload(payload)?;
-                    resp::push_set_tail(&mut out.pending, s.ttl_seconds);
+                    resp::push_set_tail(&mut out.pending, expiry);
                 }
                 Ok(())
             },
@@ -376,14 +425,32 @@ impl<D: Dial> Client<D> {
         )
     }
 
-    pub fn get(&mut self, keys: &[Vec<u8>]) -> Vec<Result<<D::Conn as Conn>::Received, Fail>> {
-        self.batch(keys.len(), |out, s| key_commands(out, s, b"GET", keys), |conn, _| read_get(conn))
+    /// Read each key's value into its destination; answers the length.
+    pub fn get(&mut self, entries: &[(Vec<u8>, &<D::Conn as Conn>::Dest)], options: &CallOptions) -> Vec<Result<u64, Fail>> {
+        let prefix = match call_prefix(&self.settings, options) {
+            Ok(p) => p,
+            Err(e) => return entries.iter().map(|_| Err(e.clone())).collect(),
+        };
+        self.batch(
+            entries.len(),
+            |out, _| {
+                for (key, _) in entries {
+                    resp::push_key_command(&mut out.pending, b"GET", &prefix, key);
+                }
+                Ok(())
+            },
+            |conn, i| read_get(conn, entries[i].1),
+        )
     }
 
-    pub fn exists(&mut self, keys: &[Vec<u8>]) -> Vec<Result<bool, Fail>> {
+    pub fn exists(&mut self, keys: &[Vec<u8>], options: &CallOptions) -> Vec<Result<bool, Fail>> {
+        let prefix = match call_prefix(&self.settings, options) {
+            Ok(p) => p,
+            Err(e) => return keys.iter().map(|_| Err(e.clone())).collect(),
+        };
         self.batch(
             keys.len(),
-            |out, s| key_commands(out, s, b"EXISTS", keys),
+            |out, _| key_commands(out, &prefix, b"EXISTS", keys),
             |conn, _| match expect_integer(conn, "EXISTS")? {
                 Ok(0) => Ok(Ok(false)),
                 Ok(1) => Ok(Ok(true)),
@@ -393,10 +460,14 @@ impl<D: Dial> Client<D> {
         )
     }
 
-    pub fn delete(&mut self, keys: &[Vec<u8>]) -> Vec<Result<(), Fail>> {
+    pub fn delete(&mut self, keys: &[Vec<u8>], options: &CallOptions) -> Vec<Result<(), Fail>> {
+        let prefix = match call_prefix(&self.settings, options) {
+            Ok(p) => p,
+            Err(e) => return keys.iter().map(|_| Err(e.clone())).collect(),
+        };
         self.batch(
             keys.len(),
-            |out, s| key_commands(out, s, b"DEL", keys),
+            |out, _| key_commands(out, &prefix, b"DEL", keys),
             // :0 (the key was absent) is success: delete is idempotent.
             |conn, _| match expect_integer(conn, "DEL")? {
                 Ok(0 | 1) => Ok(Ok(())),
@@ -407,9 +478,9 @@ impl<D: Dial> Client<D> {
     }
 }
 
-fn key_commands<C: Conn>(out: &mut Outbox<'_, C>, s: &Settings, name: &[u8], keys: &[Vec<u8>]) -> Result<(), Fail> {
+fn key_commands<C: Conn>(out: &mut Outbox<'_, C>, prefix: &[u8], name: &[u8], keys: &[Vec<u8>]) -> Result<(), Fail> {
     for key in keys {
-        resp::push_key_command(&mut out.pending, name, &s.prefix, key);
+        resp::push_key_command(&mut out.pending, name, prefix, key);
     }
     Ok(())
 }

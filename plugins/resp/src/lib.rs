@@ -2,15 +2,16 @@
 //! through the host's `transport`.
 //!
 //! Values never enter the guest: a PUT sends the SET header from the guest
-//! and the value straight from its host buffer, a GET receives the value into
-//! a new host buffer. Each batch is pipelined, one flush and one pass over
+//! and the value straight from its host buffer, a GET reads the value into
+//! the destination the host lent (a slice of it for a shorter value). Each batch is pipelined, one flush and one pass over
 //! the replies. The protocol lives in [`resp`] (framing) and [`client`]
 //! (connection and batches) so it can be tested natively; `plugin` adapts it
 //! to the WIT `store` interface.
 //!
 //! Config: `endpoint` (required, host:port), `password` and `username`
 //! (AUTH), `database` (SELECT), `prefix` (key namespace), `ttl-seconds`
-//! (SET ... EX).
+//! (SET ... EX). A call's `ttl-ms` (SET ... PX) and `namespace` (keys under
+//! `prefix + namespace + ":"`) override them per call.
 
 pub mod client;
 // The component glue only exists for wasm32: its export names are not valid

@@ -3,11 +3,12 @@
 
 use std::cell::RefCell;
 
-use crate::client::{Client, Conn, Dial, Fail, Settings};
-use exports::kvplane::plugin::store::{BackendFeatures, Error, Guest};
+use crate::client::{CallOptions, Client, Conn, Dial, Fail, Settings};
+use exports::kvplane::plugin::store::{BackendFeatures, CallOptions as WitOptions, Error, Guest};
 use kvplane::plugin::buffers::Buffer;
 use kvplane::plugin::log::{log, Level};
 use kvplane::plugin::transport::Connection;
+use kvplane::plugin::types::Busy;
 
 wit_bindgen::generate!({
     world: "backend",
@@ -23,6 +24,9 @@ impl From<Fail> for Error {
             Fail::Invalid(m) => Error::Invalid(m),
             Fail::Capacity(m) => Error::Capacity(m),
             Fail::Internal(m) => Error::Internal(m),
+            Fail::Unsupported(m) => Error::Unsupported(m),
+            Fail::Busy { retry_after_ms, message } => Error::Busy(Busy { retry_after_ms, message }),
+            Fail::Denied(m) => Error::Denied(m),
         }
     }
 }
@@ -36,18 +40,28 @@ impl From<Error> for Fail {
             Error::Invalid(m) => Fail::Invalid(m),
             Error::Capacity(m) => Fail::Capacity(m),
             Error::Internal(m) => Fail::Internal(m),
+            Error::Unsupported(m) => Fail::Unsupported(m),
+            Error::Busy(b) => Fail::Busy { retry_after_ms: b.retry_after_ms, message: b.message },
+            Error::Denied(m) => Fail::Denied(m),
         }
     }
+}
+
+fn options(o: WitOptions) -> CallOptions {
+    CallOptions { ttl_ms: o.ttl_ms, namespace: o.namespace }
 }
 
 struct HostConn(Connection);
 
 impl Conn for HostConn {
     type Payload = Buffer;
-    type Received = Buffer;
+    type Dest = Buffer;
 
     fn payload_len(payload: &Buffer) -> u64 {
         payload.len()
+    }
+    fn dest_len(dest: &Buffer) -> u64 {
+        dest.len()
     }
     fn write(&mut self, bytes: &[u8]) -> Result<(), Fail> {
         Ok(self.0.write(bytes)?)
@@ -64,8 +78,16 @@ impl Conn for HostConn {
     fn read_exact(&mut self, len: u32) -> Result<Vec<u8>, Fail> {
         Ok(self.0.read_exact(len)?)
     }
-    fn read_payload(&mut self, len: u64) -> Result<Buffer, Fail> {
-        Ok(self.0.read_buffer(len)?)
+    fn read_into(&mut self, dest: &Buffer, len: u64) -> Result<(), Fail> {
+        if len == dest.len() {
+            return Ok(self.0.read_into(dest)?);
+        }
+        // A shorter value fills the front of the destination: a view of it.
+        let view = dest.slice(0, len)?;
+        Ok(self.0.read_into(&view)?)
+    }
+    fn skip(&mut self, len: u64) -> Result<(), Fail> {
+        Ok(self.0.skip(len)?)
     }
 }
 
@@ -117,21 +139,22 @@ impl Guest for Resp {
             | BackendFeatures::TTL
     }
 
-    fn put(entries: Vec<(Vec<u8>, Buffer)>) -> Vec<Result<(), Error>> {
+    fn put(entries: Vec<(Vec<u8>, Buffer)>, o: WitOptions) -> Vec<Result<(), Error>> {
         let borrowed: Vec<(Vec<u8>, &Buffer)> = entries.iter().map(|(k, b)| (k.clone(), b)).collect();
-        with_client(entries.len(), |client| client.put(&borrowed))
+        with_client(entries.len(), |client| client.put(&borrowed, &options(o)))
     }
 
-    fn get(keys: Vec<Vec<u8>>) -> Vec<Result<Buffer, Error>> {
-        with_client(keys.len(), |client| client.get(&keys))
+    fn get(entries: Vec<(Vec<u8>, Buffer)>, o: WitOptions) -> Vec<Result<u64, Error>> {
+        let borrowed: Vec<(Vec<u8>, &Buffer)> = entries.iter().map(|(k, b)| (k.clone(), b)).collect();
+        with_client(entries.len(), |client| client.get(&borrowed, &options(o)))
     }
 
-    fn exists(keys: Vec<Vec<u8>>) -> Vec<Result<bool, Error>> {
-        with_client(keys.len(), |client| client.exists(&keys))
+    fn exists(keys: Vec<Vec<u8>>, o: WitOptions) -> Vec<Result<bool, Error>> {
+        with_client(keys.len(), |client| client.exists(&keys, &options(o)))
     }
 
-    fn delete(keys: Vec<Vec<u8>>) -> Vec<Result<(), Error>> {
-        with_client(keys.len(), |client| client.delete(&keys))
+    fn delete(keys: Vec<Vec<u8>>, o: WitOptions) -> Vec<Result<(), Error>> {
+        with_client(keys.len(), |client| client.delete(&keys, &options(o)))
     }
 }
 

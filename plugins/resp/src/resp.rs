@@ -45,25 +45,40 @@ pub fn push_key_command(out: &mut Vec<u8>, name: &[u8], prefix: &[u8], key: &[u8
     push_bulk_parts(out, &[prefix, key]);
 }
 
-/// Appends everything of `SET prefix+key <payload> [EX ttl]` that precedes
+/// A time to live for SET: `EX seconds` (the config's `ttl-seconds`) or
+/// `PX milliseconds` (a call's `ttl-ms`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Expiry {
+    Seconds(u64),
+    Millis(u64),
+}
+
+/// Appends everything of `SET prefix+key <payload> [EX|PX ttl]` that precedes
 /// the payload bytes, ending with the payload's `$len\r\n`. The argument
 /// count must already include the `EX ttl` pair that [`push_set_tail`]
 /// writes after the payload, because Redis fixes the value's position right
 /// after the key.
-pub fn push_set_head(out: &mut Vec<u8>, prefix: &[u8], key: &[u8], payload_len: u64, ttl_seconds: Option<u64>) {
-    push_len_line(out, b'*', if ttl_seconds.is_some() { 5 } else { 3 });
+pub fn push_set_head(out: &mut Vec<u8>, prefix: &[u8], key: &[u8], payload_len: u64, expiry: Option<Expiry>) {
+    push_len_line(out, b'*', if expiry.is_some() { 5 } else { 3 });
     push_bulk_parts(out, &[b"SET"]);
     push_bulk_parts(out, &[prefix, key]);
     push_len_line(out, b'$', payload_len);
 }
 
 /// Appends what follows the payload of a SET: the CRLF that closes the value
-/// bulk string and, with a time to live, the `EX ttl` arguments.
-pub fn push_set_tail(out: &mut Vec<u8>, ttl_seconds: Option<u64>) {
+/// bulk string and, with a time to live, the `EX|PX ttl` arguments.
+pub fn push_set_tail(out: &mut Vec<u8>, expiry: Option<Expiry>) {
     out.extend_from_slice(b"\r\n");
-    if let Some(ttl) = ttl_seconds {
-        push_bulk_parts(out, &[b"EX"]);
-        push_bulk_parts(out, &[ttl.to_string().as_bytes()]);
+    match expiry {
+        Some(Expiry::Seconds(ttl)) => {
+            push_bulk_parts(out, &[b"EX"]);
+            push_bulk_parts(out, &[ttl.to_string().as_bytes()]);
+        }
+        Some(Expiry::Millis(ttl)) => {
+            push_bulk_parts(out, &[b"PX"]);
+            push_bulk_parts(out, &[ttl.to_string().as_bytes()]);
+        }
+        None => {}
     }
 }
 
@@ -210,7 +225,7 @@ pub fn classify_error(text: &str) -> ErrorClass {
 mod tests {
     use super::*;
 
-    fn set_frame(prefix: &[u8], key: &[u8], payload: &[u8], ttl: Option<u64>) -> Vec<u8> {
+    fn set_frame(prefix: &[u8], key: &[u8], payload: &[u8], ttl: Option<Expiry>) -> Vec<u8> {
         let mut out = Vec::new();
         push_set_head(&mut out, prefix, key, payload.len() as u64, ttl);
         out.extend_from_slice(payload);
@@ -226,8 +241,12 @@ mod tests {
     #[test]
     fn set_with_ttl_counts_ex_pair_and_puts_it_after_the_payload() {
         assert_eq!(
-            set_frame(b"ns:", b"k", b"v", Some(3600)),
+            set_frame(b"ns:", b"k", b"v", Some(Expiry::Seconds(3600))),
             b"*5\r\n$3\r\nSET\r\n$4\r\nns:k\r\n$1\r\nv\r\n$2\r\nEX\r\n$4\r\n3600\r\n".to_vec()
+        );
+        assert_eq!(
+            set_frame(b"", b"k", b"v", Some(Expiry::Millis(250))),
+            b"*5\r\n$3\r\nSET\r\n$1\r\nk\r\n$1\r\nv\r\n$2\r\nPX\r\n$3\r\n250\r\n".to_vec()
         );
     }
 

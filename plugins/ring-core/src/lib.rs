@@ -68,16 +68,24 @@ pub struct Ring {
 impl Ring {
     /// Build a ring of `members` with `vnodes` points each (at least 1).
     pub fn new<S: AsRef<str>>(members: &[S], vnodes: u32) -> Result<Ring, RingError> {
-        let vnodes = vnodes.max(1);
-        let mut ids: Vec<String> = members.iter().map(|m| m.as_ref().to_owned()).collect();
-        ids.sort();
-        if let Some(w) = ids.windows(2).find(|w| w[0] == w[1]) {
-            return Err(RingError::DuplicateMember(w[0].clone()));
+        let weighted: Vec<(&str, u32)> = members.iter().map(|m| (m.as_ref(), vnodes.max(1))).collect();
+        Ring::weighted(&weighted)
+    }
+
+    /// Build a ring where each member has its own number of points (its
+    /// weight); a member with 0 points owns nothing but is still a member.
+    pub fn weighted<S: AsRef<str>>(members: &[(S, u32)]) -> Result<Ring, RingError> {
+        let mut sorted: Vec<(String, u32)> = members.iter().map(|(m, v)| (m.as_ref().to_owned(), *v)).collect();
+        sorted.sort();
+        if let Some(w) = sorted.windows(2).find(|w| w[0].0 == w[1].0) {
+            return Err(RingError::DuplicateMember(w[0].0.clone()));
         }
-        let mut points = Vec::with_capacity(ids.len() * vnodes as usize);
+        let total: usize = sorted.iter().map(|(_, v)| *v as usize).sum();
+        let mut points = Vec::with_capacity(total);
         let mut label = Vec::new();
-        for (index, id) in ids.iter().enumerate() {
-            for v in 0..vnodes {
+        let ids: Vec<String> = sorted.iter().map(|(id, _)| id.clone()).collect();
+        for (index, (id, vnodes)) in sorted.iter().enumerate() {
+            for v in 0..*vnodes {
                 label.clear();
                 label.extend_from_slice(id.as_bytes());
                 label.push(b'#');
@@ -98,16 +106,23 @@ impl Ring {
 
     /// Up to `replicas` distinct owners of `key`, primary first.
     pub fn owners(&self, key: &[u8], replicas: u32) -> Result<Vec<&str>, RingError> {
+        let mut owners = Vec::new();
+        self.owners_at(hash64(key), replicas, &mut owners)?;
+        Ok(owners.into_iter().map(|m| self.members[m as usize].as_str()).collect())
+    }
+
+    /// The distinct owners met walking clockwise from `point`, as indices
+    /// into [`members`](Self::members), into `owners` (cleared first).
+    pub fn owners_at(&self, point: u64, replicas: u32, owners: &mut Vec<u32>) -> Result<(), RingError> {
+        owners.clear();
         if replicas == 0 {
             return Err(RingError::ZeroReplicas);
         }
-        if self.members.is_empty() {
+        if self.points.is_empty() {
             return Err(RingError::NoMembers);
         }
         let wanted = (replicas as usize).min(self.members.len());
-        let mut owners: Vec<u32> = Vec::with_capacity(wanted);
-        let h = hash64(key);
-        let start = self.points.partition_point(|&(p, _)| p < h);
+        let start = self.points.partition_point(|&(p, _)| p < point);
         for step in 0..self.points.len() {
             let (_, m) = self.points[(start + step) % self.points.len()];
             if !owners.contains(&m) {
@@ -117,8 +132,50 @@ impl Ring {
                 }
             }
         }
-        Ok(owners.into_iter().map(|m| self.members[m as usize].as_str()).collect())
+        Ok(())
     }
+}
+
+/// A member as the slot table sees it.
+#[derive(Debug, Clone, Copy)]
+pub struct SlotMember<'a> {
+    pub id: &'a str,
+    /// Relative share of keys; 100 is the usual weight, 0 owns nothing.
+    pub weight: u32,
+    /// Whether the member may own keys (up or joining; not draining or down).
+    pub eligible: bool,
+}
+
+/// The slot table of the `builtin:ring` placement: slot `s` sits at
+/// `hash64(s as u32 LE)` on a ring of the eligible members, each with
+/// `vnodes * weight / 100` points (at least 1 for a non-zero weight), and is
+/// owned by the first `replicas` distinct members clockwise from there.
+/// Returns (owners per slot, `slots * that` indices into `members`).
+pub fn slot_table(members: &[SlotMember<'_>], slots: u32, replicas: u32, vnodes: u32) -> Result<(u32, Vec<u32>), RingError> {
+    if replicas == 0 {
+        return Err(RingError::ZeroReplicas);
+    }
+    let owning: Vec<(usize, &SlotMember<'_>)> = members.iter().enumerate().filter(|(_, m)| m.eligible && m.weight > 0).collect();
+    let weighted: Vec<(&str, u32)> =
+        owning.iter().map(|(_, m)| (m.id, ((u64::from(vnodes) * u64::from(m.weight)) / 100).clamp(1, 1 << 16) as u32)).collect();
+    let ring = Ring::weighted(&weighted)?;
+    if ring.points.is_empty() {
+        return Err(RingError::NoMembers);
+    }
+    // Ring member index (sorted by id) -> index in `members`.
+    let back: Vec<u32> = ring
+        .members
+        .iter()
+        .map(|id| owning.iter().find(|(_, m)| m.id == id).map(|(i, _)| *i as u32).expect("every ring member came from `members`"))
+        .collect();
+    let r = (replicas as usize).min(ring.members.len()) as u32;
+    let mut table = Vec::with_capacity(slots as usize * r as usize);
+    let mut owners = Vec::with_capacity(r as usize);
+    for slot in 0..slots {
+        ring.owners_at(hash64(&slot.to_le_bytes()), r, &mut owners)?;
+        table.extend(owners.iter().map(|&m| back[m as usize]));
+    }
+    Ok((r, table))
 }
 
 #[cfg(test)]
@@ -199,6 +256,24 @@ mod tests {
         for (node, c) in counts {
             assert!((c as f64 - ideal).abs() < ideal * 0.3, "{node} got {c}, ideal {ideal}");
         }
+    }
+
+    #[test]
+    fn slot_tables_skip_members_that_may_not_own_and_follow_weight() {
+        let ids: Vec<String> = (0..4).map(|i| format!("n{i}")).collect();
+        let mut m: Vec<SlotMember<'_>> = ids.iter().map(|id| SlotMember { id, weight: 100, eligible: true }).collect();
+        m[1].eligible = false;
+        m[3].weight = 300;
+        let (r, table) = slot_table(&m, 4096, 2, DEFAULT_VNODES).unwrap();
+        assert_eq!(r, 2);
+        assert_eq!(table.len(), 4096 * 2);
+        assert!(!table.contains(&1), "an ineligible member owns a slot");
+        let primaries = |i: u32| table.chunks(2).filter(|c| c[0] == i).count() as f64;
+        assert!(primaries(3) > 2.0 * primaries(0), "weight 300 got {} slots vs {} for weight 100", primaries(3), primaries(0));
+        for c in table.chunks(2) {
+            assert_ne!(c[0], c[1]);
+        }
+        assert_eq!(slot_table(&m[1..2], 16, 1, 8), Err(RingError::NoMembers));
     }
 
     /// Pinned outputs: the Python twin and any other port must reproduce these.

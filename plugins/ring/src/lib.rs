@@ -1,28 +1,23 @@
-//! `builtin:ring`: consistent-hash key placement (see `kvplane-ring-core`).
+//! `builtin:ring`: consistent-hash key placement (see `kvplane-ring-core`),
+//! answered as a slot table: each slot's owners are the members met walking
+//! the ring clockwise from the slot's point. Members that are draining or
+//! down own nothing; weight scales a member's virtual nodes.
 //!
-//! Config: `vnodes` (default 160) — virtual nodes per member.
+//! Config: `vnodes` (default 160) — virtual nodes per member of weight 100.
 
-use std::cell::RefCell;
+use std::cell::Cell;
 
-use exports::kvplane::plugin::placement::{Error, Guest, Node};
-use kvplane_ring_core::{Ring, RingError, DEFAULT_VNODES};
+use exports::kvplane::plugin::placement::{Error, Guest, Member, SlotTable};
+use kvplane::plugin::types::MemberState;
+use kvplane_ring_core::{slot_table, SlotMember, DEFAULT_VNODES};
 
 wit_bindgen::generate!({
     world: "key-placement",
     path: "../../wit",
 });
 
-struct State {
-    vnodes: u32,
-    ring: Ring,
-}
-
 thread_local! {
-    static STATE: RefCell<State> = RefCell::new(State { vnodes: DEFAULT_VNODES, ring: Ring::default() });
-}
-
-fn to_error(e: RingError) -> Error {
-    Error::Invalid(e.to_string())
+    static VNODES: Cell<u32> = const { Cell::new(DEFAULT_VNODES) };
 }
 
 struct RingPlacement;
@@ -37,7 +32,7 @@ impl Guest for RingPlacement {
                         .ok()
                         .filter(|v| (1..=4096).contains(v))
                         .ok_or_else(|| Error::Invalid(format!("config vnodes={value:?}: expected an integer in 1..=4096")))?;
-                    STATE.with(|s| s.borrow_mut().vnodes = v);
+                    VNODES.with(|n| n.set(v));
                 }
                 other => return Err(Error::Invalid(format!("config {other:?}: unknown setting (known: vnodes)"))),
             }
@@ -45,20 +40,13 @@ impl Guest for RingPlacement {
         Ok(())
     }
 
-    fn set_members(members: Vec<Node>) -> Result<(), Error> {
-        STATE.with(|s| {
-            let mut s = s.borrow_mut();
-            let ids: Vec<&str> = members.iter().map(|m| m.id.as_str()).collect();
-            s.ring = Ring::new(&ids, s.vnodes).map_err(to_error)?;
-            Ok(())
-        })
-    }
-
-    fn owners(keys: Vec<Vec<u8>>, replicas: u32) -> Result<Vec<Vec<String>>, Error> {
-        STATE.with(|s| {
-            let s = s.borrow();
-            keys.iter().map(|k| s.ring.owners(k, replicas).map(|o| o.into_iter().map(str::to_owned).collect()).map_err(to_error)).collect()
-        })
+    fn compute(members: Vec<Member>, slots: u32, replicas: u32) -> Result<SlotTable, Error> {
+        let view: Vec<SlotMember<'_>> = members
+            .iter()
+            .map(|m| SlotMember { id: &m.id, weight: m.weight, eligible: matches!(m.state, MemberState::Up | MemberState::Joining) })
+            .collect();
+        let (replicas, owners) = slot_table(&view, slots, replicas, VNODES.with(Cell::get)).map_err(|e| Error::Invalid(e.to_string()))?;
+        Ok(SlotTable { replicas, owners })
     }
 }
 

@@ -13,13 +13,15 @@ use kvplane_config::NodeConfigFile;
 use kvplane_runtime::source::{self, Fetched, SourceError, SourceFailure};
 use kvplane_runtime::{PluginRuntime, World};
 
-/// A plugin that passed verification.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// A plugin that passed verification and started.
 pub struct VerifiedPlugin {
     pub name: String,
     pub world: World,
     pub origin: String,
     pub sha256: String,
+    /// Kept for as long as the node serves; the second tier and the cluster
+    /// call into it.
+    pub loaded: LoadedPlugin,
 }
 
 /// Directory, next to the config file, where the operator mounts plugins
@@ -35,8 +37,28 @@ pub fn read(path: &Path) -> anyhow::Result<NodeConfigFile> {
     kvplane_config::from_json_strict(&text).with_context(|| format!("{}: not a node configuration", path.display()))
 }
 
+/// A plugin loaded for this node, one instance already configured.
+pub enum LoadedPlugin {
+    Backend(kvplane_runtime::Backend),
+    KeyPlacement(kvplane_runtime::KeyPlacement),
+    RetryPolicy(kvplane_runtime::RetryPolicy),
+    PlacementRule(kvplane_runtime::PlacementRule),
+}
+
+impl LoadedPlugin {
+    async fn warm_up(&self) -> Result<(), kvplane_runtime::PluginError> {
+        match self {
+            LoadedPlugin::Backend(p) => p.plugin.warm_up().await,
+            LoadedPlugin::KeyPlacement(p) => p.plugin.warm_up().await,
+            LoadedPlugin::RetryPolicy(p) => p.plugin.warm_up().await,
+            LoadedPlugin::PlacementRule(p) => p.plugin.warm_up().await,
+        }
+    }
+}
+
 /// Fetches (builtin, mounted ConfigMap key, URL or OCI artifact), checks the
-/// digest and compiles every plugin of `file`.
+/// digest, compiles every plugin of `file`, and starts one instance of each
+/// (running its `open` / `configure`).
 pub async fn verify_plugins(file: &NodeConfigFile, config_path: &Path, runtime: &PluginRuntime) -> anyhow::Result<Vec<VerifiedPlugin>> {
     let mut verified = Vec::new();
     for p in &file.plugins {
@@ -59,13 +81,16 @@ pub async fn verify_plugins(file: &NodeConfigFile, config_path: &Path, runtime: 
         let d = source::decl(p, fetched)?;
         let world = d.world;
         let loaded = match world {
-            World::Backend => runtime.load_backend(d).map(|_| ()),
-            World::KeyPlacement => runtime.load_key_placement(d).map(|_| ()),
-            World::RetryPolicy => runtime.load_retry_policy(d).map(|_| ()),
-            World::PlacementRule => runtime.load_placement_rule(d).map(|_| ()),
+            World::Backend => runtime.load_backend(d).map(LoadedPlugin::Backend),
+            World::KeyPlacement => runtime.load_key_placement(d).map(LoadedPlugin::KeyPlacement),
+            World::RetryPolicy => runtime.load_retry_policy(d).map(LoadedPlugin::RetryPolicy),
+            World::PlacementRule => runtime.load_placement_rule(d).map(LoadedPlugin::PlacementRule),
         };
-        loaded.with_context(|| format!("plugin {}", p.name))?;
-        verified.push(VerifiedPlugin { name: p.name.clone(), world, origin, sha256 });
+        let loaded = loaded.with_context(|| format!("plugin {}", p.name))?;
+        // One instance now, with its `open` / `configure`: a config the
+        // plugin refuses stops the start, naming the plugin and the key.
+        loaded.warm_up().await.with_context(|| format!("starting plugin {} ({world})", p.name))?;
+        verified.push(VerifiedPlugin { name: p.name.clone(), world, origin, sha256, loaded });
     }
     Ok(verified)
 }

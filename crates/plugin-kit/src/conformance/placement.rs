@@ -1,138 +1,188 @@
-//! Key-placement conformance: determinism, R distinct members, typed errors,
-//! balance and minimal movement on membership change.
+//! Key-placement conformance: the slot table the host accepts, R distinct
+//! owners per slot, determinism, who may own keys, typed errors, balance and
+//! minimal movement on membership change.
+//!
+//! Every table goes through [`KeyPlacement::compute`], which checks it
+//! against the contract (`SlotTable::new`) and reports a violation as
+//! `Fault::BadOutput`: the kit adds what a single table cannot show.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Instant;
 
 use super::{ensure, Report};
+use kvplane_protocol::placement::{Member, MemberState, SlotTable, SLOTS};
 use kvplane_runtime::error::Fault;
-use kvplane_runtime::{KeyPlacement, Node};
+use kvplane_runtime::{KeyPlacement, PluginError};
 
-fn nodes(n: usize) -> Vec<Node> {
-    (0..n)
-        .map(|i| Node {
-            id: format!("node-{i}"),
-            endpoint: format!("10.0.0.{i}:9600"),
-            labels: vec![("zone".into(), format!("z{}", i % 3))],
-        })
-        .collect()
-}
-
-fn keys(n: usize, salt: &str) -> Vec<Vec<u8>> {
-    (0..n).map(|i| format!("{salt}-block-{i}").into_bytes()).collect()
-}
-
-/// Primary owner of each key, asked in batches of the size a node would
-/// send, so a slow interpreter-based plugin stays within its call deadline.
-async fn primaries(p: &KeyPlacement, keys: &[Vec<u8>]) -> Result<Vec<String>, String> {
-    let mut out = Vec::with_capacity(keys.len());
-    for batch in keys.chunks(500) {
-        let owners = p.owners(batch.to_vec(), 1).await.map_err(|e| e.to_string())?;
-        out.extend(owners.into_iter().map(|mut o| o.remove(0)));
+fn member(i: usize) -> Member {
+    Member {
+        id: format!("node-{i}"),
+        endpoint: format!("10.0.{}.{}:9600", i / 250, i % 250),
+        zone: format!("zone-{}", i % 3),
+        weight: 100,
+        state: MemberState::Up,
+        labels: vec![("kvplane.io/gpu".into(), "NVIDIA-L20".into())],
     }
-    Ok(out)
+}
+
+fn members(n: usize) -> Vec<Member> {
+    (0..n).map(member).collect()
+}
+
+/// `compute` with the error as text.
+async fn compute(p: &KeyPlacement, version: u64, members: Vec<Member>, slots: u32, replicas: u32) -> Result<SlotTable, String> {
+    p.compute(version, members, slots, replicas).await.map_err(|e| e.to_string())
+}
+
+/// The owner ids of every slot, slot-major: comparable across tables whose
+/// member lists differ in order.
+fn owner_ids(t: &SlotTable) -> Vec<&str> {
+    t.owner_indices().iter().map(|&i| t.members()[i as usize].id.as_str()).collect()
+}
+
+/// Slots whose primary is each member, by id.
+fn primaries(t: &SlotTable) -> HashMap<&str, usize> {
+    let mut count = HashMap::new();
+    for s in 0..t.slots() {
+        *count.entry(t.members()[t.slot_owners(s)[0] as usize].id.as_str()).or_insert(0) += 1;
+    }
+    count
+}
+
+/// A call that must be refused by contract (`Fault::Returned`), not trap.
+fn refused(what: &str, result: Result<SlotTable, PluginError>) -> Result<String, String> {
+    match result {
+        Err(e) if matches!(e.fault, Fault::Returned(_)) => Ok(format!("{what}: {}", e.fault)),
+        Err(e) => Err(format!("{what} broke the plugin instead of answering an error: {e}")),
+        Ok(t) => Err(format!("{what} answered a table of {} owners per slot", t.replicas())),
+    }
 }
 
 pub async fn run(p: &KeyPlacement) -> Report {
     let mut r = Report::default();
+    let five = members(5);
 
-    // An empty membership must be answered with a contract error, not a trap.
-    let empty = async {
-        match p.set_members(vec![]).await {
-            Err(e) if matches!(e.fault, Fault::Returned(_)) => return Ok(format!("set-members refused: {}", e.fault)),
-            Err(e) => return Err(format!("set-members([]) broke the plugin: {e}")),
-            Ok(()) => {}
+    let accepted = async {
+        let t = compute(p, 1, five.clone(), SLOTS, 3).await?;
+        ensure(t.slots() == SLOTS && t.replicas() == 3, || format!("{} slots x {} owners, asked {SLOTS} x 3", t.slots(), t.replicas()))?;
+        for s in 0..t.slots() {
+            let o = t.slot_owners(s);
+            ensure(o[0] != o[1] && o[0] != o[2] && o[1] != o[2], || format!("slot {s}: owners {o:?} are not 3 distinct members"))?;
         }
-        match p.owners(vec![b"k".to_vec()], 1).await {
-            Err(e) if matches!(e.fault, Fault::Returned(_)) => Ok(format!("owners refused: {}", e.fault)),
-            Err(e) => Err(format!("owners with no members broke the plugin: {e}")),
-            Ok(o) => Err(format!("owners with no members answered {o:?}")),
-        }
+        let owners: HashSet<&str> = owner_ids(&t).into_iter().collect();
+        ensure(owners.len() == five.len(), || format!("only {} of 5 members own any slot", owners.len()))?;
+        Ok(format!("{SLOTS} slots"))
     }
     .await;
-    r.record("an empty membership is answered with a typed error", empty);
-
-    let members = nodes(5);
-    let sample = keys(300, "conformance");
-    let setup = p.set_members(members.clone()).await.map_err(|e| e.to_string());
-    r.record("set-members accepts 5 members", setup.map(|()| String::new()));
-
-    let distinct = async {
-        let owners = p.owners(sample.clone(), 3).await.map_err(|e| e.to_string())?;
-        ensure(owners.len() == sample.len(), || format!("{} answers for {} keys", owners.len(), sample.len()))?;
-        for (i, o) in owners.iter().enumerate() {
-            let mut d = o.clone();
-            d.sort();
-            d.dedup();
-            ensure(o.len() == 3 && d.len() == 3, || format!("key #{i}: owners {o:?} are not 3 distinct members"))?;
-            ensure(o.iter().all(|id| members.iter().any(|m| &m.id == id)), || format!("key #{i}: {o:?} names a non-member"))?;
-        }
-        Ok(format!("{} keys", sample.len()))
-    }
-    .await;
-    r.record("owners returns R=3 distinct members per key", distinct);
+    r.record("compute over 5 up members gives a valid table with 3 distinct owners per slot", accepted);
 
     let deterministic = async {
-        let a = p.owners(sample.clone(), 3).await.map_err(|e| e.to_string())?;
-        let b = p.owners(sample.clone(), 3).await.map_err(|e| e.to_string())?;
-        ensure(a == b, || "two identical calls gave different owners".into())?;
-        let mut shuffled = members.clone();
+        let a = compute(p, 1, five.clone(), SLOTS, 3).await?;
+        let b = compute(p, 1, five.clone(), SLOTS, 3).await?;
+        ensure(a.owner_indices() == b.owner_indices(), || "two identical calls gave different tables".into())?;
+        let mut shuffled = five.clone();
         shuffled.reverse();
-        p.set_members(shuffled).await.map_err(|e| e.to_string())?;
-        let c = p.owners(sample.clone(), 3).await.map_err(|e| e.to_string())?;
-        p.set_members(members.clone()).await.map_err(|e| e.to_string())?;
-        ensure(a == c, || "the order of the membership list changed the owners".into())?;
-        let singles = async {
-            let mut v = Vec::new();
-            for k in sample.iter().take(20) {
-                v.push(p.owners(vec![k.clone()], 3).await.map_err(|e| e.to_string())?.remove(0));
-            }
-            Ok::<_, String>(v)
-        }
-        .await?;
-        ensure(singles[..] == a[..20], || "a batch answered differently from single-key calls".into())?;
+        shuffled.swap(0, 2);
+        let c = compute(p, 1, shuffled, SLOTS, 3).await?;
+        ensure(owner_ids(&a) == owner_ids(&c), || "the order of the membership list changed the owners".into())?;
         Ok(String::new())
     }
     .await;
-    r.record("placement is deterministic (repeat, membership order, batch vs single)", deterministic);
+    r.record("compute is deterministic (repeated, and with the membership shuffled)", deterministic);
 
-    let capped = async {
-        let o = p.owners(vec![b"k".to_vec()], 9).await.map_err(|e| e.to_string())?;
-        ensure(o[0].len() == 5, || format!("replicas 9 over 5 members gave {} owners", o[0].len()))?;
-        match p.owners(vec![b"k".to_vec()], 0).await {
-            Err(e) if matches!(e.fault, Fault::Returned(_)) => Ok("replicas 0 refused".into()),
-            Err(e) => Err(format!("replicas 0 broke the plugin: {e}")),
-            Ok(o) => Err(format!("replicas 0 answered {o:?}")),
+    let who_owns = async {
+        let mut m = members(8);
+        m[1].state = MemberState::Down;
+        m[3].state = MemberState::Draining;
+        m[5].weight = 0;
+        m[6].state = MemberState::Joining;
+        let t = compute(p, 1, m.clone(), SLOTS, 2).await?;
+        let owners: HashSet<&str> = owner_ids(&t).into_iter().collect();
+        for (i, why) in [(1, "down"), (3, "draining"), (5, "of weight 0")] {
+            ensure(!owners.contains(m[i].id.as_str()), || format!("{} ({why}) owns slots", m[i].id))?;
         }
+        Ok(format!("{} members own slots", owners.len()))
     }
     .await;
-    r.record("replicas above membership returns every member; zero replicas is a typed error", capped);
+    r.record("down and draining members and members of weight 0 own nothing", who_owns);
+
+    let capped = async {
+        let t = compute(p, 1, five.clone(), 1024, 9).await?;
+        ensure(t.replicas() == 5, || format!("replicas 9 over 5 members gave {} owners per slot", t.replicas()))?;
+        Ok(String::new())
+    }
+    .await;
+    r.record("replicas above the membership give every member", capped);
+
+    let capped_eligible = async {
+        let mut m = members(6);
+        m[0].state = MemberState::Down;
+        m[2].state = MemberState::Draining;
+        m[4].weight = 0;
+        let t = compute(p, 1, m, 1024, 9).await?;
+        ensure(t.replicas() == 3, || format!("replicas 9 over 3 members that may own gave {} owners per slot", t.replicas()))?;
+        Ok(String::new())
+    }
+    .await;
+    r.record("replicas above the members that may own give each of them", capped_eligible);
+
+    let typed = async {
+        let mut notes = Vec::new();
+        notes.push(refused("an empty membership", p.compute(1, vec![], SLOTS, 3).await)?);
+        notes.push(refused("zero replicas", p.compute(1, five.clone(), SLOTS, 0).await)?);
+        let mut down = five.clone();
+        for m in &mut down {
+            m.state = MemberState::Down;
+        }
+        notes.push(refused("an all-down membership", p.compute(1, down, SLOTS, 3).await)?);
+        // The instance must still serve after refusing.
+        compute(p, 1, five.clone(), 64, 3).await.map_err(|e| format!("after the refusals: {e}"))?;
+        Ok(notes.join("; "))
+    }
+    .await;
+    r.record("an empty membership, zero replicas and an all-down membership are typed errors", typed);
 
     let n = 8;
-    let many = keys(8000, "balance");
     let balance = async {
-        p.set_members(nodes(n)).await.map_err(|e| e.to_string())?;
-        let prim = primaries(p, &many).await?;
-        let ideal = many.len() as f64 / n as f64;
+        let t = compute(p, 1, members(n), SLOTS, 1).await?;
+        let owned = primaries(&t);
+        let ideal = f64::from(SLOTS) / n as f64;
         let mut worst = 0.0f64;
-        for m in nodes(n) {
-            let c = prim.iter().filter(|id| **id == m.id).count() as f64;
+        for m in members(n) {
+            let c = owned.get(m.id.as_str()).copied().unwrap_or(0) as f64;
             worst = worst.max((c - ideal).abs() / ideal);
         }
-        ensure(worst <= 0.5, || format!("a member's share is {:.0}% off the ideal", worst * 100.0))?;
+        ensure(worst <= 0.5, || format!("a member's share of slots is {:.0}% off the ideal", worst * 100.0))?;
         Ok(format!("worst share {:.0}% off ideal over {n} members", worst * 100.0))
     }
     .await;
-    r.record("keys spread evenly over members", balance);
+    r.record("slots spread evenly over members (each within 50% of 1/N)", balance);
 
     let movement = async {
-        p.set_members(nodes(n)).await.map_err(|e| e.to_string())?;
-        let before = primaries(p, &many).await?;
-        p.set_members(nodes(n + 1)).await.map_err(|e| e.to_string())?;
-        let after = primaries(p, &many).await?;
-        let moved = before.iter().zip(&after).filter(|(b, a)| b != a).count() as f64 / many.len() as f64;
+        let before = compute(p, 1, members(n), SLOTS, 1).await?;
+        let after = compute(p, 2, members(n + 1), SLOTS, 1).await?;
+        let moved = before.moved_fraction(&after);
         let ideal = 1.0 / (n + 1) as f64;
-        ensure(moved <= 2.0 * ideal, || format!("one join moved {:.1}% of keys; about {:.1}% expected", moved * 100.0, ideal * 100.0))?;
+        ensure(moved <= 2.0 * ideal, || format!("one join moved {:.1}% of slots; about {:.1}% expected", moved * 100.0, ideal * 100.0))?;
         Ok(format!("join of 1 to {n} moved {:.1}% (ideal {:.1}%)", moved * 100.0, ideal * 100.0))
     }
     .await;
-    r.record("one member joining moves about 1/N of keys", movement);
+    r.record("one member joining moves about 1/N of slots", movement);
+
+    // Informational: how long a large pool's table takes (the node computes
+    // it on every membership change, under the plugin's call deadline).
+    let large = async {
+        let started = Instant::now();
+        match p.compute(1, members(64), SLOTS, 2).await {
+            Ok(_) => Ok(format!("{:.1} ms", started.elapsed().as_secs_f64() * 1000.0)),
+            Err(e) if matches!(e.fault, Fault::Deadline { .. }) => Ok(format!(
+                "did not finish within the call deadline ({:.0} ms): raise the plugin's timeout or speed up compute",
+                started.elapsed().as_secs_f64() * 1000.0
+            )),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+    .await;
+    r.record(format!("time to compute 64 members, R=2, {SLOTS} slots (informational)"), large);
     r
 }

@@ -1,8 +1,9 @@
-//! Retry-policy conformance: never retries what cannot succeed, stops within
-//! its budget, is deterministic for a given jitter seed.
+//! Retry-policy conformance: never retries what cannot succeed, honours a
+//! busy store's retry-after and the caller's deadline, stops within its
+//! budget, is deterministic for a given jitter seed.
 
 use super::{ensure, Report};
-use kvplane_runtime::bindings::WitError;
+use kvplane_runtime::bindings::{Busy, WitError};
 use kvplane_runtime::worlds::{Decision, Failure, Operation};
 use kvplane_runtime::RetryPolicy;
 
@@ -10,18 +11,49 @@ use kvplane_runtime::RetryPolicy;
 /// configured one: every retry loop must end within it.
 pub const BUDGET_MS: u64 = 500;
 
+/// Deadline left when a check is not about the deadline: long enough that
+/// only the policy's own limits matter.
+const AMPLE_DEADLINE_MS: u64 = 60_000;
+
+/// Seeds spread over the u64 range (a Weyl sequence).
+fn seeds(n: u64) -> impl Iterator<Item = u64> {
+    (0..n).map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+}
+
 fn failure(attempt: u32, error: WitError, elapsed_ms: u64, seed: u64) -> Failure {
-    Failure { operation: Operation::Get, attempt, error, elapsed_ms, jitter_seed: seed }
+    Failure {
+        operation: Operation::Get,
+        idempotent: true,
+        target: "node-1".into(),
+        replica: 0,
+        attempt,
+        error,
+        elapsed_ms,
+        deadline_left_ms: AMPLE_DEADLINE_MS.saturating_sub(elapsed_ms),
+        jitter_seed: seed,
+    }
+}
+
+fn busy(retry_after_ms: u64) -> WitError {
+    WitError::Busy(Busy { retry_after_ms, message: "overloaded".into() })
 }
 
 pub async fn run(p: &RetryPolicy, budget_ms: u64) -> Report {
     let mut r = Report::default();
 
-    for (name, error) in [("not-found", WitError::NotFound), ("invalid", WitError::Invalid("bad key".into()))] {
+    for (name, error) in [
+        ("not-found", WitError::NotFound),
+        ("invalid", WitError::Invalid("bad key".into())),
+        ("unsupported", WitError::Unsupported("no ttl".into())),
+        ("denied", WitError::Denied("credentials refused".into())),
+    ] {
         let outcome = async {
-            for attempt in 1..=3 {
-                let d = p.decide(failure(attempt, error.clone(), 0, 7)).await.map_err(|e| e.to_string())?;
-                ensure(!matches!(d, Decision::RetryAfter(_)), || format!("attempt {attempt}: decided {d:?}"))?;
+            for operation in [Operation::Put, Operation::Get, Operation::Exists, Operation::Delete] {
+                for attempt in 1..=3 {
+                    let f = Failure { operation, ..failure(attempt, error.clone(), 0, 7) };
+                    let d = p.decide(f).await.map_err(|e| e.to_string())?;
+                    ensure(!matches!(d, Decision::RetryAfter(_)), || format!("{operation:?}, attempt {attempt}: decided {d:?}"))?;
+                }
             }
             Ok(String::new())
         }
@@ -29,11 +61,48 @@ pub async fn run(p: &RetryPolicy, budget_ms: u64) -> Report {
         r.record(format!("never retries {name}"), outcome);
     }
 
+    let busy_waits = async {
+        let mut retried = 0;
+        for seed in seeds(40) {
+            for attempt in 1..=3 {
+                let d = p.decide(failure(attempt, busy(50), 0, seed)).await.map_err(|e| e.to_string())?;
+                if let Decision::RetryAfter(ms) = d {
+                    ensure(ms >= 50, || format!("seed {seed}, attempt {attempt}: retry after {ms} ms, the store asked for 50"))?;
+                    retried += 1;
+                }
+            }
+        }
+        Ok(format!("{retried} of 120 decisions retried"))
+    }
+    .await;
+    r.record("a busy store's retry-after (50 ms) is honoured", busy_waits);
+
+    let deadline = async {
+        let errors = [WitError::Timeout("slow".into()), WitError::Unavailable("reset".into()), busy(5), busy(50)];
+        for deadline_left in [0u64, 1, 5, 20, 49, 50, 100, 1000] {
+            for error in &errors {
+                for seed in seeds(8) {
+                    for attempt in 1..=3 {
+                        let f = Failure { deadline_left_ms: deadline_left, ..failure(attempt, error.clone(), 10, seed) };
+                        let d = p.decide(f).await.map_err(|e| e.to_string())?;
+                        if let Decision::RetryAfter(ms) = d {
+                            ensure(ms < deadline_left, || {
+                                format!("{error:?}, attempt {attempt}, seed {seed}: retry after {ms} ms with {deadline_left} ms left")
+                            })?;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(String::new())
+    }
+    .await;
+    r.record("a retry never waits as long as the deadline left", deadline);
+
     let budget = async {
         let mut longest = 0;
         let mut most_attempts = 0;
-        for seed in 0..40u64 {
-            let seed = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        for seed in seeds(40) {
             let mut elapsed = 0u64;
             let mut attempt = 1;
             loop {

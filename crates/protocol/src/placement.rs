@@ -1,0 +1,272 @@
+//! Key placement as a slot table: which members own a key.
+//!
+//! Keys hash to one of [`SLOTS`] slots with `crc32c(key) mod slots`; each
+//! slot lists its owners (indices into the membership), primary first. A
+//! key-placement plugin computes the table once per membership change; the
+//! node and every client look owners up here, natively, with no Wasm call
+//! and no Wasm runtime — a hash, a modulo and a slice index per key.
+//!
+//! The table travels with a version so that a client holding an older one
+//! can tell it is behind (the cluster protocol of the second-tier issue).
+
+use std::fmt;
+
+/// Number of hash slots: as many as Redis Cluster's, so that moving one
+/// slot moves 1/16384 of the keys, yet a table of 16384 × R `u32` owners
+/// stays well under a megabyte.
+pub const SLOTS: u32 = 16384;
+
+/// The slot `key` hashes to among `slots` slots.
+#[inline]
+pub fn slot_of(key: &[u8], slots: u32) -> u32 {
+    crc32c::crc32c(key) % slots.max(1)
+}
+
+/// Where a member is in its life in the pool (the contract's `member-state`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MemberState {
+    /// Registered, still filling; may receive new keys, serves no reads yet.
+    Joining,
+    /// Serving reads and writes.
+    Up,
+    /// Leaving: hands its keys on.
+    Draining,
+    /// Gone; owns nothing.
+    Down,
+}
+
+/// A member of the cache pool (the contract's `member`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Member {
+    pub id: String,
+    /// `host:port` of its wire protocol.
+    pub endpoint: String,
+    /// Failure domain; empty when unknown.
+    pub zone: String,
+    /// Relative share of keys.
+    pub weight: u32,
+    pub state: MemberState,
+    /// Sorted by name.
+    pub labels: Vec<(String, String)>,
+}
+
+impl Member {
+    /// An `up` member of weight 100 with no zone or labels.
+    pub fn up(id: impl Into<String>, endpoint: impl Into<String>) -> Member {
+        Member { id: id.into(), endpoint: endpoint.into(), zone: String::new(), weight: 100, state: MemberState::Up, labels: Vec::new() }
+    }
+}
+
+/// Why a slot table is not acceptable.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SlotTableError {
+    /// `owners.len()` is not `slots * replicas`.
+    WrongLength { expected: usize, found: usize },
+    /// `replicas` is zero, more than were asked for or than members not down,
+    /// or fewer than the up / joining members with a weight could give.
+    WrongReplicas { replicas: u32, requested: u32, eligible: usize },
+    /// An owner index past the end of the membership.
+    UnknownMember { slot: u32, index: u32, members: usize },
+    /// The same member twice in one slot.
+    Duplicate { slot: u32, member: String },
+    /// A `down` member owns a slot.
+    DownOwner { slot: u32, member: String },
+    /// Member ids are not unique.
+    DuplicateMemberId(String),
+}
+
+impl fmt::Display for SlotTableError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SlotTableError::WrongLength { expected, found } => {
+                write!(f, "the table has {found} owner entries, expected slots × replicas = {expected}")
+            }
+            SlotTableError::WrongReplicas { replicas, requested, eligible } => write!(
+                f,
+                "{replicas} owners per slot, expected at most min(requested {requested}, {eligible} members not down) and at least the up or joining members with a weight"
+            ),
+            SlotTableError::UnknownMember { slot, index, members } => {
+                write!(f, "slot {slot} names member #{index}, but there are {members} members")
+            }
+            SlotTableError::Duplicate { slot, member } => write!(f, "slot {slot} lists member {member:?} twice"),
+            SlotTableError::DownOwner { slot, member } => write!(f, "slot {slot} is owned by member {member:?}, which is down"),
+            SlotTableError::DuplicateMemberId(id) => write!(f, "member id {id:?} appears more than once"),
+        }
+    }
+}
+
+impl std::error::Error for SlotTableError {}
+
+/// Owners of every slot for one membership.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlotTable {
+    /// Increases with every membership change.
+    pub version: u64,
+    members: Vec<Member>,
+    slots: u32,
+    replicas: u32,
+    /// `slots * replicas` member indices, slot-major.
+    owners: Vec<u32>,
+}
+
+impl SlotTable {
+    /// Check `owners` against `members` and the contract, then build the
+    /// table. `requested` is the replica count the plugin was asked for.
+    pub fn new(
+        version: u64,
+        members: Vec<Member>,
+        slots: u32,
+        requested: u32,
+        replicas: u32,
+        owners: Vec<u32>,
+    ) -> Result<SlotTable, SlotTableError> {
+        let mut ids: Vec<&str> = members.iter().map(|m| m.id.as_str()).collect();
+        ids.sort_unstable();
+        if let Some(w) = ids.windows(2).find(|w| w[0] == w[1]) {
+            return Err(SlotTableError::DuplicateMemberId(w[0].to_owned()));
+        }
+        // Owners per slot: at most min(requested, members not down); at
+        // least min(requested, members that should own — up or joining with
+        // a weight). Between the two a plugin may keep draining or
+        // zero-weight members as extra owners while keys move.
+        let eligible = members.iter().filter(|m| m.state != MemberState::Down).count();
+        let preferred = members.iter().filter(|m| matches!(m.state, MemberState::Up | MemberState::Joining) && m.weight > 0).count();
+        let most = (requested as usize).min(eligible);
+        let least = (requested as usize).min(preferred).max(usize::from(most > 0));
+        if !(least..=most).contains(&(replicas as usize)) || (replicas == 0 && slots > 0) {
+            return Err(SlotTableError::WrongReplicas { replicas, requested, eligible });
+        }
+        let expected = slots as usize * replicas as usize;
+        if owners.len() != expected {
+            return Err(SlotTableError::WrongLength { expected, found: owners.len() });
+        }
+        for (slot, set) in owners.chunks_exact(replicas as usize).enumerate() {
+            let slot = slot as u32;
+            for (j, &index) in set.iter().enumerate() {
+                let Some(member) = members.get(index as usize) else {
+                    return Err(SlotTableError::UnknownMember { slot, index, members: members.len() });
+                };
+                if member.state == MemberState::Down {
+                    return Err(SlotTableError::DownOwner { slot, member: member.id.clone() });
+                }
+                if set[..j].contains(&index) {
+                    return Err(SlotTableError::Duplicate { slot, member: member.id.clone() });
+                }
+            }
+        }
+        Ok(SlotTable { version, members, slots, replicas, owners })
+    }
+
+    pub fn members(&self) -> &[Member] {
+        &self.members
+    }
+
+    pub fn slots(&self) -> u32 {
+        self.slots
+    }
+
+    /// Owners per slot.
+    pub fn replicas(&self) -> u32 {
+        self.replicas
+    }
+
+    /// The raw owner indices, slot-major (for encoding the table).
+    pub fn owner_indices(&self) -> &[u32] {
+        &self.owners
+    }
+
+    /// Owner indices of `slot`, primary first.
+    #[inline]
+    pub fn slot_owners(&self, slot: u32) -> &[u32] {
+        let r = self.replicas as usize;
+        let start = slot as usize * r;
+        &self.owners[start..start + r]
+    }
+
+    /// Owner indices of `key`, primary first: one hash and a slice index.
+    #[inline]
+    pub fn owners_of(&self, key: &[u8]) -> &[u32] {
+        self.slot_owners(slot_of(key, self.slots))
+    }
+
+    /// The owning members of `key`, primary first.
+    pub fn owner_members(&self, key: &[u8]) -> impl Iterator<Item = &Member> + '_ {
+        self.owners_of(key).iter().map(|&i| &self.members[i as usize])
+    }
+
+    /// Fraction of slots whose primary differs between `self` and `other`,
+    /// compared by member id (how much a membership change moved).
+    pub fn moved_fraction(&self, other: &SlotTable) -> f64 {
+        if self.slots != other.slots || self.slots == 0 {
+            return 1.0;
+        }
+        let moved = (0..self.slots)
+            .filter(|&s| {
+                let a = &self.members[self.slot_owners(s)[0] as usize].id;
+                let b = &other.members[other.slot_owners(s)[0] as usize].id;
+                a != b
+            })
+            .count();
+        moved as f64 / self.slots as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn members(n: usize) -> Vec<Member> {
+        (0..n).map(|i| Member::up(format!("n{i}"), format!("10.0.0.{i}:9600"))).collect()
+    }
+
+    fn round_robin(n: u32, slots: u32, r: u32) -> Vec<u32> {
+        (0..slots).flat_map(|s| (0..r).map(move |j| (s + j) % n)).collect()
+    }
+
+    #[test]
+    fn keys_map_to_their_slot_owners() {
+        let t = SlotTable::new(1, members(3), 8, 2, 2, round_robin(3, 8, 2)).unwrap();
+        let key = b"some-key";
+        let slot = slot_of(key, 8);
+        assert_eq!(t.owners_of(key), &[slot % 3, (slot + 1) % 3]);
+        let ids: Vec<&str> = t.owner_members(key).map(|m| m.id.as_str()).collect();
+        assert_eq!(ids.len(), 2);
+        assert_ne!(ids[0], ids[1]);
+    }
+
+    #[test]
+    fn tables_breaking_the_contract_are_refused_with_the_slot_named() {
+        let ok = round_robin(3, 4, 2);
+        assert!(matches!(
+            SlotTable::new(1, members(3), 4, 2, 2, ok[..7].to_vec()),
+            Err(SlotTableError::WrongLength { expected: 8, found: 7 })
+        ));
+        let mut bad = ok.clone();
+        bad[3] = 9;
+        assert_eq!(SlotTable::new(1, members(3), 4, 2, 2, bad).unwrap_err().to_string(), "slot 1 names member #9, but there are 3 members");
+        let mut dup = ok.clone();
+        dup[5] = dup[4];
+        assert!(matches!(SlotTable::new(1, members(3), 4, 2, 2, dup), Err(SlotTableError::Duplicate { slot: 2, .. })));
+        let mut m = members(3);
+        m[0].state = MemberState::Down;
+        assert!(matches!(SlotTable::new(1, m, 4, 2, 2, ok.clone()), Err(SlotTableError::DownOwner { .. })));
+        // A draining member may still own, so 2 or 3 owners of 3 requested
+        // are both fine; a down one may not.
+        let mut m = members(3);
+        m[2].state = MemberState::Draining;
+        assert!(SlotTable::new(1, m.clone(), 4, 3, 2, round_robin(2, 4, 2)).is_ok());
+        assert!(SlotTable::new(1, m, 4, 3, 3, round_robin(3, 4, 3)).is_ok());
+        // Two members can own, so three replicas cannot be.
+        assert!(matches!(SlotTable::new(1, members(2), 4, 3, 3, round_robin(2, 4, 3)), Err(SlotTableError::WrongReplicas { .. })));
+        let mut same = members(2);
+        same[1].id = "n0".into();
+        assert!(matches!(SlotTable::new(1, same, 4, 1, 1, round_robin(2, 4, 1)), Err(SlotTableError::DuplicateMemberId(_))));
+    }
+
+    #[test]
+    fn slot_hash_is_crc32c() {
+        // Clients in other languages must agree: crc32c("123456789") = 0xe3069283.
+        assert_eq!(slot_of(b"123456789", 1 << 31), 0xe306_9283 % (1 << 31));
+        assert_eq!(slot_of(b"123456789", SLOTS), 0xe306_9283 % SLOTS);
+    }
+}

@@ -1,0 +1,247 @@
+//! Everything a plugin can make the host spend is bounded by its
+//! declaration, not only its linear memory: connections, bytes queued for
+//! sending, buffer handles and the bytes behind them, resource-table
+//! entries and metric series. One case per bound, with the hostile
+//! fixture's `backend` world: each ends in a typed `capacity` error naming
+//! the limit (counted in the plugin's limit hits), and the next call on the
+//! same plugin succeeds.
+//!
+//! Also here: handles the host lent stop working when the call returns, a
+//! connection whose read timed out mid-message is closed for good, and
+//! endpoints are checked after name resolution (CIDR entries, Unix paths).
+
+use std::time::Duration;
+
+use kvplane_protocol::KvError;
+use kvplane_runtime::bindings::CallOptions;
+use kvplane_runtime::{Backend, PluginDecl, PluginRuntime, PluginSource, World};
+use kvplane_tests::hostile;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+fn no_options() -> CallOptions {
+    CallOptions { ttl_ms: None, namespace: None }
+}
+
+/// A loopback peer that accepts every connection, holds it open, and
+/// answers anything it reads with `+PART` (5 bytes) and then nothing more:
+/// enough for a plugin to connect, to queue, and to wait for a reply that
+/// never completes.
+async fn peer() -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("binding a loopback peer");
+    let addr = listener.local_addr().expect("peer address").to_string();
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 64 << 10];
+                let mut answered = false;
+                while let Ok(n) = socket.read(&mut buf).await {
+                    if n == 0 {
+                        break;
+                    }
+                    if !answered {
+                        answered = socket.write_all(b"+PART").await.is_ok();
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+fn decl(endpoint: &str) -> PluginDecl {
+    let mut d = PluginDecl::new("hostile", World::Backend, PluginSource::File(kvplane_tests::HOSTILE.into()));
+    d.limits.timeout = Duration::from_millis(500);
+    d.config.insert("endpoint".into(), endpoint.into());
+    d.allowed_endpoints = vec![endpoint.to_owned()];
+    d
+}
+
+fn load(d: PluginDecl) -> Backend {
+    PluginRuntime::new(None).expect("runtime").load_backend(d).expect("loading the hostile fixture")
+}
+
+/// Run the `get` case `case` with one destination of `dest` bytes; answer
+/// the first key's result.
+async fn spend(p: &Backend, case: &[u8], dest: usize) -> Result<usize, KvError> {
+    let (memories, result) = p.get(vec![(case.to_vec(), vec![0u8; dest]), (b"other".to_vec(), vec![0u8; 8])], no_options()).await;
+    assert_eq!(memories.len(), 2, "the destinations come back");
+    let mut answers = result.expect("the call itself succeeds; the refusal is the key's answer");
+    assert_eq!(answers[1], Err(KvError::NotFound));
+    answers.remove(0)
+}
+
+/// The call after a refusal works, on the same plugin.
+async fn still_serves(p: &Backend) {
+    let (_, result) = p.get(vec![(b"fine".to_vec(), vec![0u8; 8])], no_options()).await;
+    assert_eq!(result.expect("the next call succeeds"), vec![Err(KvError::NotFound)]);
+}
+
+fn assert_capacity(answer: Result<usize, KvError>, limit: &str, bound: u64) {
+    match answer {
+        Err(KvError::Capacity(m)) => {
+            assert!(m.contains(&format!("{limit} limit reached")) && m.contains(&format!("limit {bound})")), "{m}")
+        }
+        other => panic!("expected capacity for {limit}, got {other:?}"),
+    }
+}
+
+fn hits(p: &Backend, limit: &str) -> u64 {
+    p.plugin.shared().limit_hits_snapshot().get(limit).copied().unwrap_or(0)
+}
+
+#[tokio::test]
+async fn connections_are_bounded_per_instance() {
+    let addr = peer().await;
+    let mut d = decl(&addr);
+    d.limits.connections = 3;
+    let p = load(d);
+    assert_capacity(spend(&p, hostile::CONNECTIONS, 8).await, "connections", 3);
+    assert_eq!(hits(&p, "connections"), 1);
+    still_serves(&p).await;
+}
+
+#[tokio::test]
+async fn queued_write_bytes_are_bounded() {
+    let addr = peer().await;
+    let mut d = decl(&addr);
+    d.limits.queued_bytes = 8 << 20;
+    let p = load(d);
+    assert_capacity(spend(&p, hostile::QUEUED, 8).await, "queued-bytes", 8 << 20);
+    still_serves(&p).await;
+}
+
+#[tokio::test]
+async fn buffer_handles_are_bounded() {
+    let mut d = decl("127.0.0.1:9");
+    d.limits.buffers = 64;
+    let p = load(d);
+    assert_capacity(spend(&p, hostile::BUFFERS, 8).await, "buffers", 64);
+    still_serves(&p).await;
+}
+
+#[tokio::test]
+async fn resource_table_entries_are_bounded() {
+    let mut d = decl("127.0.0.1:9");
+    d.limits.buffers = 10_000;
+    d.limits.handles = 40;
+    let p = load(d);
+    assert_capacity(spend(&p, hostile::BUFFERS, 8).await, "handles", 40);
+    still_serves(&p).await;
+}
+
+/// `read-buffer` of 1 GiB is refused before a byte is allocated: the length
+/// came off the wire, the budget is the declaration's.
+#[tokio::test]
+async fn host_buffer_bytes_are_bounded_before_allocating() {
+    let addr = peer().await;
+    let mut d = decl(&addr);
+    d.limits.buffer_bytes = 16 << 20;
+    let p = load(d);
+    assert_capacity(spend(&p, hostile::BUFFER_BYTES, 8).await, "buffer-bytes", 16 << 20);
+    still_serves(&p).await;
+}
+
+#[tokio::test]
+async fn metric_series_are_bounded() {
+    let mut d = decl("127.0.0.1:9");
+    d.limits.metric_series = 50;
+    let p = load(d);
+    p.exists(vec![hostile::METRICS.to_vec()], no_options()).await.expect("reporting metrics never fails the call");
+    let series = p.plugin.shared().metrics_snapshot();
+    assert_eq!(series.len(), 50, "series beyond the limit were kept");
+    assert!(hits(&p, "metric-series") >= 99_000, "dropped series were not counted: {}", hits(&p, "metric-series"));
+    still_serves(&p).await;
+}
+
+/// A handle the host lent for one call is dead once the call returns: the
+/// plugin kept a view of its destination, and using it later is `invalid`,
+/// never a write into memory the caller has taken back.
+#[tokio::test]
+async fn a_destination_kept_past_its_call_cannot_be_written() {
+    let addr = peer().await;
+    let p = load(decl(&addr));
+    let (memories, result) = p.get(vec![(hostile::KEEP.to_vec(), vec![7u8; 16])], no_options()).await;
+    assert_eq!(result.unwrap(), vec![Err(KvError::NotFound)]);
+    assert_eq!(memories[0], vec![7u8; 16]);
+    match spend(&p, hostile::STALE, 8).await {
+        Err(KvError::Invalid(m)) => assert!(m.contains("released"), "{m}"),
+        other => panic!("expected invalid for a stale handle, got {other:?}"),
+    }
+    still_serves(&p).await;
+}
+
+/// A read that timed out mid-message leaves the stream at an unknown
+/// position: the host closes the connection, and every later use of it is
+/// `unavailable` instead of reading the tail of the old reply.
+#[tokio::test]
+async fn a_connection_whose_read_timed_out_is_never_reused() {
+    let addr = peer().await;
+    let mut d = decl(&addr);
+    d.limits.timeout = Duration::from_millis(200);
+    let p = load(d);
+    match spend(&p, hostile::HALF_READ, 8).await {
+        Err(KvError::Timeout(m)) => assert!(m.contains(&addr), "{m}"),
+        other => panic!("expected a timeout, got {other:?}"),
+    }
+    match spend(&p, hostile::REUSE, 8).await {
+        Err(KvError::Unavailable(m)) => assert!(m.contains("closed after an earlier failure"), "{m}"),
+        other => panic!("expected the connection to be closed, got {other:?}"),
+    }
+    still_serves(&p).await;
+}
+
+#[tokio::test]
+async fn endpoints_are_checked_after_resolution() {
+    let addr = peer().await;
+    let port = addr.rsplit_once(':').unwrap().1.to_owned();
+    let connect = |target: String| target.into_bytes();
+
+    // Not declared at all: denied, naming what it resolved to.
+    let p = load(decl("127.0.0.1:9"));
+    match spend(&p, &connect(format!("tcp:localhost:{port}")), 8).await {
+        Err(KvError::Denied(m)) => assert!(m.contains("localhost") && m.contains("127.0.0.1"), "{m}"),
+        other => panic!("expected denied, got {other:?}"),
+    }
+    // A CIDR entry admits a name that resolves into it.
+    let mut d = decl("127.0.0.1:9");
+    d.allowed_endpoints = vec![format!("127.0.0.0/8:{port}")];
+    let p = load(d);
+    assert_eq!(spend(&p, &connect(format!("tcp:localhost:{port}")), 8).await, Ok(0));
+    // ...and nothing on another port.
+    let mut d = decl("127.0.0.1:9");
+    d.allowed_endpoints = vec!["127.0.0.0/8:1".to_owned()];
+    let p = load(d);
+    assert!(matches!(spend(&p, &connect(format!("tcp:127.0.0.1:{port}")), 8).await, Err(KvError::Denied(_))));
+    still_serves(&p).await;
+}
+
+/// Unix-domain sockets are reachable by declared path only, and block bytes
+/// read from one land in the caller's destination.
+#[tokio::test]
+async fn unix_sockets_are_allowed_by_path_and_read_into_the_destination() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("peer.sock");
+    let listener = tokio::net::UnixListener::bind(&path).expect("binding a unix socket");
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            let mut line = [0u8; 5];
+            if socket.read_exact(&mut line).await.is_ok() {
+                let _ = socket.write_all(b"11\nhello block").await;
+            }
+        }
+    });
+    let target = format!("unix:{}", path.display()).into_bytes();
+
+    let p = load(decl("127.0.0.1:9"));
+    match spend(&p, &target, 32).await {
+        Err(KvError::Denied(m)) => assert!(m.contains("unix socket") && m.contains("peer.sock"), "{m}"),
+        other => panic!("expected denied, got {other:?}"),
+    }
+
+    let mut d = decl("127.0.0.1:9");
+    d.allowed_endpoints = vec![format!("unix:{}", path.display())];
+    let p = load(d);
+    let (memories, result) = p.get(vec![(target, vec![b'.'; 16])], no_options()).await;
+    assert_eq!(result.unwrap(), vec![Ok(11)]);
+    assert_eq!(&memories[0][..], b"hello block.....", "the value landed at the front of the destination, the rest untouched");
+}
