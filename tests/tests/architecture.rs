@@ -55,7 +55,9 @@ fn reachable(graph: &BTreeMap<String, BTreeSet<String>>, from: &str) -> BTreeSet
 #[test]
 fn no_data_plane_crate_depends_on_the_operator_or_kubernetes() {
     let graph = normal_graph();
-    for krate in ["kvplane-protocol", "kvplane-client", "kvplane-config", "kvplane-runtime", "kvplane-admin", "kvplane-node"] {
+    for krate in
+        ["kvplane-protocol", "kvplane-client", "kvplane-config", "kvplane-driver", "kvplane-runtime", "kvplane-admin", "kvplane-node"]
+    {
         assert!(graph.contains_key(krate), "{krate} is not in the workspace");
         let deps = reachable(&graph, krate);
         for forbidden in ["kvplane-operator", "kube", "kube-client", "k8s-openapi"] {
@@ -73,6 +75,7 @@ fn crates_without_unsafe_code_forbid_it() {
         ("client", "#![forbid(unsafe_code)]"),
         ("config", "#![forbid(unsafe_code)]"),
         ("runtime", "#![deny(unsafe_code)]"),
+        ("driver", "#![deny(unsafe_code)]"),
         ("admin", "#![forbid(unsafe_code)]"),
         ("operator", "#![forbid(unsafe_code)]"),
         ("plugin-kit", "#![forbid(unsafe_code)]"),

@@ -24,6 +24,13 @@ use std::sync::atomic::AtomicU64;
 use crate::error::Fault;
 use crate::host::{MetricValue, PluginShared};
 
+/// See [`RuntimeMetrics::call_handles`].
+#[derive(Clone, Debug)]
+pub(crate) struct CallHandles {
+    calls: Counter,
+    duration: Histogram,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct CallLabels {
     plugin: String,
@@ -134,10 +141,25 @@ impl RuntimeMetrics {
         }
     }
 
-    pub(crate) fn record_call(&self, plugin: &str, function: &'static str, elapsed: Duration, fault: Option<&Fault>) {
+    /// The call counter and latency histogram of one (plugin, function),
+    /// resolved once: they share their values with the registered families,
+    /// so a call records with an atomic add and one observation instead of
+    /// a label allocation and two family lookups.
+    pub(crate) fn call_handles(&self, plugin: &str, function: &'static str) -> CallHandles {
         let labels = CallLabels { plugin: plugin.to_owned(), function };
-        self.calls.get_or_create(&labels).inc();
-        self.duration.get_or_create(&labels).observe(elapsed.as_secs_f64());
+        CallHandles { calls: self.calls.get_or_create(&labels).clone(), duration: self.duration.get_or_create(&labels).clone() }
+    }
+
+    pub(crate) fn record_call(
+        &self,
+        plugin: &str,
+        function: &'static str,
+        handles: &CallHandles,
+        elapsed: Duration,
+        fault: Option<&Fault>,
+    ) {
+        handles.calls.inc();
+        handles.duration.observe(elapsed.as_secs_f64());
         if let Some(fault) = fault {
             self.faults.get_or_create(&FaultLabels { plugin: plugin.to_owned(), function, fault: fault_label(fault) }).inc();
         }

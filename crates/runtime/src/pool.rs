@@ -157,6 +157,8 @@ pub struct Plugin<G: GuestExports> {
     /// fall open where the policy says so) until the backoff has passed.
     broken: Mutex<Option<Broken>>,
     instantiations: AtomicU64,
+    /// Call counter and histogram per function, resolved once.
+    call_metrics: Mutex<Vec<(&'static str, crate::metrics::CallHandles)>>,
     pub info: ComponentInfo,
     pub from_cache: bool,
 }
@@ -179,6 +181,7 @@ impl<G: GuestExports> Plugin<G> {
             config,
             broken: Mutex::new(None),
             instantiations: AtomicU64::new(0),
+            call_metrics: Mutex::new(Vec::new()),
             info: loaded.info,
             from_cache: loaded.from_cache,
         })
@@ -217,6 +220,17 @@ impl<G: GuestExports> Plugin<G> {
             idle.push(instance);
         }
         Ok(())
+    }
+
+    /// This plugin's call metrics for `function`, resolved on first use.
+    fn call_handles(&self, function: &'static str) -> crate::metrics::CallHandles {
+        let mut cache = self.call_metrics.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((_, h)) = cache.iter().find(|(f, _)| *f == function) {
+            return h.clone();
+        }
+        let h = self.engine.metrics.call_handles(&self.shared.decl.name, function);
+        cache.push((function, h.clone()));
+        h
     }
 
     fn error(&self, function: &'static str, fault: Fault) -> PluginError {
@@ -283,7 +297,8 @@ impl<G: GuestExports> Plugin<G> {
         let started = std::time::Instant::now();
         let result = self.call_inner(function, call).await;
         let fault = result.as_ref().err().map(|e| &e.fault);
-        self.engine.metrics.record_call(&self.shared.decl.name, function, started.elapsed(), fault);
+        let handles = self.call_handles(function);
+        self.engine.metrics.record_call(&self.shared.decl.name, function, &handles, started.elapsed(), fault);
         result
     }
 
