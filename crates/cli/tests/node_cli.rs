@@ -317,3 +317,30 @@ fn a_node_verifies_the_plugins_of_its_config_and_refuses_a_digest_mismatch() {
     let t = text(&out);
     assert!(t.contains("plugin ring") && t.contains(&sha) && t.contains("pins 0000"), "{t}");
 }
+
+/// `kvplane node --config` starts one instance of every declared plugin and
+/// runs its `open` / `configure` before it serves: a config the plugin
+/// refuses stops the start, naming the plugin and the key at fault.
+#[test]
+fn a_plugin_config_the_plugin_refuses_stops_the_node_naming_plugin_and_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = serde_json::json!({
+        "backend": "kvplane",
+        "plugins": [
+            {"name": "backoff", "kind": "retry", "source": {"builtin": "backoff"}},
+            {"name": "placement", "kind": "keyPlacement", "source": {"builtin": "ring"}, "config": {"vnodes": "lots"}},
+        ],
+    });
+    let path = dir.path().join("node.json");
+    std::fs::write(&path, config.to_string()).unwrap();
+    let out = kvplane()
+        .args(["node", "--listen", "127.0.0.1:0", "--admin", "none", "--memory", "64MiB", "--config"])
+        .arg(&path)
+        .env("KVPLANE_CACHE_DIR", dir.path().join("cache"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "a node started although a plugin refused its config");
+    let t = text(&out);
+    assert!(t.contains("plugin placement") && t.contains("vnodes") && t.contains("lots"), "{t}");
+    assert!(!t.contains("kvplane node serving"), "the node served before its plugins started: {t}");
+}
