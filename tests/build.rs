@@ -6,7 +6,10 @@
 //!   `fixtures/placement-rule-v0.1`) with a
 //!   nested `cargo build` for `wasm32-wasip2`, in a target dir of their own
 //!   so the nested cargo never waits on the lock the outer cargo holds;
-//! - the Python ring (`examples/plugins/python-ring`) with componentize-py.
+//! - the Python ring (`examples/plugins/python-ring`) with componentize-py;
+//! - the JavaScript RESP backend (`examples/plugins/js-resp`) with
+//!   componentize-js, from the `node_modules` that `scripts/prereqs js`
+//!   installs there (`npm ci`), so the build needs no network.
 //!
 //! Their paths reach the crate as compile-time env vars (see `src/lib.rs`).
 
@@ -23,6 +26,16 @@ const COMPONENTIZE_PY_VERSION: &str = "0.25.1";
 
 /// Where the Python plugin lives, relative to the workspace root.
 const PYTHON_RING_DIR: &str = "examples/plugins/python-ring";
+
+/// The packages `examples/plugins/js-resp/package.json` pins, and their
+/// versions: componentize-js, and the preview2-shim it imports at run time
+/// without depending on it (0.26 cannot read the WIT folder). Another
+/// version in its `node_modules` means `npm ci` has not run since the pins
+/// changed.
+const JS_PINS: [(&str, &str); 2] = [("@bytecodealliance/componentize-js", "0.23.0"), ("@bytecodealliance/preview2-shim", "0.17.9")];
+
+/// Where the JavaScript plugin lives, relative to the workspace root.
+const JS_RESP_DIR: &str = "examples/plugins/js-resp";
 
 fn main() {
     let manifest_dir = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
@@ -46,6 +59,7 @@ fn main() {
 
     let [hostile, future_major, placement_rule_v0_1, key_placement_v0_1, sneaky_placement] = build_rust_fixtures(&root);
     let python_ring = build_python_ring(&root, &out_dir);
+    let js_resp = build_js_resp(&root, &out_dir);
 
     println!("cargo:rustc-env=KVPLANE_FIXTURE_HOSTILE={}", hostile.display());
     println!("cargo:rustc-env=KVPLANE_FIXTURE_FUTURE_MAJOR={}", future_major.display());
@@ -53,6 +67,7 @@ fn main() {
     println!("cargo:rustc-env=KVPLANE_FIXTURE_KEY_PLACEMENT_V0_1={}", key_placement_v0_1.display());
     println!("cargo:rustc-env=KVPLANE_FIXTURE_SNEAKY_PLACEMENT={}", sneaky_placement.display());
     println!("cargo:rustc-env=KVPLANE_PYTHON_RING={}", python_ring.display());
+    println!("cargo:rustc-env=KVPLANE_JS_RESP={}", js_resp.display());
 }
 
 /// Prints `message` where cargo shows a failed build script's output and stops.
@@ -156,5 +171,63 @@ fn build_python_ring(root: &Path, out_dir: &Path) -> PathBuf {
         Ok(s) if s.success() && output.is_file() => output,
         Ok(s) => fail(&format!("componentize-py failed to build {PYTHON_RING_DIR} ({s})")),
         Err(e) => fail(&format!("could not run componentize-py: {e}; {install_hint}")),
+    }
+}
+
+fn build_js_resp(root: &Path, out_dir: &Path) -> PathBuf {
+    let source = root.join(JS_RESP_DIR);
+    let install_hint =
+        format!("run `scripts/prereqs js` (it runs `npm ci` in {JS_RESP_DIR}; needs Node.js >= 20 and npm, and the npm registry once)");
+    match Command::new("node").arg("--version").stderr(Stdio::inherit()).output() {
+        Ok(o) if o.status.success() => {}
+        Ok(o) => fail(&format!("node is not usable ({}); it builds the JavaScript plugin the tests load: {install_hint}", o.status)),
+        Err(e) if e.kind() == ErrorKind::NotFound => fail(&format!(
+            "node was not found on PATH; it builds the JavaScript plugin the tests load with componentize-js: {install_hint}"
+        )),
+        Err(e) => fail(&format!("could not run node: {e}; {install_hint}")),
+    }
+    let package = source.join("package.json");
+    let package = fs::read_to_string(&package).unwrap_or_else(|e| fail(&format!("reading {}: {e}", package.display())));
+    for (name, version) in JS_PINS {
+        if !package.contains(&format!("\"{name}\": \"{version}\"")) {
+            fail(&format!("{JS_RESP_DIR}/package.json does not pin {name} {version}; change JS_PINS in tests/build.rs with it"));
+        }
+        let installed = source.join("node_modules").join(name).join("package.json");
+        let manifest = match fs::read_to_string(&installed) {
+            Ok(text) => text,
+            Err(e) if e.kind() == ErrorKind::NotFound => fail(&format!(
+                "{name} is not installed in {JS_RESP_DIR}/node_modules; componentize-js builds the JavaScript plugin the tests load: {install_hint}"
+            )),
+            Err(e) => fail(&format!("reading {}: {e}; {install_hint}", installed.display())),
+        };
+        // npm writes `"version": "X.Y.Z",` on a line of its own.
+        let found = manifest
+            .lines()
+            .find_map(|line| line.trim().strip_prefix("\"version\": \"")?.split('"').next())
+            .unwrap_or_else(|| fail(&format!("{} names no version; {install_hint}", installed.display())));
+        if found != version {
+            fail(&format!("{JS_RESP_DIR}/node_modules holds {name} {found}, its package.json pins {version}: {install_hint}"));
+        }
+    }
+
+    for file in ["build.mjs", "package.json", "package-lock.json", "node_modules/.package-lock.json"] {
+        println!("cargo:rerun-if-changed={}", source.join(file).display());
+    }
+    let src = source.join("src");
+    let entries = fs::read_dir(&src).unwrap_or_else(|e| fail(&format!("reading {}: {e}", src.display())));
+    for entry in entries {
+        let path = entry.unwrap_or_else(|e| fail(&format!("reading {}: {e}", src.display()))).path();
+        if path.extension().is_some_and(|x| x == "js") {
+            println!("cargo:rerun-if-changed={}", path.display());
+        }
+    }
+
+    let output = out_dir.join("js-resp.wasm");
+    let status =
+        Command::new("node").current_dir(&source).arg("build.mjs").arg("--wit").arg(root.join("wit")).arg("--out").arg(&output).status();
+    match status {
+        Ok(s) if s.success() && output.is_file() => output,
+        Ok(s) => fail(&format!("componentize-js failed to build {JS_RESP_DIR} ({s}); its output is above")),
+        Err(e) => fail(&format!("could not run node: {e}; {install_hint}")),
     }
 }

@@ -36,6 +36,13 @@ pub const FUTURE_MAJOR: &str = env!("KVPLANE_FIXTURE_FUTURE_MAJOR");
 /// the Rust ring owner for owner.
 pub const PYTHON_RING: &str = env!("KVPLANE_PYTHON_RING");
 
+/// `examples/plugins/js-resp`, built with componentize-js: a `backend` that
+/// speaks RESP2 to Redis/Valkey like `builtin:resp`, written in JavaScript,
+/// so tests can check a guest that embeds a whole JS engine (SpiderMonkey,
+/// about 12 MB) moves block bytes only through host buffers and passes the
+/// backend kit. Config as `builtin:resp`: `endpoint` (required), `password`,
+/// `username`, `database`, `prefix`, `ttl-seconds`.
+pub const JS_RESP: &str = env!("KVPLANE_JS_RESP");
 
 /// First keys that make [`HOSTILE`] misbehave. Kept here so tests and
 /// fixture cannot drift apart.
@@ -96,6 +103,7 @@ mod tests {
             super::KEY_PLACEMENT_V0_1,
             super::SNEAKY_PLACEMENT,
             super::PYTHON_RING,
+            super::JS_RESP,
         ] {
             let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{path}: {e}"));
             assert_eq!(bytes.get(..8), Some(&COMPONENT_PREAMBLE[..]), "{path} is not a Wasm component");

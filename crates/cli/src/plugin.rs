@@ -45,7 +45,7 @@ pub enum PluginCommand {
         /// backend, key-placement, retry-policy or placement-rule.
         #[arg(long)]
         world: String,
-        /// rust or python.
+        /// rust, python or js.
         #[arg(long, default_value = "rust")]
         lang: String,
         /// Project name (also its directory).

@@ -34,6 +34,31 @@ fn rust_sources(world: World) -> Vec<(&'static str, String)> {
     }
 }
 
+/// `package.json`, `build.mjs` and `.gitignore` of a JavaScript project;
+/// `{{name}}` and `{{world}}` are filled in.
+const JS_PACKAGE_JSON: &str = include_str!("../templates/js/package.json.tmpl");
+const JS_BUILD: &str = include_str!("../templates/js/build.mjs.tmpl");
+const JS_GITIGNORE: &str = include_str!("../templates/js/gitignore");
+
+/// The files of a JavaScript project besides `wit/` and `README.md`: (path
+/// in the project, contents). componentize-js builds `src/plugin.js`.
+fn js_files(world: World, name: &str) -> Vec<(&'static str, String)> {
+    let fill = |template: &str| template.replace("{{name}}", name).replace("{{world}}", world.name());
+    let mut files = vec![("package.json", fill(JS_PACKAGE_JSON)), ("build.mjs", fill(JS_BUILD)), (".gitignore", JS_GITIGNORE.into())];
+    match world {
+        World::KeyPlacement => files.push(("src/plugin.js", include_str!("../templates/js/key-placement.js").into())),
+        World::RetryPolicy => files.push(("src/plugin.js", include_str!("../templates/js/retry-policy.js").into())),
+        World::PlacementRule => files.push(("src/plugin.js", include_str!("../templates/js/placement-rule.js").into())),
+        // A backend starts as a copy of examples/plugins/js-resp, a complete
+        // RESP client to adapt to another store's protocol.
+        World::Backend => files.extend([
+            ("src/plugin.js", include_str!("../../../examples/plugins/js-resp/src/plugin.js").into()),
+            ("src/resp.js", include_str!("../../../examples/plugins/js-resp/src/resp.js").into()),
+        ]),
+    }
+    files
+}
+
 fn python_source(world: World) -> Option<&'static str> {
     Some(match world {
         World::KeyPlacement => include_str!("../templates/python/key-placement.py"),
@@ -64,14 +89,14 @@ fn write(path: &Path, contents: &str) -> anyhow::Result<()> {
 pub fn create(world: World, lang: &str, name: &str, parent: &Path) -> anyhow::Result<PathBuf> {
     check_name(name)?;
     let python = match lang {
-        "rust" => None,
+        "rust" | "js" => None,
         "python" => match python_source(world) {
             Some(source) => Some(source),
             None => {
-                bail!("--world {world} --lang python: no Python template yet; use --lang rust (a complete RESP backend to adapt)")
+                bail!("--world {world} --lang python: no Python template yet; use --lang rust or --lang js (a complete RESP backend to adapt)")
             }
         },
-        other => bail!("--lang {other:?}: expected rust or python"),
+        other => bail!("--lang {other:?}: expected rust, python or js"),
     };
     let dir = parent.join(name);
     if dir.exists() {
@@ -83,6 +108,12 @@ pub fn create(world: World, lang: &str, name: &str, parent: &Path) -> anyhow::Re
     }
     match python {
         Some(source) => write(&dir.join("app.py"), source)?,
+        None if lang == "js" => {
+            std::fs::create_dir_all(dir.join("src")).with_context(|| format!("creating {}/src", dir.display()))?;
+            for (file, text) in js_files(world, name) {
+                write(&dir.join(file), &text)?;
+            }
+        }
         None => {
             std::fs::create_dir_all(dir.join("src")).with_context(|| format!("creating {}/src", dir.display()))?;
             write(&dir.join("Cargo.toml"), &RUST_CARGO_TOML.replace("{{name}}", name))?;
@@ -106,6 +137,10 @@ pub fn next_steps(world: World, lang: &str, name: &str) -> String {
     match lang {
         "python" => format!(
             "Build and test (needs `pip install componentize-py==0.25.1`):\n\n    cd {name}\n    componentize-py -d wit -w {world} componentize app -o {name}.wasm\n    kvplane plugin test {name}.wasm\n"
+        ),
+        "js" => format!(
+            "Build and test (needs Node.js >= 20 and npm; `npm install` fetches componentize-js 0.23.0, and the build is offline after it):\n\n    cd {name}\n    npm install\n    npm run build\n    kvplane plugin test {name}.wasm{}\n",
+            if world == World::Backend { " --endpoint HOST:PORT" } else { "" }
         ),
         _ => format!(
             "Build and test (needs `rustup target add wasm32-wasip2`):\n\n    cd {name}\n    cargo build --release --target wasm32-wasip2\n    kvplane plugin test target/wasm32-wasip2/release/{}.wasm{}\n",
@@ -174,6 +209,41 @@ mod tests {
         assert!(read(&dir, "src/plugin.rs").contains("path: \"wit\""));
         assert!(create(World::Backend, "python", "py-backend", parent.path()).unwrap_err().to_string().contains("--lang rust"));
         assert!(create(World::KeyPlacement, "rust", "my-backend", parent.path()).unwrap_err().to_string().contains("already exists"));
+    }
+
+    /// A JavaScript project of every world: the contract, a package pinning
+    /// componentize-js, a build for its world, and a `src/plugin.js` that
+    /// exports the world's interface (a backend: the js-resp client).
+    #[test]
+    fn js_projects_build_their_world_with_the_pinned_componentize_js() {
+        let parent = tempfile::tempdir().unwrap();
+        for world in World::ALL {
+            let name = format!("js-{world}");
+            let dir = create(world, "js", &name, parent.path()).unwrap();
+            for (file, text) in WIT_FILES {
+                assert_eq!(&read(&dir, &format!("wit/{file}")), text);
+            }
+            let package = read(&dir, "package.json");
+            assert!(package.contains(&format!("\"name\": \"{name}\"")), "{package}");
+            assert!(package.contains("\"@bytecodealliance/componentize-js\": \"0.23.0\""), "{package}");
+            let build = read(&dir, "build.mjs");
+            assert!(build.contains(&format!("worldName: '{world}'")) && build.contains(&format!("'{name}.wasm'")), "{build}");
+            assert!(!build.contains("{{") && !package.contains("{{"), "{name}: a placeholder was left unfilled");
+            assert!(read(&dir, ".gitignore").contains("node_modules/"));
+            let source = read(&dir, "src/plugin.js");
+            let export = match world {
+                World::Backend => "export const store = {",
+                World::KeyPlacement => "export const placement = {",
+                World::RetryPolicy => "export const retry = {",
+                World::PlacementRule => "export const scheduling = {",
+            };
+            assert!(source.contains(export), "{name} lacks {export:?}");
+            if world == World::Backend {
+                assert!(read(&dir, "src/resp.js").contains("export class Client"));
+            }
+            let readme = read(&dir, "README.md");
+            assert!(readme.contains("npm run build") && readme.contains(&format!("kvplane plugin test {name}.wasm")), "{readme}");
+        }
     }
 
     #[test]
