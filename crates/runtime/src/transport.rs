@@ -136,6 +136,21 @@ impl Connection {
         }
     }
 
+    /// Fill `dest` exactly: the bytes already buffered first, the rest
+    /// straight from the socket. (BufReader alone would refill its buffer
+    /// and copy a block's tail twice whenever a header read left part of
+    /// the block buffered.)
+    async fn read_exact_direct(&mut self, dest: &mut [u8]) -> std::io::Result<()> {
+        let buffered = self.stream.buffer();
+        let n = buffered.len().min(dest.len());
+        dest[..n].copy_from_slice(&buffered[..n]);
+        self.stream.consume(n);
+        if n < dest.len() {
+            self.stream.get_mut().read_exact(&mut dest[n..]).await?;
+        }
+        Ok(())
+    }
+
     async fn read_payload(&mut self, len: usize) -> std::io::Result<BytesMut> {
         let mut data = BytesMut::with_capacity(len);
         while data.len() < len {
@@ -384,7 +399,7 @@ impl transport::HostConnection for HostState {
             return Ok(Err(e));
         }
         let endpoint = c.endpoint.clone();
-        let result = bounded(deadline, &endpoint, "read from", c.stream.read_exact(guard.bytes_mut())).await.map(drop);
+        let result = bounded(deadline, &endpoint, "read from", c.read_exact_direct(guard.bytes_mut())).await;
         Ok(c.check(result))
     }
 
