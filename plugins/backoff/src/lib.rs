@@ -48,7 +48,7 @@ impl Guest for Backoff {
     }
 
     fn decide(failure: Failure) -> Decision {
-        let cx = Context { deadline_left_ms: failure.deadline_left_ms, idempotent: failure.idempotent };
+        let cx = Context { deadline_left_ms: Some(failure.deadline_left_ms), idempotent: failure.idempotent };
         let action =
             POLICY.with(|p| p.borrow().decide_in(kind(&failure.error), failure.attempt, failure.elapsed_ms, failure.jitter_seed, cx));
         match action {

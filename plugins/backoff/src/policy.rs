@@ -37,8 +37,8 @@ pub enum FailureKind {
 /// What 0.2.0's `failure` adds beyond the error and attempt count.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Context {
-    /// Milliseconds left before the caller's deadline.
-    pub deadline_left_ms: u64,
+    /// Milliseconds left before the caller's deadline; `None`: no deadline.
+    pub deadline_left_ms: Option<u64>,
     /// Whether repeating the operation is harmless.
     pub idempotent: bool,
 }
@@ -128,7 +128,7 @@ impl Policy {
     /// `elapsed_ms` is time since the first attempt started; `jitter_seed` is
     /// the host's random draw, which makes the choice replayable.
     pub fn decide(&self, kind: FailureKind, attempt: u32, elapsed_ms: u64, jitter_seed: u64) -> Action {
-        self.decide_in(kind, attempt, elapsed_ms, jitter_seed, Context { deadline_left_ms: u64::MAX, idempotent: true })
+        self.decide_in(kind, attempt, elapsed_ms, jitter_seed, Context { deadline_left_ms: None, idempotent: true })
     }
 
     /// [`decide`](Self::decide) knowing the caller's deadline and whether the
@@ -168,7 +168,7 @@ impl Policy {
         if let FailureKind::Busy { retry_after_ms } = kind {
             delay = delay.max(retry_after_ms);
         }
-        if elapsed_ms.saturating_add(delay) > self.budget_ms || delay >= cx.deadline_left_ms {
+        if elapsed_ms.saturating_add(delay) > self.budget_ms || cx.deadline_left_ms.is_some_and(|left| delay >= left) {
             return Action::GiveUp;
         }
         Action::RetryAfter(delay)
@@ -186,7 +186,7 @@ mod tests {
     #[test]
     fn context_of_0_2_shapes_the_decision() {
         let p = Policy::default();
-        let cx = |deadline_left_ms, idempotent| Context { deadline_left_ms, idempotent };
+        let cx = |left, idempotent| Context { deadline_left_ms: Some(left), idempotent };
         // A put that may have happened is not repeated...
         assert_eq!(p.decide_in(FailureKind::Timeout, 1, 0, 5, cx(1000, false)), Action::GiveUp);
         // ...unless the store said it was busy, and then not before its retry-after.
