@@ -23,7 +23,6 @@
 
 use std::fs;
 use std::io::Read;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{mpsc, Mutex, OnceLock};
@@ -528,23 +527,7 @@ impl ControlPlane {
         let log = self.dir().join(format!("{name}.log"));
         let file = fs::File::create(&log).unwrap_or_else(|e| panic!("creating {}: {e}", log.display()));
         cmd.stdin(Stdio::null()).stdout(file.try_clone().expect("duplicating a log file handle")).stderr(file).current_dir(self.dir());
-        let parent = std::process::id();
-        // SAFETY: prctl and getppid are async-signal-safe; the kernel kills
-        // the component when the thread that forked it (the spawner thread,
-        // alive as long as the process) dies without dropping the guard.
-        #[allow(unsafe_code)] // pre_exec; see the SAFETY comment above.
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                if libc::getppid() as u32 != parent {
-                    // The parent died before prctl: nobody will kill us.
-                    libc::_exit(1);
-                }
-                Ok(())
-            });
-        }
+        crate::process::dies_with_parent(&mut cmd);
         match spawn_from_keeper_thread(cmd) {
             Ok(child) => self.components.get_mut().unwrap().push(Component { name, child, log }),
             Err(e) => panic!("starting {name}: {e}"),

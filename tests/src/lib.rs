@@ -115,7 +115,6 @@ mod tests {
 /// PID when dropped, and by the kernel if the test process dies first.
 pub mod redis {
     use std::io::{BufRead, BufReader};
-    use std::os::unix::process::CommandExt;
     use std::process::{Child, Command, Stdio};
     use std::sync::{Arc, Mutex};
     use std::time::{Duration, Instant};
@@ -176,17 +175,7 @@ pub mod redis {
                 // Its log (on stdout) says why it exits, e.g. a port taken.
                 .stdout(Stdio::piped())
                 .stderr(Stdio::inherit());
-            // SAFETY: prctl is async-signal-safe; it makes the kernel kill the
-            // server when the test process dies without dropping its guard.
-            #[allow(unsafe_code)] // pre_exec; see the SAFETY comment above.
-            unsafe {
-                cmd.pre_exec(|| {
-                    if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    Ok(())
-                });
-            }
+            crate::process::dies_with_parent(&mut cmd);
             let mut child = cmd.spawn().unwrap_or_else(|e| panic!("starting redis-server (install Debian's redis-server): {e}"));
             // Drained for the server's whole life, so it never blocks on a full pipe.
             let log = Arc::new(Mutex::new(String::new()));
@@ -245,4 +234,5 @@ pub mod redis {
 
 pub mod control_plane;
 mod net;
+mod process;
 pub mod registry;

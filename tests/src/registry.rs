@@ -19,7 +19,6 @@
 //! registry may be shared by tests on other threads.
 
 use std::fs;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -179,23 +178,7 @@ fn spawn(binary: &Path, config: &Path, log: &Path) -> Child {
         }
     }
     cmd.env("OTEL_TRACES_EXPORTER", "none");
-    let parent = std::process::id();
-    // SAFETY: prctl and getppid are async-signal-safe; the kernel kills the
-    // registry when the thread that forked it (the spawner thread, alive as
-    // long as the process) dies without dropping the guard.
-    #[allow(unsafe_code)] // pre_exec; see the SAFETY comment above.
-    unsafe {
-        cmd.pre_exec(move || {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            if libc::getppid() as u32 != parent {
-                // The parent died before prctl: nobody will kill us.
-                libc::_exit(1);
-            }
-            Ok(())
-        });
-    }
+    crate::process::dies_with_parent(&mut cmd);
     spawn_from_keeper_thread(cmd).unwrap_or_else(|e| panic!("starting {}: {e}", binary.display()))
 }
 

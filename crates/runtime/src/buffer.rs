@@ -216,11 +216,6 @@ impl BlockBuffer {
             Memory::Released => Err(released()),
         }
     }
-
-    /// Shared access to a source view for a blocking call (a driver `put`).
-    pub fn source_for_blocking(&self) -> Result<Bytes, Error> {
-        self.source_bytes()
-    }
 }
 
 /// A locked destination view; derefs to its bytes.

@@ -106,6 +106,15 @@ impl HostState {
     }
 }
 
+/// The driver's answer, one per entry, in the contract's terms; a failure of
+/// the call as a whole (deadline, busy session) answers every entry.
+fn per_entry<T>(driver: &str, n: usize, answer: Result<Vec<Result<T, Status>>, Error>) -> Vec<Result<T, Error>> {
+    match answer {
+        Ok(r) => r.into_iter().enumerate().map(|(i, r)| r.map_err(|s| to_error(driver, i, s))).collect(),
+        Err(e) => (0..n).map(|_| Err(e.clone())).collect(),
+    }
+}
+
 /// Lock the destinations of a `get`, once per region, and cut each into the
 /// views asked for. Views of one region must not overlap (two keys written
 /// into the same bytes); views that do are refused.
@@ -203,10 +212,7 @@ impl driver::HostSession for HostState {
                 s.put(&k, &v, &opts)
             })
             .await?;
-        Ok(match answer {
-            Ok(r) => r.into_iter().enumerate().map(|(i, r)| r.map_err(|s| to_error(&name, i, s))).collect(),
-            Err(e) => (0..n).map(|_| Err(e.clone())).collect(),
-        })
+        Ok(per_entry(&name, n, answer))
     }
 
     async fn get(
@@ -233,13 +239,10 @@ impl driver::HostSession for HostState {
             .on_session(&session, move |s| {
                 let k: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
                 let mut dest = carve(&mut guards, &placed);
-                s.get(&k, &mut dest, &opts)
+                s.get(&k, &mut dest, &opts).into_iter().map(|r| r.map(|len| len as u64)).collect::<Vec<_>>()
             })
             .await?;
-        Ok(match answer {
-            Ok(r) => r.into_iter().enumerate().map(|(i, r)| r.map(|len| len as u64).map_err(|s| to_error(&name, i, s))).collect(),
-            Err(e) => (0..n).map(|_| Err(e.clone())).collect(),
-        })
+        Ok(per_entry(&name, n, answer))
     }
 
     async fn exists(
@@ -257,10 +260,7 @@ impl driver::HostSession for HostState {
                 s.exists(&k, &opts)
             })
             .await?;
-        Ok(match answer {
-            Ok(r) => r.into_iter().enumerate().map(|(i, r)| r.map_err(|s| to_error(&name, i, s))).collect(),
-            Err(e) => (0..n).map(|_| Err(e.clone())).collect(),
-        })
+        Ok(per_entry(&name, n, answer))
     }
 
     async fn delete(
@@ -278,10 +278,7 @@ impl driver::HostSession for HostState {
                 s.delete(&k, &opts)
             })
             .await?;
-        Ok(match answer {
-            Ok(r) => r.into_iter().enumerate().map(|(i, r)| r.map_err(|s| to_error(&name, i, s))).collect(),
-            Err(e) => (0..n).map(|_| Err(e.clone())).collect(),
-        })
+        Ok(per_entry(&name, n, answer))
     }
 
     async fn drop(&mut self, session: Resource<DriverSession>) -> wasmtime::Result<()> {

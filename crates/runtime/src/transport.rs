@@ -222,11 +222,6 @@ impl HostState {
         Ok(Ok(()))
     }
 
-    fn resolve_allowed(&self, endpoint: &str) -> impl Future<Output = Result<Vec<SocketAddr>, Error>> + Send + 'static {
-        let (shared, deadline, endpoint) = (self.shared.clone(), self.deadline, endpoint.to_owned());
-        async move { resolve_allowed(&shared.decl, deadline, &endpoint).await }
-    }
-
     fn admit_connection(&mut self, endpoint: String, stream: Box<dyn Stream>) -> wasmtime::Result<Result<Resource<Connection>, Error>> {
         if let Err(e) = self.admit(HandleKind::Connection) {
             return Ok(Err(e));
@@ -278,7 +273,10 @@ impl transport::HostConnection for HostState {
         if let Err(e) = self.check_limit("connections", u64::from(self.usage.connections), 1, u64::from(limits.connections)) {
             return Ok(Err(e));
         }
-        let addrs = match self.resolve_allowed(&endpoint).await {
+        // The declaration through its own Arc: the future must not borrow
+        // `self` (HostState is not Sync) across the lookup.
+        let shared = self.shared.clone();
+        let addrs = match resolve_allowed(&shared.decl, self.deadline, &endpoint).await {
             Ok(a) => a,
             Err(e) => return Ok(Err(e)),
         };

@@ -350,20 +350,27 @@ impl<D: Dial> Client<D> {
         }
     }
 
-    /// Runs one pipelined batch: `send` writes every command, one flush, then
-    /// `read` is called once per command in order. Any failure that leaves the
-    /// stream in an unknown state drops the connection and answers the
-    /// affected keys; server error replies only fail their own key.
+    /// Runs one pipelined batch: `send` writes every command (with the key
+    /// prefix of `options`), one flush, then `read` is called once per command
+    /// in order. Options that cannot be honoured refuse every key before any
+    /// I/O. Any failure that leaves the stream in an unknown state drops the
+    /// connection and answers the affected keys; server error replies only
+    /// fail their own key.
     fn batch<T>(
         &mut self,
         count: usize,
-        send: impl FnOnce(&mut Outbox<'_, D::Conn>, &Settings) -> Result<(), Fail>,
+        options: &CallOptions,
+        send: impl FnOnce(&mut Outbox<'_, D::Conn>, &[u8]) -> Result<(), Fail>,
         mut read: impl FnMut(&mut D::Conn, usize) -> KeyReply<T>,
     ) -> Vec<Result<T, Fail>> {
         if count == 0 {
             return Vec::new();
         }
         let all = |e: Fail| -> Vec<Result<T, Fail>> { (0..count).map(|_| Err(e.clone())).collect() };
+        let prefix = match call_prefix(&self.settings, options) {
+            Ok(p) => p,
+            Err(e) => return all(e),
+        };
         if self.conn.is_none() {
             match self.handshake() {
                 Ok(conn) => self.conn = Some(conn),
@@ -376,7 +383,7 @@ impl<D: Dial> Client<D> {
         let mut outbox = Outbox { conn, pending: Vec::new() };
         // Nothing reaches the server before the flush, so a failed write or
         // flush fails every key: none of them is known to be applied.
-        if let Err(e) = send(&mut outbox, &self.settings).and_then(|()| outbox.finish()) {
+        if let Err(e) = send(&mut outbox, &prefix).and_then(|()| outbox.finish()) {
             self.drop_connection(&e);
             return all(e);
         }
@@ -406,16 +413,13 @@ impl<D: Dial> Client<D> {
             Some(ms) => Some(Expiry::Millis(ms)),
             None => self.settings.ttl_seconds.map(Expiry::Seconds),
         };
-        let prefix = match call_prefix(&self.settings, options) {
-            Ok(p) => p,
-            Err(e) => return entries.iter().map(|_| Err(e.clone())).collect(),
-        };
         self.batch(
             entries.len(),
-            |out, _| {
+            options,
+            |out, prefix| {
                 for (key, payload) in entries {
                     let len = <D::Conn as Conn>::payload_len(payload);
-                    resp::push_set_head(&mut out.pending, &prefix, key, len, expiry);
+                    resp::push_set_head(&mut out.pending, prefix, key, len, expiry);
                     out.payload(payload)?;
                     resp::push_set_tail(&mut out.pending, expiry);
                 }
@@ -427,15 +431,12 @@ impl<D: Dial> Client<D> {
 
     /// Read each key's value into its destination; answers the length.
     pub fn get(&mut self, entries: &[(Vec<u8>, &<D::Conn as Conn>::Dest)], options: &CallOptions) -> Vec<Result<u64, Fail>> {
-        let prefix = match call_prefix(&self.settings, options) {
-            Ok(p) => p,
-            Err(e) => return entries.iter().map(|_| Err(e.clone())).collect(),
-        };
         self.batch(
             entries.len(),
-            |out, _| {
+            options,
+            |out, prefix| {
                 for (key, _) in entries {
-                    resp::push_key_command(&mut out.pending, b"GET", &prefix, key);
+                    resp::push_key_command(&mut out.pending, b"GET", prefix, key);
                 }
                 Ok(())
             },
@@ -444,13 +445,10 @@ impl<D: Dial> Client<D> {
     }
 
     pub fn exists(&mut self, keys: &[Vec<u8>], options: &CallOptions) -> Vec<Result<bool, Fail>> {
-        let prefix = match call_prefix(&self.settings, options) {
-            Ok(p) => p,
-            Err(e) => return keys.iter().map(|_| Err(e.clone())).collect(),
-        };
         self.batch(
             keys.len(),
-            |out, _| key_commands(out, &prefix, b"EXISTS", keys),
+            options,
+            |out, prefix| key_commands(out, prefix, b"EXISTS", keys),
             |conn, _| match expect_integer(conn, "EXISTS")? {
                 Ok(0) => Ok(Ok(false)),
                 Ok(1) => Ok(Ok(true)),
@@ -461,13 +459,10 @@ impl<D: Dial> Client<D> {
     }
 
     pub fn delete(&mut self, keys: &[Vec<u8>], options: &CallOptions) -> Vec<Result<(), Fail>> {
-        let prefix = match call_prefix(&self.settings, options) {
-            Ok(p) => p,
-            Err(e) => return keys.iter().map(|_| Err(e.clone())).collect(),
-        };
         self.batch(
             keys.len(),
-            |out, _| key_commands(out, &prefix, b"DEL", keys),
+            options,
+            |out, prefix| key_commands(out, prefix, b"DEL", keys),
             // :0 (the key was absent) is success: delete is idempotent.
             |conn, _| match expect_integer(conn, "DEL")? {
                 Ok(0 | 1) => Ok(Ok(())),
