@@ -68,6 +68,17 @@ async fn get_one(backend: &Backend, key: &[u8], size: usize, options: CallOption
     }))
 }
 
+/// Every answer is `Ok` and its destination holds the value of the same index.
+fn all_hold(memories: &[Vec<u8>], answers: &[Result<usize, KvError>], values: &[Bytes]) -> Result<String, String> {
+    for (i, (memory, got)) in memories.iter().zip(answers).enumerate() {
+        match got {
+            Ok(len) => holds(memory, *len, &values[i]).map_err(|e| format!("key #{i}: {e}"))?,
+            Err(e) => return Err(format!("key #{i}: {e}")),
+        }
+    }
+    Ok(String::new())
+}
+
 /// Whether `memory` holds `value` at its front, and the sentinel after it.
 fn holds(memory: &[u8], len: usize, value: &[u8]) -> Result<(), String> {
     ensure(len == value.len(), || format!("answered {len} bytes for a value of {}", value.len()))?;
@@ -120,13 +131,7 @@ pub async fn run(runtime: &PluginRuntime, decl: &PluginDecl) -> Report {
 
     let get = async {
         let (memories, res) = get_into(&backend, &keys, &sizes, plain()).await?;
-        for (i, (memory, got)) in memories.iter().zip(&res).enumerate() {
-            match got {
-                Ok(len) => holds(memory, *len, &values[i]).map_err(|e| format!("key #{i}: {e}"))?,
-                Err(e) => return Err(format!("key #{i}: {e}")),
-            }
-        }
-        Ok(String::new())
+        all_hold(&memories, &res, &values)
     }
     .await;
     r.record("get of the batch fills each destination with every byte intact", get);
@@ -135,13 +140,7 @@ pub async fn run(runtime: &PluginRuntime, decl: &PluginDecl) -> Report {
         // Larger destinations than the values: the front is filled, the
         // rest untouched, and the answer is the value's length.
         let (memories, res) = get_into(&backend, &keys[..5], &sizes[..5].iter().map(|n| n + 777).collect::<Vec<_>>(), plain()).await?;
-        for (i, (memory, got)) in memories.iter().zip(&res).enumerate() {
-            match got {
-                Ok(len) => holds(memory, *len, &values[i]).map_err(|e| format!("key #{i}: {e}"))?,
-                Err(e) => return Err(format!("key #{i}: {e}")),
-            }
-        }
-        Ok(String::new())
+        all_hold(&memories, &res, &values)
     }
     .await;
     r.record("a value shorter than its destination fills only its front and answers its length", shorter);
