@@ -1,0 +1,434 @@
+//! The few etcd v3 calls membership needs, through etcd's JSON gateway
+//! (`POST /v3/...` on the client port, keys and values in base64, 64-bit
+//! integers as strings), failing over between the cluster's endpoints.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use base64::engine::general_purpose::STANDARD as BASE64;
+use base64::Engine;
+use serde_json::{json, Value};
+use tokio::time::Instant;
+
+use crate::Error;
+
+/// gRPC status `UNAVAILABLE`: this etcd member cannot serve now (no leader,
+/// stopping), another may.
+const GRPC_UNAVAILABLE: i64 = 14;
+
+/// The least time one attempt of a call gets, however many endpoints share
+/// the call's timeout.
+const MIN_ATTEMPT: Duration = Duration::from_millis(500);
+
+/// The pause after every endpoint failed once, before the next round.
+const PASS_PAUSE: Duration = Duration::from_millis(100);
+
+/// A key and its value as etcd holds it.
+#[derive(Debug, Clone)]
+pub(crate) struct Kv {
+    pub key: String,
+    pub value: Vec<u8>,
+    pub mod_revision: i64,
+}
+
+pub(crate) enum EventKind {
+    Put,
+    Delete,
+}
+
+pub(crate) struct Event {
+    pub kind: EventKind,
+    pub kv: Kv,
+}
+
+/// One message of a watch stream.
+pub(crate) enum WatchMessage {
+    /// The watch exists; events follow.
+    Created,
+    /// Changes, oldest first.
+    Events { events: Vec<Event> },
+    /// The server ended the watch (compaction, no leader): list again.
+    Canceled { reason: String },
+}
+
+pub(crate) struct Etcd {
+    http: reqwest::Client,
+    /// Base URLs, `http://host:port`.
+    endpoints: Vec<String>,
+    /// The endpoint that answered last: tried first next time.
+    preferred: AtomicUsize,
+}
+
+impl Etcd {
+    /// A client of the etcd members at `endpoints` (`host:port` or
+    /// `http://host:port`).
+    pub fn new<S: AsRef<str>>(endpoints: &[S], connect_timeout: Duration) -> Result<Etcd, Error> {
+        if endpoints.is_empty() {
+            return Err(Error::NoEndpoints);
+        }
+        let endpoints = endpoints.iter().map(|e| normalize(e.as_ref())).collect::<Result<Vec<_>, _>>()?;
+        let http = reqwest::Client::builder()
+            .connect_timeout(connect_timeout)
+            // A watch is quiet while membership is; TCP keep-alive is what
+            // notices that its etcd member went away without closing it.
+            .tcp_keepalive(Some(Duration::from_secs(10)))
+            .tcp_keepalive_interval(Some(Duration::from_secs(5)))
+            .tcp_keepalive_retries(Some(3))
+            .build()
+            .map_err(|e| Error::Transport { endpoint: endpoints.join(","), path: String::new(), reason: chain(&e) })?;
+        Ok(Etcd { http, endpoints, preferred: AtomicUsize::new(0) })
+    }
+
+    /// POST `body` to `path`, trying the endpoints in turn (the last good
+    /// one first) until one answers or `timeout` is spent. Each attempt gets
+    /// a share of the time: a member that cannot reach its leader holds a
+    /// request for seconds, while another member may answer at once, or
+    /// after the election that the first one was waiting for. An etcd
+    /// error other than "unavailable" is final: another member would say
+    /// the same.
+    async fn call(&self, path: &str, body: &Value, timeout: Duration) -> Result<Value, Error> {
+        let deadline = Instant::now() + timeout;
+        let count = self.endpoints.len();
+        let share = (timeout / count as u32).max(MIN_ATTEMPT);
+        let first = self.preferred.load(Ordering::Relaxed);
+        // The last failure of each endpoint.
+        let mut failures: Vec<Option<String>> = vec![None; count];
+        for attempt in 0.. {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            if attempt > 0 && attempt % count == 0 {
+                // Every endpoint failed once: do not spin on refusals.
+                tokio::time::sleep(PASS_PAUSE.min(left)).await;
+            }
+            let index = (first + attempt) % count;
+            let endpoint = &self.endpoints[index];
+            let request = self.http.post(format!("{endpoint}{path}")).timeout(share.min(left)).body(body.to_string());
+            let result = async {
+                let response = request.send().await.map_err(|e| chain(&e))?;
+                let status = response.status();
+                let bytes = response.bytes().await.map_err(|e| chain(&e))?;
+                Ok::<_, String>((status, bytes))
+            }
+            .await;
+            let (status, bytes) = match result {
+                Ok(answer) => answer,
+                Err(reason) => {
+                    failures[index] = Some(reason);
+                    continue;
+                }
+            };
+            let value: Value = match serde_json::from_slice(&bytes) {
+                Ok(v) => v,
+                Err(e) => {
+                    let text = String::from_utf8_lossy(&bytes[..bytes.len().min(200)]).into_owned();
+                    return Err(protocol(endpoint, path, format!("HTTP {status}, not JSON ({e}): {text:?}")));
+                }
+            };
+            if status.is_success() {
+                self.preferred.store(index, Ordering::Relaxed);
+                return Ok(value);
+            }
+            let (code, message) = grpc_error(&value);
+            if code == GRPC_UNAVAILABLE {
+                failures[index] = Some(message);
+                continue;
+            }
+            return Err(Error::Etcd { endpoint: endpoint.clone(), path: path.to_owned(), code, message });
+        }
+        let failures = self
+            .endpoints
+            .iter()
+            .zip(failures)
+            .map(|(endpoint, failure)| format!("{endpoint}: {}", failure.unwrap_or_else(|| "not tried".into())))
+            .collect::<Vec<_>>()
+            .join("; ");
+        Err(Error::Unreachable { path: path.to_owned(), timeout, failures })
+    }
+
+    /// A new lease; its ID and the TTL etcd granted (which may be longer
+    /// than asked: etcd has a minimum).
+    pub async fn grant(&self, ttl: Duration, timeout: Duration) -> Result<(i64, Duration), Error> {
+        let path = "/v3/lease/grant";
+        let answer = self.call(path, &json!({"TTL": ttl.as_secs().max(1)}), timeout).await?;
+        let id = int(&answer, "ID");
+        if id == 0 {
+            return Err(protocol(self.preferred_endpoint(), path, format!("no lease ID in {answer}")));
+        }
+        Ok((id, Duration::from_secs(int(&answer, "TTL").max(0) as u64)))
+    }
+
+    /// Renew lease `id`; its TTL from now, zero if etcd no longer has it.
+    pub async fn keep_alive(&self, id: i64, timeout: Duration) -> Result<Duration, Error> {
+        // A stream in gRPC; one request and one answer through the gateway.
+        let answer = self.call("/v3/lease/keepalive", &json!({"ID": id.to_string()}), timeout).await?;
+        let result = answer.get("result").unwrap_or(&answer);
+        Ok(Duration::from_secs(int(result, "TTL").max(0) as u64))
+    }
+
+    pub async fn revoke(&self, id: i64, timeout: Duration) -> Result<(), Error> {
+        self.call("/v3/lease/revoke", &json!({"ID": id.to_string()}), timeout).await.map(drop)
+    }
+
+    /// Put `key` attached to lease `lease`; the revision of the change.
+    pub async fn put(&self, key: &str, value: &[u8], lease: i64, timeout: Duration) -> Result<i64, Error> {
+        let body = json!({"key": BASE64.encode(key), "value": BASE64.encode(value), "lease": lease.to_string()});
+        let answer = self.call("/v3/kv/put", &body, timeout).await?;
+        Ok(int(&answer["header"], "revision"))
+    }
+
+    /// Every key under `prefix`, and the store's revision they are as of.
+    pub async fn range_prefix(&self, prefix: &str, timeout: Duration) -> Result<(i64, Vec<Kv>), Error> {
+        let path = "/v3/kv/range";
+        let body = json!({"key": BASE64.encode(prefix), "range_end": BASE64.encode(prefix_end(prefix))});
+        let answer = self.call(path, &body, timeout).await?;
+        let kvs = match answer.get("kvs") {
+            None => Ok(Vec::new()),
+            Some(Value::Array(kvs)) => kvs.iter().map(decode_kv).collect::<Result<_, _>>(),
+            Some(other) => Err(format!("kvs is {other}")),
+        }
+        .map_err(|reason| protocol(self.preferred_endpoint(), path, reason))?;
+        Ok((int(&answer["header"], "revision"), kvs))
+    }
+
+    /// Watch every key under `prefix` from `start_revision` on, through the
+    /// first endpoint that accepts the watch within `timeout`.
+    pub async fn watch(&self, prefix: &str, start_revision: i64, timeout: Duration) -> Result<WatchStream, Error> {
+        let path = "/v3/watch";
+        let body = json!({"create_request": {
+            "key": BASE64.encode(prefix),
+            "range_end": BASE64.encode(prefix_end(prefix)),
+            "start_revision": start_revision.to_string(),
+        }})
+        .to_string();
+        let first = self.preferred.load(Ordering::Relaxed);
+        let mut failures = Vec::new();
+        for i in 0..self.endpoints.len() {
+            let index = (first + i) % self.endpoints.len();
+            let endpoint = &self.endpoints[index];
+            let request = self
+                .http
+                .post(format!("{endpoint}{path}"))
+                // etcd ends the watch when this member loses its leader,
+                // instead of keeping a watch that no change will reach.
+                .header("Grpc-Metadata-hasleader", "true")
+                .body(body.clone());
+            match tokio::time::timeout(timeout, request.send()).await {
+                Ok(Ok(response)) if response.status().is_success() => {
+                    self.preferred.store(index, Ordering::Relaxed);
+                    return Ok(WatchStream { endpoint: endpoint.clone(), response, buffer: Vec::new(), pending: Vec::new() });
+                }
+                Ok(Ok(response)) => failures.push(format!("{endpoint}: HTTP {}", response.status())),
+                Ok(Err(e)) => failures.push(format!("{endpoint}: {}", chain(&e))),
+                Err(_) => failures.push(format!("{endpoint}: no answer within {timeout:?}")),
+            }
+        }
+        Err(Error::Unreachable { path: path.to_owned(), timeout, failures: failures.join("; ") })
+    }
+
+    fn preferred_endpoint(&self) -> &str {
+        &self.endpoints[self.preferred.load(Ordering::Relaxed) % self.endpoints.len()]
+    }
+}
+
+/// An open watch: messages of one `POST /v3/watch` response, which the
+/// gateway streams as JSON objects one after another.
+pub(crate) struct WatchStream {
+    endpoint: String,
+    response: reqwest::Response,
+    buffer: Vec<u8>,
+    pending: Vec<Value>,
+}
+
+impl WatchStream {
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// The next message; `Err` when the stream breaks or ends.
+    pub async fn next(&mut self) -> Result<WatchMessage, Error> {
+        let path = "/v3/watch";
+        loop {
+            if !self.pending.is_empty() {
+                let value = self.pending.remove(0);
+                return parse_watch_message(&value).map_err(|reason| protocol(&self.endpoint, path, reason));
+            }
+            let chunk = self.response.chunk().await.map_err(|e| Error::Transport {
+                endpoint: self.endpoint.clone(),
+                path: path.to_owned(),
+                reason: chain(&e),
+            })?;
+            let Some(chunk) = chunk else {
+                return Err(Error::Transport { endpoint: self.endpoint.clone(), path: path.to_owned(), reason: "the stream ended".into() });
+            };
+            self.buffer.extend_from_slice(&chunk);
+            let mut values = serde_json::Deserializer::from_slice(&self.buffer).into_iter::<Value>();
+            let mut used = 0;
+            loop {
+                match values.next() {
+                    Some(Ok(value)) => {
+                        used = values.byte_offset();
+                        self.pending.push(value);
+                    }
+                    Some(Err(e)) if e.is_eof() => break,
+                    Some(Err(e)) => return Err(protocol(&self.endpoint, path, format!("not a JSON message: {e}"))),
+                    None => {
+                        used = self.buffer.len();
+                        break;
+                    }
+                }
+            }
+            self.buffer.drain(..used);
+        }
+    }
+}
+
+fn parse_watch_message(value: &Value) -> Result<WatchMessage, String> {
+    if let Some(error) = value.get("error") {
+        let (code, message) = grpc_error(error);
+        return Ok(WatchMessage::Canceled { reason: format!("{message} (gRPC code {code})") });
+    }
+    let result = value.get("result").ok_or_else(|| format!("neither result nor error in {value}"))?;
+    if result.get("canceled").and_then(Value::as_bool) == Some(true) {
+        let compacted = int(result, "compact_revision");
+        let reason = match result.get("cancel_reason").and_then(Value::as_str) {
+            Some(reason) if !reason.is_empty() => reason.to_owned(),
+            _ if compacted > 0 => format!("revisions up to {compacted} were compacted"),
+            _ => "canceled by the server".to_owned(),
+        };
+        return Ok(WatchMessage::Canceled { reason });
+    }
+    if result.get("created").and_then(Value::as_bool) == Some(true) {
+        return Ok(WatchMessage::Created);
+    }
+    let events = match result.get("events") {
+        None => Vec::new(),
+        Some(Value::Array(events)) => events
+            .iter()
+            .map(|e| {
+                // PUT is the enum's zero value, which the gateway leaves out.
+                let kind = match e.get("type").and_then(Value::as_str) {
+                    None | Some("PUT") => EventKind::Put,
+                    Some("DELETE") => EventKind::Delete,
+                    Some(other) => return Err(format!("unknown event type {other:?}")),
+                };
+                Ok(Event { kind, kv: decode_kv(&e["kv"])? })
+            })
+            .collect::<Result<_, _>>()?,
+        Some(other) => return Err(format!("events is {other}")),
+    };
+    Ok(WatchMessage::Events { events })
+}
+
+fn decode_kv(kv: &Value) -> Result<Kv, String> {
+    let field = |name: &str| -> Result<Vec<u8>, String> {
+        match kv.get(name).and_then(Value::as_str) {
+            None => Ok(Vec::new()),
+            Some(text) => BASE64.decode(text).map_err(|e| format!("{name} {text:?} is not base64: {e}")),
+        }
+    };
+    let key = String::from_utf8(field("key")?).map_err(|e| format!("a key that is not UTF-8: {e}"))?;
+    Ok(Kv { key, value: field("value")?, mod_revision: int(kv, "mod_revision") })
+}
+
+/// `host:port` or `http://host:port` as a base URL.
+fn normalize(endpoint: &str) -> Result<String, Error> {
+    let bad = |reason: &str| Error::BadEndpoint { endpoint: endpoint.to_owned(), reason: reason.to_owned() };
+    let rest = match endpoint.split_once("://") {
+        None => endpoint,
+        Some(("http", rest)) => rest,
+        Some(("https", _)) => return Err(bad("TLS to etcd is not supported yet; use http://")),
+        Some(_) => return Err(bad("the scheme must be http")),
+    };
+    let rest = rest.trim_end_matches('/');
+    if rest.is_empty() || rest.contains('/') || !rest.contains(':') {
+        return Err(bad("expected host:port"));
+    }
+    Ok(format!("http://{rest}"))
+}
+
+/// The end of the range of keys starting with `prefix`.
+fn prefix_end(prefix: &str) -> Vec<u8> {
+    let mut end = prefix.as_bytes().to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xff {
+            end.push(last + 1);
+            return end;
+        }
+    }
+    vec![0] // every key
+}
+
+/// A 64-bit field, which the gateway writes as a string; 0 when absent.
+fn int(value: &Value, field: &str) -> i64 {
+    match value.get(field) {
+        Some(Value::String(s)) => s.parse().unwrap_or(0),
+        Some(Value::Number(n)) => n.as_i64().unwrap_or(0),
+        _ => 0,
+    }
+}
+
+/// gRPC code and message of a gateway error body.
+fn grpc_error(error: &Value) -> (i64, String) {
+    let code = error.get("code").or_else(|| error.get("grpc_code")).and_then(Value::as_i64).unwrap_or(0);
+    let message =
+        error.get("message").or_else(|| error.get("error")).and_then(Value::as_str).map(str::to_owned).unwrap_or_else(|| error.to_string());
+    (code, message)
+}
+
+fn protocol(endpoint: &str, path: &str, reason: String) -> Error {
+    Error::Protocol { endpoint: endpoint.to_owned(), path: path.to_owned(), reason }
+}
+
+/// An error and its causes on one line (reqwest's own message is only
+/// "error sending request").
+fn chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(e) = source {
+        text.push_str(": ");
+        text.push_str(&e.to_string());
+        source = e.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints_become_base_urls() {
+        assert_eq!(normalize("127.0.0.1:2379").unwrap(), "http://127.0.0.1:2379");
+        assert_eq!(normalize("http://etcd-0:2379/").unwrap(), "http://etcd-0:2379");
+        for bad in ["https://etcd:2379", "etcd", "unix:///x", "http://h:1/v3"] {
+            assert!(normalize(bad).unwrap_err().to_string().contains(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn prefix_ends_cover_exactly_the_prefix() {
+        assert_eq!(prefix_end("/kvplane/c/members/"), b"/kvplane/c/members0");
+        assert_eq!(prefix_end(""), vec![0]);
+    }
+
+    #[test]
+    fn watch_messages_from_the_gateway() {
+        let created = json!({"result": {"header": {"revision": "7"}, "created": true}});
+        assert!(matches!(parse_watch_message(&created), Ok(WatchMessage::Created)));
+        let events = json!({"result": {"header": {"revision": "9"}, "events": [
+            {"kv": {"key": BASE64.encode("/k/a"), "value": BASE64.encode("v"), "mod_revision": "8"}},
+            {"type": "DELETE", "kv": {"key": BASE64.encode("/k/b"), "mod_revision": "9"}}
+        ]}});
+        let Ok(WatchMessage::Events { events }) = parse_watch_message(&events) else { panic!("not events") };
+        assert!(matches!(events[0].kind, EventKind::Put) && events[0].kv.key == "/k/a" && events[0].kv.value == b"v");
+        assert!(matches!(events[1].kind, EventKind::Delete) && events[1].kv.mod_revision == 9);
+        let compacted = json!({"result": {"header": {"revision": "9"}, "canceled": true, "compact_revision": "5"}});
+        let Ok(WatchMessage::Canceled { reason }) = parse_watch_message(&compacted) else { panic!("not canceled") };
+        assert!(reason.contains("compacted"), "{reason}");
+        let error = json!({"error": {"grpc_code": 14, "message": "etcdserver: no leader"}});
+        let Ok(WatchMessage::Canceled { reason }) = parse_watch_message(&error) else { panic!("not canceled") };
+        assert!(reason.contains("no leader"), "{reason}");
+    }
+}

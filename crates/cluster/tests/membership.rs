@@ -1,0 +1,183 @@
+//! Membership against a real three-member etcd cluster: registration,
+//! watching, draining, leaving, lapsed leases, a killed etcd member and a
+//! member partitioned from etcd.
+
+mod support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvplane_cluster::{MemberView, Membership, MembershipWatch, Options, Registration};
+use kvplane_protocol::placement::{Member, MemberState};
+use support::{EtcdCluster, Proxy};
+
+/// Deadline for anything the tests wait for; generous for a loaded machine.
+const PATIENCE: Duration = Duration::from_secs(30);
+/// Long enough that a healthy member never lapses on a loaded machine.
+const TTL: Duration = Duration::from_secs(5);
+/// etcd's minimum lease TTL with its default election timeout.
+const SHORT_TTL: Duration = Duration::from_secs(2);
+
+fn member(i: usize) -> Member {
+    Member {
+        zone: format!("z{}", i % 2),
+        labels: vec![("rack".into(), format!("r{i}"))],
+        ..Member::up(format!("n{i}"), format!("10.0.0.{i}:9600"))
+    }
+}
+
+fn ids(view: &MemberView) -> Vec<&str> {
+    view.members.iter().map(|m| m.id.as_str()).collect()
+}
+
+/// Wait until `watch` shows a membership that satisfies `ok`.
+async fn wait_view(watch: &mut MembershipWatch, what: &str, ok: impl Fn(&MemberView) -> bool) -> Arc<MemberView> {
+    let result = tokio::time::timeout(PATIENCE, async {
+        let mut view = watch.current();
+        while !ok(&view) {
+            view = watch.changed().await;
+        }
+        view
+    })
+    .await;
+    result.unwrap_or_else(|_| panic!("{what}: not within {PATIENCE:?}; last seen {:?}", watch.current()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn members_see_each_other_join_and_drain_with_growing_versions() {
+    let etcd = EtcdCluster::start();
+    let endpoints = etcd.endpoints();
+    // An observer that is no member, as a client would be: record every view.
+    let observer = MembershipWatch::start(&endpoints, "joins").await.unwrap();
+    assert!(observer.current().members.is_empty());
+    let mut views = observer.subscribe();
+    let recorder = tokio::spawn(async move {
+        let mut seen = vec![views.borrow_and_update().clone()];
+        while views.changed().await.is_ok() {
+            seen.push(views.borrow_and_update().clone());
+        }
+        seen
+    });
+
+    let mut members = Vec::new();
+    for i in 0..3 {
+        members.push(Membership::register(&endpoints, "joins", member(i), TTL).await.unwrap());
+    }
+    let mut watches = Vec::new();
+    for m in &members {
+        watches.push(m.watch().await.unwrap());
+    }
+    watches.push(observer);
+    let mut joined = Vec::new();
+    for w in &mut watches {
+        let view = wait_view(w, "all three members", |v| v.members.len() == 3).await;
+        assert_eq!(ids(&view), ["n0", "n1", "n2"]);
+        assert_eq!(view.members[1], member(1), "the record round-trips through etcd");
+        joined.push(view.version);
+    }
+
+    members[1].set_state(MemberState::Draining).await.unwrap();
+    for (w, joined) in watches.iter_mut().zip(&joined) {
+        let view = wait_view(w, "n1 draining", |v| v.members.iter().any(|m| m.id == "n1" && m.state == MemberState::Draining)).await;
+        assert!(view.version > *joined, "draining at version {} after joining at {joined}", view.version);
+        assert_eq!(view.members.len(), 3);
+    }
+    assert_eq!(members[1].member().await.state, MemberState::Draining);
+
+    drop(watches);
+    let seen = recorder.await.unwrap();
+    assert!(seen.windows(2).all(|w| w[0].version < w[1].version), "versions must grow: {seen:?}");
+    let sizes: Vec<usize> = seen.iter().map(|v| v.members.len()).collect();
+    assert_eq!((sizes.first(), sizes.last()), (Some(&0), Some(&3)), "{seen:?}");
+    assert!(members.iter().all(|m| m.registration() == Registration::Registered));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_that_leaves_goes_at_once_and_one_that_stops_renewing_goes_when_its_lease_expires() {
+    let etcd = EtcdCluster::start();
+    let endpoints = etcd.endpoints();
+    let stays = Membership::register(&endpoints, "leaves", member(0), TTL).await.unwrap();
+    let leaves = Membership::register(&endpoints, "leaves", member(1), TTL).await.unwrap();
+    let crashes = Membership::register(&endpoints, "leaves", member(2), SHORT_TTL).await.unwrap();
+    let mut watch = stays.watch().await.unwrap();
+    wait_view(&mut watch, "all three members", |v| v.members.len() == 3).await;
+
+    leaves.leave().await.unwrap();
+    let view = wait_view(&mut watch, "n1 gone after leaving", |v| !ids(v).contains(&"n1")).await;
+    assert_eq!(ids(&view), ["n0", "n2"]);
+
+    // A crash: the keep-alive stops, nothing is revoked.
+    let lease_ttl = SHORT_TTL;
+    drop(crashes);
+    let stopped = tokio::time::Instant::now();
+    let view = wait_view(&mut watch, "n2 gone when its lease expired", |v| !ids(v).contains(&"n2")).await;
+    assert_eq!(ids(&view), ["n0"]);
+    // Its last renewal was at most a third of the TTL before the drop.
+    assert!(stopped.elapsed() >= lease_ttl / 2, "n2 went after {:?}, before its lease could expire", stopped.elapsed());
+    assert_eq!(stays.registration(), Registration::Registered);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_watch_and_keep_alives_survive_an_etcd_member_being_killed() {
+    let mut etcd = EtcdCluster::start();
+    let endpoints = etcd.endpoints();
+    let mut members = Vec::new();
+    for i in 0..2 {
+        members.push(Membership::register(&endpoints, "kill", member(i), TTL).await.unwrap());
+    }
+    // The first endpoint answers first: that is where the watch streams from.
+    let mut watch = MembershipWatch::start(&endpoints, "kill").await.unwrap();
+    wait_view(&mut watch, "both members", |v| v.members.len() == 2).await;
+
+    etcd.kill(0);
+    // Right after the kill, etcd may hold requests for seconds while it
+    // elects a leader: this registration must outlast that.
+    let options = Options { request_timeout: PATIENCE, ..Options::default() };
+    members.push(Membership::register_with(&endpoints, "kill", member(2), TTL, options).await.unwrap());
+    members[0].set_state(MemberState::Draining).await.unwrap();
+    let view = wait_view(&mut watch, "n2 joined and n0 draining after etcd0 died", |v| {
+        v.members.len() == 3 && v.members[0].state == MemberState::Draining
+    })
+    .await;
+    assert_eq!(ids(&view), ["n0", "n1", "n2"]);
+    // Longer than a TTL: the leases were renewed through the other members.
+    let until = tokio::time::Instant::now() + TTL + Duration::from_secs(1);
+    let mut latest = view;
+    while tokio::time::Instant::now() < until {
+        if let Ok(view) = tokio::time::timeout_at(until, watch.changed()).await {
+            latest = view;
+        }
+    }
+    assert_eq!(ids(&latest), ["n0", "n1", "n2"], "a member lapsed after etcd0 died");
+    assert!(members.iter().all(|m| m.registration() == Registration::Registered));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_partitioned_from_etcd_lapses_and_knows_it() {
+    let etcd = EtcdCluster::start();
+    let endpoints = etcd.endpoints();
+    let proxy = Proxy::start(etcd.client_addr(0)).await;
+    let victim = Membership::register(&[proxy.endpoint()], "partition", member(0), SHORT_TTL).await.unwrap();
+    let other = Membership::register(&endpoints, "partition", member(1), TTL).await.unwrap();
+    let mut watch = other.watch().await.unwrap();
+    wait_view(&mut watch, "both members", |v| v.members.len() == 2).await;
+
+    let mut status = victim.subscribe();
+    let lost_at = tokio::spawn(async move {
+        let _ = status.wait_for(|s| matches!(s, Registration::Lost { .. })).await;
+        tokio::time::Instant::now()
+    });
+    proxy.cut();
+    wait_view(&mut watch, "n0 gone after its partition", |v| ids(v) == ["n1"]).await;
+    let gone_at = tokio::time::Instant::now();
+    let reason = tokio::time::timeout(PATIENCE, victim.lost()).await.expect("the partitioned member did not report its registration lost");
+    assert!(reason.contains(victim.key()) && reason.contains("lease"), "{reason}");
+    assert!(matches!(victim.registration(), Registration::Lost { .. }));
+    // It counts its lease lapsed from the last renewal it sent, so it knows
+    // no later than the others see it go (give or take a timer's wake-up).
+    let lost_at = lost_at.await.unwrap();
+    assert!(lost_at <= gone_at + Duration::from_millis(500), "lost {:?} after the others saw it gone", lost_at - gone_at);
+    let err = victim.set_state(MemberState::Draining).await.unwrap_err().to_string();
+    assert!(err.contains(victim.key()), "{err}");
+    assert_eq!(other.registration(), Registration::Registered);
+}

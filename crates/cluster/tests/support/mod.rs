@@ -1,0 +1,269 @@
+//! A real three-member etcd cluster on loopback, and a TCP proxy a test can
+//! cut, for the membership tests.
+//!
+//! etcd is the binary `scripts/control-plane/build` builds (the version in
+//! `scripts/control-plane/versions`), as the control-plane tests of
+//! `kvplane-tests` use it. Those helpers are not reused as a dependency:
+//! that crate's build script builds every Wasm, Python and JavaScript
+//! fixture, which these tests do not need.
+
+#![allow(dead_code)] // Each test binary uses a part.
+
+use std::fs;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// How long a cluster may take to elect a leader and answer.
+const START_TIMEOUT: Duration = Duration::from_secs(60);
+/// Attempts at starting a cluster whose ports another process took first.
+const PORT_ATTEMPTS: usize = 5;
+
+/// `${KVPLANE_TOOLS:-$HOME/.cache/kvplane-tools}/etcd-vVERSION/etcd`.
+fn etcd_binary() -> PathBuf {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let versions_file = root.join("scripts/control-plane/versions");
+    let versions = fs::read_to_string(&versions_file).unwrap_or_else(|e| panic!("reading {}: {e}", versions_file.display()));
+    let version = versions
+        .lines()
+        .find_map(|l| l.strip_prefix("ETCD_VERSION="))
+        .unwrap_or_else(|| panic!("no ETCD_VERSION= in {}", versions_file.display()))
+        .trim()
+        .trim_matches('"');
+    let tools = match std::env::var_os("KVPLANE_TOOLS") {
+        Some(dir) if !dir.is_empty() => PathBuf::from(dir),
+        _ => PathBuf::from(std::env::var_os("HOME").expect("HOME is set")).join(".cache/kvplane-tools"),
+    };
+    let bin = tools.join(format!("etcd-v{version}/etcd"));
+    assert!(bin.is_file(), "{} is missing: run scripts/control-plane/build (from the repository root) to build it", bin.display());
+    bin
+}
+
+struct EtcdMember {
+    name: String,
+    client: u16,
+    peer: u16,
+    child: Option<Child>,
+}
+
+/// Three etcd processes forming one cluster, each in its own data folder
+/// under a temporary folder; stopped by PID when dropped.
+pub struct EtcdCluster {
+    members: Vec<EtcdMember>,
+    dir: tempfile::TempDir,
+}
+
+impl EtcdCluster {
+    /// Start a three-member cluster and wait until every member answers
+    /// `/health` with a leader. Panics with the members' logs if it cannot.
+    pub fn start() -> EtcdCluster {
+        let bin = etcd_binary();
+        for attempt in 1..=PORT_ATTEMPTS {
+            let ports = free_ports(6);
+            let mut cluster = EtcdCluster {
+                members: (0..3)
+                    .map(|i| EtcdMember { name: format!("etcd{i}"), client: ports[2 * i], peer: ports[2 * i + 1], child: None })
+                    .collect(),
+                dir: tempfile::Builder::new().prefix("kvplane-etcd-").tempdir().expect("creating a temporary folder"),
+            };
+            match cluster.spawn_all(&bin) {
+                Ok(()) => return cluster,
+                Err(why) if why.to_ascii_lowercase().contains("address already in use") && attempt < PORT_ATTEMPTS => {
+                    eprintln!("etcd: a port was taken before etcd bound it; trying other ports");
+                }
+                Err(why) => panic!("the etcd cluster did not start: {why}"),
+            }
+        }
+        unreachable!("the last attempt returns or panics")
+    }
+
+    fn spawn_all(&mut self, bin: &PathBuf) -> Result<(), String> {
+        let initial = self.members.iter().map(|m| format!("{}=http://127.0.0.1:{}", m.name, m.peer)).collect::<Vec<_>>().join(",");
+        let token = format!("kvplane-test-{}", self.dir.path().file_name().unwrap().to_string_lossy());
+        for i in 0..self.members.len() {
+            let m = &self.members[i];
+            let data = self.dir.path().join(&m.name);
+            let log = fs::File::create(self.dir.path().join(format!("{}.log", m.name))).expect("creating an etcd log file");
+            let mut cmd = Command::new(bin);
+            cmd.arg(format!("--name={}", m.name))
+                .arg(format!("--data-dir={}", data.display()))
+                .arg(format!("--listen-client-urls=http://127.0.0.1:{}", m.client))
+                .arg(format!("--advertise-client-urls=http://127.0.0.1:{}", m.client))
+                .arg(format!("--listen-peer-urls=http://127.0.0.1:{}", m.peer))
+                .arg(format!("--initial-advertise-peer-urls=http://127.0.0.1:{}", m.peer))
+                .arg(format!("--initial-cluster={initial}"))
+                .arg(format!("--initial-cluster-token={token}"))
+                .args(["--initial-cluster-state=new", "--unsafe-no-fsync", "--log-level=warn"])
+                .stdin(Stdio::null())
+                .stdout(log.try_clone().expect("an etcd log file"))
+                .stderr(log);
+            dies_with_parent(&mut cmd);
+            let child = cmd.spawn().map_err(|e| format!("starting {}: {e}", bin.display()))?;
+            self.members[i].child = Some(child);
+        }
+        let started = Instant::now();
+        loop {
+            for i in 0..self.members.len() {
+                let status = self.members[i].child.as_mut().and_then(|c| c.try_wait().ok().flatten());
+                if let Some(status) = status {
+                    return Err(format!("{} exited ({status}); logs:\n{}", self.members[i].name, self.logs()));
+                }
+            }
+            if self.members.iter().all(|m| healthy(m.client)) {
+                return Ok(());
+            }
+            if started.elapsed() > START_TIMEOUT {
+                return Err(format!("not healthy within {START_TIMEOUT:?}; logs:\n{}", self.logs()));
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// `127.0.0.1:PORT` of each member's client port.
+    pub fn endpoints(&self) -> Vec<String> {
+        self.members.iter().map(|m| format!("127.0.0.1:{}", m.client)).collect()
+    }
+
+    pub fn client_addr(&self, i: usize) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], self.members[i].client))
+    }
+
+    /// Kill member `i` (SIGKILL, by its PID) and reap it.
+    pub fn kill(&mut self, i: usize) {
+        if let Some(mut child) = self.members[i].child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Every member's log, for a failure message.
+    pub fn logs(&self) -> String {
+        let mut out = String::new();
+        for m in &self.members {
+            let path = self.dir.path().join(format!("{}.log", m.name));
+            let text = fs::read_to_string(&path).unwrap_or_else(|e| format!("(cannot read {}: {e})", path.display()));
+            let lines: Vec<&str> = text.lines().collect();
+            out.push_str(&format!("--- {} (last 30 lines)\n{}\n", m.name, lines[lines.len().saturating_sub(30)..].join("\n")));
+        }
+        out
+    }
+}
+
+impl Drop for EtcdCluster {
+    fn drop(&mut self) {
+        for i in 0..self.members.len() {
+            self.kill(i);
+        }
+    }
+}
+
+/// Whether the member on `port` answers `GET /health` with `"health":"true"`
+/// (it is up and its cluster has a leader).
+fn healthy(port: u16) -> bool {
+    let Ok(mut stream) = TcpStream::connect_timeout(&SocketAddr::from(([127, 0, 0, 1], port)), Duration::from_millis(500)) else {
+        return false;
+    };
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
+    if stream.write_all(b"GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").is_err() {
+        return false;
+    }
+    let mut answer = String::new();
+    let _ = stream.read_to_string(&mut answer);
+    answer.contains("\"health\":\"true\"")
+}
+
+/// `n` distinct free loopback ports (held together while choosing). Another
+/// process may take one before etcd binds it: [`EtcdCluster::start`] then
+/// starts again on fresh ports.
+fn free_ports(n: usize) -> Vec<u16> {
+    let listeners: Vec<TcpListener> = (0..n).map(|_| TcpListener::bind("127.0.0.1:0").expect("finding a free loopback port")).collect();
+    listeners.iter().map(|l| l.local_addr().expect("a bound port").port()).collect()
+}
+
+/// Make the kernel kill the child (SIGKILL) when the spawning thread — the
+/// test's, which starts the cluster — exits without stopping it, so a test
+/// that panics or is killed leaves no etcd behind.
+fn dies_with_parent(cmd: &mut Command) {
+    let parent = std::process::id();
+    // SAFETY: the closure runs between fork and exec, where only
+    // async-signal-safe calls are allowed; prctl, getppid and _exit are.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if libc::getppid() as u32 != parent {
+                libc::_exit(1);
+            }
+            Ok(())
+        });
+    }
+}
+
+/// A TCP proxy to one upstream that a test can cut, as a network partition
+/// would: open connections are closed, and new ones are accepted but never
+/// answered (a peer that is silent rather than refusing).
+pub struct Proxy {
+    addr: SocketAddr,
+    cut: tokio::sync::watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Proxy {
+    pub async fn start(upstream: SocketAddr) -> Proxy {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("binding the proxy");
+        let addr = listener.local_addr().expect("the proxy's address");
+        let (cut, cut_rx) = tokio::sync::watch::channel(false);
+        let task = tokio::spawn(async move {
+            let silent = Arc::new(Mutex::new(Vec::new()));
+            loop {
+                let Ok((mut client, _)) = listener.accept().await else { continue };
+                if *cut_rx.borrow() {
+                    silent.lock().unwrap().push(client);
+                    continue;
+                }
+                let mut cut_rx = cut_rx.clone();
+                tokio::spawn(async move {
+                    let Ok(mut server) = tokio::net::TcpStream::connect(upstream).await else { return };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+                        _ = cut_rx.wait_for(|cut| *cut) => {}
+                    }
+                });
+            }
+        });
+        Proxy { addr, cut, task }
+    }
+
+    /// `127.0.0.1:PORT` to connect to instead of the upstream.
+    pub fn endpoint(&self) -> String {
+        self.addr.to_string()
+    }
+
+    /// Partition everyone behind the proxy from the upstream.
+    pub fn cut(&self) {
+        self.cut.send_replace(true);
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Poll `check` until it gives a value, failing after `timeout` with `what`.
+pub async fn eventually<T>(what: &str, timeout: Duration, mut check: impl FnMut() -> Option<T>) -> T {
+    let started = tokio::time::Instant::now();
+    loop {
+        if let Some(value) = check() {
+            return value;
+        }
+        assert!(started.elapsed() < timeout, "{what}: not within {timeout:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
