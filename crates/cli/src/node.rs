@@ -78,6 +78,7 @@ pub async fn run(args: NodeArgs) -> anyhow::Result<ExitCode> {
     // Declared plugins, each with one configured instance, kept while the
     // node serves.
     let mut plugins = Vec::new();
+    let mut tier = None;
     if let Some(path) = &args.config {
         let file = kvplane_node::server::config::read(path)?;
         let runtime = kvplane_runtime::PluginRuntime::with_default_cache()?;
@@ -85,8 +86,23 @@ pub async fn run(args: NodeArgs) -> anyhow::Result<ExitCode> {
         for p in &verified {
             eprintln!("plugin {} ({}) started: {} sha256 {}", p.name, p.world, p.origin, p.sha256);
         }
+        tier = kvplane_node::server::config::tier_setup(&file, &verified);
+        match &tier {
+            Some(t) => eprintln!(
+                "backend {}: second tier through plugin {} (ingest {:?}, at most {} in flight, {} at the bound, deadline {} ms)",
+                file.backend.name(),
+                t.name,
+                t.settings.mode,
+                t.settings.max_in_flight,
+                match t.settings.at_bound {
+                    kvplane_config::AtBound::Block => "wait",
+                    kvplane_config::AtBound::Skip => "skip",
+                },
+                t.settings.deadline_ms
+            ),
+            None => eprintln!("backend {}: no backend plugin declared; the memory tier serves alone", file.backend.name()),
+        }
         plugins = verified;
-        eprintln!("backend {} (second tier not yet served by this node build; the memory tier serves alone)", file.backend.name());
         runtime.metrics().register(&mut registry);
         file_memory = file
             .memory
@@ -107,6 +123,7 @@ pub async fn run(args: NodeArgs) -> anyhow::Result<ExitCode> {
     }
     config.cache = CacheConfig { policy: args.eviction, ..CacheConfig::default() };
     config.max_connections = args.max_connections;
+    config.tier = tier;
     config.limits.max_frame_bytes = u32::try_from(args.max_frame).context("--max-frame must be below 4GiB")?;
     if let Some(path) = &args.token_file {
         let token = std::fs::read_to_string(path).with_context(|| format!("reading --token-file {}", path.display()))?;

@@ -13,7 +13,7 @@ pub mod node;
 pub mod plugin;
 pub mod size;
 
-pub use node::{BackendType, MetadataEndpoints, NodeConfigFile};
+pub use node::{AtBound, BackendType, ClusterConfig, IngestMode, InvalidField, MetadataEndpoints, NodeConfigFile, TieringConfig};
 pub use plugin::{DriverRef, FailurePolicy, PluginKind, PluginLimits, PluginSourceSpec, PluginSpec};
 pub use size::{parse_bytes, ByteSize, SizeError};
 

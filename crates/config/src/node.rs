@@ -11,7 +11,7 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::plugin::PluginSpec;
+use crate::plugin::{PluginKind, PluginSpec};
 use crate::size::ByteSize;
 
 /// What serves the blocks.
@@ -67,11 +67,262 @@ pub struct NodeConfigFile {
     /// Plugins the node fetches, verifies by digest and compiles before serving.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub plugins: Vec<PluginSpec>,
+    /// How the memory tier uses the backend plugin (the second tier). Absent:
+    /// the defaults of [`TieringConfig`] whenever a backend plugin is declared.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tiering: Option<TieringConfig>,
+    /// Cluster mode: register in the metadata store's etcd and own the keys
+    /// the placement decides. Absent: a single node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cluster: Option<ClusterConfig>,
 }
 
 impl Default for NodeConfigFile {
     fn default() -> Self {
-        NodeConfigFile { backend: BackendType::Kvplane, backend_endpoints: Vec::new(), metadata: None, memory: None, plugins: Vec::new() }
+        NodeConfigFile {
+            backend: BackendType::Kvplane,
+            backend_endpoints: Vec::new(),
+            metadata: None,
+            memory: None,
+            plugins: Vec::new(),
+            tiering: None,
+            cluster: None,
+        }
+    }
+}
+
+/// Which blocks a PUT copies into the second tier.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "kebab-case")]
+pub enum IngestMode {
+    /// Every PUT, written behind the reply (the second tier holds everything).
+    #[default]
+    All,
+    /// Only blocks the memory tier is about to drop (a victim cache).
+    OnEvict,
+    /// Blocks read from the memory tier at least `hotReads` times.
+    Hot,
+}
+
+/// What a PUT does when the bytes waiting for the second tier reach the bound.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "kebab-case")]
+pub enum AtBound {
+    /// Wait for room: the client's PUT is slowed down to the backend's pace.
+    #[default]
+    Block,
+    /// Do not copy the block to the second tier (counted as skipped).
+    Skip,
+}
+
+fn default_hot_reads() -> u32 {
+    2
+}
+fn default_max_in_flight() -> ByteSize {
+    ByteSize(64 << 20)
+}
+fn default_deadline_ms() -> u64 {
+    2000
+}
+fn default_writers() -> u32 {
+    2
+}
+
+/// The second tier's settings.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TieringConfig {
+    /// Which PUTs are copied into the second tier.
+    #[serde(default)]
+    pub mode: IngestMode,
+    /// `hot` mode: reads from the memory tier before a block is copied.
+    #[serde(default = "default_hot_reads")]
+    pub hot_reads: u32,
+    /// Bytes on their way to the second tier at most (`on-evict`: at most
+    /// an eighth of the memory tier too, since evicted blocks keep their
+    /// memory until written).
+    #[serde(default = "default_max_in_flight")]
+    pub max_in_flight: ByteSize,
+    /// What a PUT does at that bound.
+    #[serde(default)]
+    pub at_bound: AtBound,
+    /// Time one request may spend on the second tier, retries included.
+    #[serde(default = "default_deadline_ms")]
+    pub deadline_ms: u64,
+    /// Concurrent batches written to the second tier.
+    #[serde(default = "default_writers")]
+    pub writers: u32,
+    /// The backend plugin to use (by name); default: the one declared.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backend: Option<String>,
+    /// The retry-policy plugin (by name); default: the one declared, else
+    /// the node's own (retry unavailable/timeout/busy twice with backoff).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry: Option<String>,
+}
+
+impl Default for TieringConfig {
+    fn default() -> Self {
+        TieringConfig {
+            mode: IngestMode::All,
+            hot_reads: default_hot_reads(),
+            max_in_flight: default_max_in_flight(),
+            at_bound: AtBound::Block,
+            deadline_ms: default_deadline_ms(),
+            writers: default_writers(),
+            backend: None,
+            retry: None,
+        }
+    }
+}
+
+fn default_cluster_name() -> String {
+    "kvplane".into()
+}
+fn default_replicas() -> u32 {
+    2
+}
+fn default_lease_ttl_seconds() -> u64 {
+    10
+}
+fn default_weight() -> u32 {
+    100
+}
+
+/// Cluster mode.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ClusterConfig {
+    /// Nodes with the same name (and etcd) form one cluster.
+    #[serde(default = "default_cluster_name")]
+    pub name: String,
+    /// This node's id; default: the `POD_NAME` environment variable, else the host name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_id: Option<String>,
+    /// `host:port` clients reach this node at; default: the listen address
+    /// (with `POD_IP` for an unspecified host).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub advertise: Option<String>,
+    /// Failure domain, for placements that spread replicas.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub zone: Option<String>,
+    /// Relative share of keys.
+    #[serde(default = "default_weight")]
+    pub weight: u32,
+    /// Owners per key.
+    #[serde(default = "default_replicas")]
+    pub replicas: u32,
+    /// Owners that must store a PUT before the client is answered; default: `replicas`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub write_quorum: Option<u32>,
+    /// A node whose lease is not renewed for this long leaves the cluster.
+    #[serde(default = "default_lease_ttl_seconds")]
+    pub lease_ttl_seconds: u64,
+    /// The key-placement plugin (by name); default: the one declared, else
+    /// the native ring.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub placement: Option<String>,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        ClusterConfig {
+            name: default_cluster_name(),
+            node_id: None,
+            advertise: None,
+            zone: None,
+            weight: default_weight(),
+            replicas: default_replicas(),
+            write_quorum: None,
+            lease_ttl_seconds: default_lease_ttl_seconds(),
+            placement: None,
+        }
+    }
+}
+
+/// A setting that parses but cannot work, named by its path in the file.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {message}")]
+pub struct InvalidField {
+    pub field: String,
+    pub message: String,
+}
+
+fn invalid(field: &str, message: impl Into<String>) -> InvalidField {
+    InvalidField { field: field.into(), message: message.into() }
+}
+
+impl NodeConfigFile {
+    /// Checks what the types cannot: references between fields, ranges.
+    pub fn validate(&self) -> Result<(), InvalidField> {
+        let declared = |kind: PluginKind| self.plugins.iter().filter(move |p| p.kind == kind);
+        let named = |field: &str, name: &Option<String>, kind: PluginKind| -> Result<(), InvalidField> {
+            match name {
+                Some(n) if !declared(kind).any(|p| &p.name == n) => {
+                    let have: Vec<&str> = declared(kind).map(|p| p.name.as_str()).collect();
+                    Err(invalid(field, format!("no plugin of kind {} named {n:?} is declared (declared: {have:?})", kind.name())))
+                }
+                None if declared(kind).count() > 1 => Err(invalid(
+                    field,
+                    format!("{} plugins of kind {} are declared; name the one to use", declared(kind).count(), kind.name()),
+                )),
+                _ => Ok(()),
+            }
+        };
+        if let Some(t) = &self.tiering {
+            if declared(PluginKind::Backend).next().is_none() {
+                return Err(invalid("tiering", "no backend plugin (kind: backend) is declared to serve the second tier"));
+            }
+            named("tiering.backend", &t.backend, PluginKind::Backend)?;
+            named("tiering.retry", &t.retry, PluginKind::Retry)?;
+            if t.hot_reads == 0 {
+                return Err(invalid("tiering.hotReads", "must be at least 1"));
+            }
+            if t.max_in_flight.bytes() == 0 {
+                return Err(invalid("tiering.maxInFlight", "must be above 0"));
+            }
+            if t.deadline_ms == 0 {
+                return Err(invalid("tiering.deadlineMs", "must be above 0"));
+            }
+            if t.writers == 0 || t.writers > 64 {
+                return Err(invalid("tiering.writers", format!("{} is outside 1..=64", t.writers)));
+            }
+        } else {
+            named("plugins", &None, PluginKind::Backend)?;
+        }
+        if let Some(c) = &self.cluster {
+            if !matches!(&self.metadata, Some(MetadataEndpoints::Etcd(e)) if !e.is_empty()) {
+                return Err(invalid("metadata", "cluster mode needs etcd endpoints (metadata: {etcd: [...]})"));
+            }
+            if c.name.is_empty() || c.name.contains('/') {
+                return Err(invalid("cluster.name", format!("{:?} must be non-empty and contain no '/'", c.name)));
+            }
+            if c.replicas == 0 {
+                return Err(invalid("cluster.replicas", "must be at least 1"));
+            }
+            if let Some(w) = c.write_quorum {
+                if w == 0 || w > c.replicas {
+                    return Err(invalid("cluster.writeQuorum", format!("{w} is outside 1..={} (cluster.replicas)", c.replicas)));
+                }
+            }
+            if c.lease_ttl_seconds == 0 {
+                return Err(invalid("cluster.leaseTtlSeconds", "must be at least 1"));
+            }
+            if c.weight == 0 {
+                return Err(invalid("cluster.weight", "must be above 0"));
+            }
+            named("cluster.placement", &c.placement, PluginKind::KeyPlacement)?;
+        }
+        Ok(())
+    }
+
+    /// The tiering settings in effect: the file's, or the defaults when a
+    /// backend plugin is declared without them; `None` without a backend.
+    pub fn tiering_in_effect(&self) -> Option<TieringConfig> {
+        match &self.tiering {
+            Some(t) => Some(t.clone()),
+            None => self.plugins.iter().any(|p| p.kind == PluginKind::Backend).then(TieringConfig::default),
+        }
     }
 }
 
@@ -98,6 +349,8 @@ mod tests {
                 allowed_endpoints: vec![],
                 drivers: vec![],
             }],
+            tiering: Some(TieringConfig { mode: IngestMode::OnEvict, ..TieringConfig::default() }),
+            cluster: None,
         };
         let text = serde_json::to_string_pretty(&file).unwrap();
         assert!(text.contains("\"memory\": \"4Gi\""), "{text}");
@@ -115,5 +368,54 @@ mod tests {
         assert!(e.contains("plugins.0.limits.memroy"), "{e}");
         let e = crate::from_json_strict::<NodeConfigFile>(r#"{"backend":"kvplane","memory":"1GB"}"#).unwrap_err().to_string();
         assert!(e.contains("ambiguous"), "{e}");
+        let e = crate::from_json_strict::<NodeConfigFile>(r#"{"backend":"redis","tiering":{"mode":"sometimes"}}"#).unwrap_err().to_string();
+        assert!(e.contains("sometimes") && e.contains("on-evict"), "{e}");
+    }
+
+    fn backend(name: &str) -> PluginSpec {
+        PluginSpec {
+            name: name.into(),
+            kind: PluginKind::Backend,
+            source: PluginSourceSpec::builtin("resp"),
+            sha256: None,
+            config: Default::default(),
+            limits: None,
+            failure_policy: Default::default(),
+            allowed_endpoints: vec![],
+            drivers: vec![],
+        }
+    }
+
+    fn invalid_field(text: &str) -> String {
+        let file = crate::from_json_strict::<NodeConfigFile>(text).unwrap();
+        file.validate().unwrap_err().to_string()
+    }
+
+    #[test]
+    fn settings_that_cannot_work_are_named_by_field() {
+        let e = invalid_field(r#"{"backend":"redis","tiering":{}}"#);
+        assert!(e.starts_with("tiering: no backend plugin"), "{e}");
+        let plugins = r#""plugins":[{"name":"a","kind":"backend","source":{"builtin":"resp"}},{"name":"b","kind":"backend","source":{"builtin":"resp"}}]"#;
+        let e = invalid_field(&format!(r#"{{"backend":"redis",{plugins}}}"#));
+        assert!(e.starts_with("plugins: 2 plugins of kind backend"), "{e}");
+        let e = invalid_field(&format!(r#"{{"backend":"redis",{plugins},"tiering":{{"backend":"c"}}}}"#));
+        assert!(e.starts_with("tiering.backend: no plugin of kind backend named \"c\""), "{e}");
+        let e = invalid_field(&format!(r#"{{"backend":"redis",{plugins},"tiering":{{"backend":"a","hotReads":0}}}}"#));
+        assert!(e.starts_with("tiering.hotReads"), "{e}");
+        let e = invalid_field(r#"{"backend":"kvplane","cluster":{}}"#);
+        assert!(e.starts_with("metadata: cluster mode needs etcd"), "{e}");
+        let e = invalid_field(
+            r#"{"backend":"kvplane","metadata":{"etcd":["http://127.0.0.1:2379"]},"cluster":{"replicas":2,"writeQuorum":3}}"#,
+        );
+        assert!(e.starts_with("cluster.writeQuorum: 3 is outside 1..=2"), "{e}");
+    }
+
+    #[test]
+    fn a_declared_backend_turns_tiering_on_with_defaults() {
+        let mut file = NodeConfigFile::default();
+        assert_eq!(file.tiering_in_effect(), None);
+        file.plugins.push(backend("resp"));
+        file.validate().unwrap();
+        assert_eq!(file.tiering_in_effect(), Some(TieringConfig::default()));
     }
 }

@@ -24,6 +24,18 @@ pub enum PluginKind {
     PlacementRule,
 }
 
+impl PluginKind {
+    /// The name a declaration spells (`kind: keyPlacement`).
+    pub fn name(self) -> &'static str {
+        match self {
+            PluginKind::Backend => "backend",
+            PluginKind::KeyPlacement => "keyPlacement",
+            PluginKind::Retry => "retry",
+            PluginKind::PlacementRule => "placementRule",
+        }
+    }
+}
+
 /// Whether a failing plugin's error reaches the caller.
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "camelCase")]

@@ -1,7 +1,8 @@
 //! The kvplane cache node: the memory tier ([`memory`], a slab pool of
 //! preallocated blocks), the block cache over it ([`cache`], sharded index,
 //! S3-FIFO or LRU eviction, pin leases) and the server that speaks the wire
-//! protocol to clients ([`server`]).
+//! protocol to clients ([`server`]), and the second tier behind the memory
+//! tier ([`tier`], a backend plugin).
 //!
 //! Data flows one way: a request enters [`server`], which asks [`cache`],
 //! which takes blocks from [`memory`]. Unsafe code is denied everywhere but
@@ -13,5 +14,6 @@ pub mod cache;
 #[allow(unsafe_code)] // The pool maps and hands out raw memory; see the module docs.
 pub mod memory;
 pub mod server;
+pub mod tier;
 
 pub use server::{Node, NodeConfig};

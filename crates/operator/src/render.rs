@@ -174,6 +174,8 @@ pub fn node_config(r: &Resolved, etcd_endpoints: &[String]) -> NodeConfigFile {
         }),
         memory: node_memory(r),
         plugins: r.plugins.clone(),
+        tiering: None,
+        cluster: None,
     }
 }
 

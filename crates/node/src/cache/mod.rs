@@ -78,6 +78,29 @@ pub struct CachedBlock {
     pub block: Block,
     /// CRC32C of the block, as given to [`BlockCache::insert`].
     pub crc: u32,
+    /// GET hits on this block since it was stored, this one included.
+    pub reads: u32,
+}
+
+/// An entry evicted to make room, handed to the caller of
+/// [`BlockCache::allocate_or_evict`] (the second tier may keep it).
+#[derive(Debug)]
+pub struct Evicted {
+    pub key: Bytes,
+    pub block: Block,
+    pub crc: u32,
+    /// GET hits while it was cached (as [`CachedBlock::reads`]).
+    pub reads: u32,
+}
+
+/// One step of making room for a block.
+#[derive(Debug)]
+pub enum Allocation {
+    /// The pool had room.
+    Block(BlockMut),
+    /// The pool was full and this entry was evicted; its memory returns to
+    /// the pool when the last holder drops it. Ask again.
+    Evicted(Evicted),
 }
 
 /// A shard's lock on its own cache lines, so two busy shards do not slow
@@ -141,20 +164,34 @@ impl BlockCache {
     pub fn allocate(&self, len: usize) -> Result<BlockMut, kvplane_protocol::KvError> {
         let mut evicted = 0u64;
         loop {
-            match self.pool.try_allocate(len) {
-                Ok(block) => return Ok(block),
-                Err(err @ MemoryError::Capacity { .. }) => {
-                    if !self.evict_one() {
-                        self.pool.record_refusal();
-                        return Err(kvplane_protocol::KvError::Capacity(format!(
-                            "no room for a block of {len} bytes: nothing left to evict (every cached block is \
-                             pinned by a prefix lease or being read; {evicted} evicted for this request): {err}"
-                        )));
-                    }
-                    evicted += 1;
-                }
-                Err(err) => return Err(err.into()),
+            match self.allocate_or_evict(len, evicted)? {
+                Allocation::Block(block) => return Ok(block),
+                // Dropped here: nobody else holds it (eviction skips blocks
+                // being read), so its memory is back in the pool.
+                Allocation::Evicted(victim) => drop(victim),
             }
+            evicted += 1;
+        }
+    }
+
+    /// One step of [`BlockCache::allocate`]: a block when the pool has room,
+    /// else one evicted entry for the caller to dispose of (the second tier
+    /// writes it out before dropping it). `evicted_so_far` only goes into the
+    /// capacity error's message.
+    pub fn allocate_or_evict(&self, len: usize, evicted_so_far: u64) -> Result<Allocation, kvplane_protocol::KvError> {
+        match self.pool.try_allocate(len) {
+            Ok(block) => Ok(Allocation::Block(block)),
+            Err(err @ MemoryError::Capacity { .. }) => match self.evict_one() {
+                Some(victim) => Ok(Allocation::Evicted(victim)),
+                None => {
+                    self.pool.record_refusal();
+                    Err(kvplane_protocol::KvError::Capacity(format!(
+                        "no room for a block of {len} bytes: nothing left to evict (every cached block is \
+                         pinned by a prefix lease or being read; {evicted_so_far} evicted for this request): {err}"
+                    )))
+                }
+            },
+            Err(err) => Err(err.into()),
         }
     }
 
@@ -166,6 +203,15 @@ impl BlockCache {
         let released = self.shard(hash).insert(hash, key, block, crc);
         // Dropped here, outside the shard lock: the last drop takes the
         // pool's lock.
+        drop(released);
+    }
+
+    /// As [`BlockCache::insert`], for a block read from the second tier:
+    /// its `reads` stay at `u32::MAX`, so the tiering modes that copy read
+    /// or evicted blocks into the second tier know it is there already.
+    pub fn insert_from_lower_tier(&self, key: Bytes, block: Block, crc: u32) {
+        let hash = self.hash(&key);
+        let released = self.shard(hash).insert_with_reads(hash, key, block, crc, u32::MAX);
         drop(released);
     }
 
@@ -225,20 +271,20 @@ impl BlockCache {
     }
 
     /// Evicts one entry from the first shard, round-robin, that has an
-    /// evictable one. False when no shard has any.
-    fn evict_one(&self) -> bool {
+    /// evictable one. `None` when no shard has any.
+    fn evict_one(&self) -> Option<Evicted> {
         let n = self.shards.len();
         let start = self.cursor.fetch_add(1, Ordering::Relaxed) % n;
         let now = self.clock.now();
         for i in 0..n {
+            // The guard is gone once the victim is returned: its last drop
+            // takes the pool's lock.
             let victim = lock(&self.shards[(start + i) % n]).evict(now);
-            // The guard is gone by now: the last drop takes the pool's lock.
-            if let Some(block) = victim {
-                drop(block);
-                return true;
+            if victim.is_some() {
+                return victim;
             }
         }
-        false
+        None
     }
 
     fn hash(&self, key: &[u8]) -> u64 {

@@ -14,7 +14,7 @@ use hashbrown::HashTable;
 use super::list::NIL;
 use super::policy::{EvictionPolicy, Policy};
 use super::stats::{CacheStats, Counters};
-use super::CachedBlock;
+use super::{CachedBlock, Evicted};
 use crate::memory::Block;
 
 /// A cached block and what the cache knows about it.
@@ -33,6 +33,9 @@ pub(super) struct Entry {
     pub(super) freq: u8,
     /// S3-FIFO: on the main queue rather than the small one.
     pub(super) in_main: bool,
+    /// GET hits since the block was stored (saturating), for the second
+    /// tier's `hot` ingest mode.
+    pub(super) reads: u32,
 }
 
 /// A slot of the array: list links plus the entry, if occupied.
@@ -94,8 +97,9 @@ impl Shard {
             self.counters.misses += 1;
             return None;
         };
-        let entry = self.nodes[idx as usize].entry.as_ref()?;
-        let found = CachedBlock { block: entry.block.clone(), crc: entry.crc };
+        let entry = self.nodes[idx as usize].entry.as_mut()?;
+        entry.reads = entry.reads.saturating_add(1);
+        let found = CachedBlock { block: entry.block.clone(), crc: entry.crc, reads: entry.reads };
         self.policy.touch(&mut self.nodes, idx);
         self.counters.hits += 1;
         Some(found)
@@ -108,6 +112,11 @@ impl Shard {
     /// Stores or replaces; returns the block the caller must drop once the
     /// shard is unlocked (the replaced one, or the new one if it was refused).
     pub(super) fn insert(&mut self, hash: u64, key: Bytes, block: Block, crc: u32) -> Option<Block> {
+        self.insert_with_reads(hash, key, block, crc, 0)
+    }
+
+    /// As `insert`, starting the entry's read count at `reads`.
+    pub(super) fn insert_with_reads(&mut self, hash: u64, key: Bytes, block: Block, crc: u32, reads: u32) -> Option<Block> {
         self.counters.inserts += 1;
         if let Some(idx) = self.find(hash, &key) {
             // Unlink first: the queues charge an entry's size when it is
@@ -118,6 +127,7 @@ impl Shard {
             };
             self.bytes = self.bytes - entry.block.len() as u64 + block.len() as u64;
             entry.crc = crc;
+            entry.reads = reads;
             let old = std::mem::replace(&mut entry.block, block);
             self.policy.relink(&mut self.nodes, idx);
             return Some(old);
@@ -134,7 +144,7 @@ impl Shard {
             }
         };
         self.bytes += block.len() as u64;
-        self.nodes[idx as usize].entry = Some(Entry { key, hash, block, crc, pin_until: None, freq: 0, in_main: false });
+        self.nodes[idx as usize].entry = Some(Entry { key, hash, block, crc, pin_until: None, freq: 0, in_main: false, reads });
         let nodes = &self.nodes;
         self.table.insert_unique(hash, idx, |&i| nodes[i as usize].entry.as_ref().map_or(0, |e| e.hash));
         self.policy.insert(&mut self.nodes, idx);
@@ -145,22 +155,22 @@ impl Shard {
     pub(super) fn remove(&mut self, hash: u64, key: &[u8]) -> Option<Block> {
         let idx = self.find(hash, key)?;
         self.policy.unlink(&mut self.nodes, idx);
-        let block = self.free_slot(idx)?;
+        let entry = self.free_slot(idx)?;
         self.counters.removals += 1;
-        Some(block)
+        Some(entry.block)
     }
 
     /// Evicts one entry that is neither pinned at `now` nor being read. A
     /// reader's clone would keep the memory allocated anyway, so evicting it
     /// would lose the entry without relieving the pool.
-    pub(super) fn evict(&mut self, now: Instant) -> Option<Block> {
+    pub(super) fn evict(&mut self, now: Instant) -> Option<Evicted> {
         if self.table.is_empty() {
             return None;
         }
         let idx = self.policy.victim(&mut self.nodes, |e| e.pin_until.is_none_or(|until| until <= now) && e.block.ref_count() <= 1)?;
-        let block = self.free_slot(idx)?;
+        let entry = self.free_slot(idx)?;
         self.counters.evictions += 1;
-        Some(block)
+        Some(Evicted { key: entry.key, block: entry.block, crc: entry.crc, reads: entry.reads })
     }
 
     /// Whether `key` is present; if so and `until` is later than both `now`
@@ -211,7 +221,7 @@ impl Shard {
 
     /// Takes the entry out of the table and frees its slot; the entry must
     /// already be off the policy's queues.
-    fn free_slot(&mut self, idx: u32) -> Option<Block> {
+    fn free_slot(&mut self, idx: u32) -> Option<Entry> {
         let node = &mut self.nodes[idx as usize];
         let entry = node.entry.take()?;
         node.generation = node.generation.wrapping_add(1);
@@ -225,7 +235,7 @@ impl Shard {
         if entry.pin_until.is_some() {
             self.pinned -= 1;
         }
-        Some(entry.block)
+        Some(entry)
     }
 
     pub(super) fn add_stats(&mut self, now: Instant, stats: &mut CacheStats) {

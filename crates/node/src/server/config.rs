@@ -9,9 +9,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::Context as _;
-use kvplane_config::NodeConfigFile;
+use kvplane_config::{NodeConfigFile, PluginKind};
 use kvplane_runtime::source::{self, Fetched, SourceError, SourceFailure};
 use kvplane_runtime::{PluginRuntime, World};
+
+use crate::tier::TierSetup;
 
 /// A plugin that passed verification and started.
 pub struct VerifiedPlugin {
@@ -30,19 +32,47 @@ pub fn plugin_dir(config: &Path) -> PathBuf {
     config.parent().unwrap_or(Path::new(".")).join("plugins")
 }
 
-/// Reads and parses a configuration file; an unknown field is an error
-/// naming the file and the field.
+/// Reads, parses and validates a configuration file; an unknown field or a
+/// setting that cannot work is an error naming the file and the field.
+///
+/// A backend plugin whose config names no `endpoint` gets the first of
+/// `backendEndpoints` (the store the KVCache declares), so a declaration
+/// need not repeat it.
 pub fn read(path: &Path) -> anyhow::Result<NodeConfigFile> {
     let text = std::fs::read_to_string(path).with_context(|| format!("reading the node config {}", path.display()))?;
-    kvplane_config::from_json_strict(&text).with_context(|| format!("{}: not a node configuration", path.display()))
+    let mut file: NodeConfigFile =
+        kvplane_config::from_json_strict(&text).with_context(|| format!("{}: not a node configuration", path.display()))?;
+    file.validate().with_context(|| format!("{}: invalid node configuration", path.display()))?;
+    if let Some(endpoint) = file.backend_endpoints.first().cloned() {
+        for p in file.plugins.iter_mut().filter(|p| p.kind == PluginKind::Backend) {
+            p.config.entry("endpoint".into()).or_insert(endpoint.clone());
+        }
+    }
+    Ok(file)
 }
 
-/// A plugin loaded for this node, one instance already configured.
+/// The second tier the file asks for, from the plugins it declared (already
+/// verified and started). `None` when no backend plugin is declared.
+pub fn tier_setup(file: &NodeConfigFile, plugins: &[VerifiedPlugin]) -> Option<TierSetup> {
+    let settings = file.tiering_in_effect()?;
+    let pick =
+        |world: World, name: &Option<String>| plugins.iter().find(|p| p.world == world && name.as_ref().is_none_or(|n| &p.name == n));
+    let backend = pick(World::Backend, &settings.backend)?;
+    let LoadedPlugin::Backend(b) = &backend.loaded else { return None };
+    let retry = match pick(World::RetryPolicy, &settings.retry).map(|p| &p.loaded) {
+        Some(LoadedPlugin::RetryPolicy(r)) => Some(Arc::clone(r)),
+        _ => None,
+    };
+    Some(TierSetup { name: backend.name.clone(), backend: Arc::clone(b), retry, settings })
+}
+
+/// A plugin loaded for this node, one instance already configured. Shared:
+/// the second tier and the cluster hold the ones they call.
 pub enum LoadedPlugin {
-    Backend(kvplane_runtime::Backend),
-    KeyPlacement(kvplane_runtime::KeyPlacement),
-    RetryPolicy(kvplane_runtime::RetryPolicy),
-    PlacementRule(kvplane_runtime::PlacementRule),
+    Backend(Arc<kvplane_runtime::Backend>),
+    KeyPlacement(Arc<kvplane_runtime::KeyPlacement>),
+    RetryPolicy(Arc<kvplane_runtime::RetryPolicy>),
+    PlacementRule(Arc<kvplane_runtime::PlacementRule>),
 }
 
 impl LoadedPlugin {
@@ -81,10 +111,10 @@ pub async fn verify_plugins(file: &NodeConfigFile, config_path: &Path, runtime: 
         let d = source::decl(p, fetched)?;
         let world = d.world;
         let loaded = match world {
-            World::Backend => runtime.load_backend(d).map(LoadedPlugin::Backend),
-            World::KeyPlacement => runtime.load_key_placement(d).map(LoadedPlugin::KeyPlacement),
-            World::RetryPolicy => runtime.load_retry_policy(d).map(LoadedPlugin::RetryPolicy),
-            World::PlacementRule => runtime.load_placement_rule(d).map(LoadedPlugin::PlacementRule),
+            World::Backend => runtime.load_backend(d).map(|p| LoadedPlugin::Backend(Arc::new(p))),
+            World::KeyPlacement => runtime.load_key_placement(d).map(|p| LoadedPlugin::KeyPlacement(Arc::new(p))),
+            World::RetryPolicy => runtime.load_retry_policy(d).map(|p| LoadedPlugin::RetryPolicy(Arc::new(p))),
+            World::PlacementRule => runtime.load_placement_rule(d).map(|p| LoadedPlugin::PlacementRule(Arc::new(p))),
         };
         let loaded = loaded.with_context(|| format!("plugin {}", p.name))?;
         // One instance now, with its `open` / `configure`: a config the

@@ -85,8 +85,10 @@ fn admit<R, W>(
     shutdown: &Shutdown,
     peer: String,
 ) where
-    R: AsyncRead + Unpin + Send + 'static,
-    W: AsyncWrite + Unpin + Send + 'static,
+    // Sync: a request answered across an await (the second tier) holds
+    // the connection by reference.
+    R: AsyncRead + Unpin + Send + Sync + 'static,
+    W: AsyncWrite + Unpin + Send + Sync + 'static,
 {
     let state = Arc::clone(state);
     match Arc::clone(slots).try_acquire_owned() {
@@ -255,7 +257,7 @@ where
                 self.state.metrics.record(Op::Put, n, started.elapsed());
                 Response::Put { results }
             }
-            Meta::Complete(Message::Request(request)) => self.answer(request, started),
+            Meta::Complete(Message::Request(request)) => self.answer(request, started).await,
             Meta::Complete(Message::Response(_)) | Meta::Get(_) => {
                 // Skip whatever payload the answer frame carries, so the
                 // next frame is read from where the client put it.
@@ -274,7 +276,11 @@ where
     async fn put(&mut self, slots: Vec<PayloadSlot>) -> Result<Vec<Result<(), ErrorCode>>, ConnectionEnd> {
         let mut results = Vec::with_capacity(slots.len());
         for slot in slots {
-            let mut block = match self.state.cache.allocate(slot.len as usize) {
+            let allocated = match &self.state.tier {
+                Some(tier) => tier.allocate(&self.state.cache, slot.len as usize).await,
+                None => self.state.cache.allocate(slot.len as usize),
+            };
+            let mut block = match allocated {
                 Ok(b) => b,
                 Err(e) => {
                     skip(&mut self.reader, slot.len as u64).await?;
@@ -290,34 +296,58 @@ where
             }
             // Keys are copied out of the frame's meta buffer: a stored slice
             // would keep the whole buffer alive as long as any key lives.
-            self.state.cache.insert(Bytes::copy_from_slice(&slot.key), block.freeze(), slot.crc);
+            let key = Bytes::copy_from_slice(&slot.key);
+            let block = block.freeze();
+            if let Some(tier) = &self.state.tier {
+                tier.stored(&key, &block).await;
+            }
+            self.state.cache.insert(key, block, slot.crc);
             results.push(Ok(()));
         }
         Ok(results)
     }
 
-    fn answer(&self, request: Request, started: Instant) -> Response {
+    async fn answer(&self, request: Request, started: Instant) -> Response {
         let cache = &self.state.cache;
         let metrics = &self.state.metrics;
         match request {
             Request::Get { keys } => {
-                let results = keys
-                    .iter()
-                    .map(|k| match cache.get(k) {
-                        Some(hit) => Ok(Block::with_crc(hit.block.into_bytes(), hit.crc)),
-                        None => Err(ErrorCode::NotFound),
-                    })
-                    .collect();
+                let results = self.get(&keys).await;
                 metrics.record(Op::Get, keys.len(), started.elapsed());
                 Response::Get { results }
             }
             Request::Exists { keys } => {
-                let results = keys.iter().map(|k| if cache.contains(k) { Ok(()) } else { Err(ErrorCode::NotFound) }).collect();
+                let mut results: Vec<Result<(), ErrorCode>> =
+                    keys.iter().map(|k| if cache.contains(k) { Ok(()) } else { Err(ErrorCode::NotFound) }).collect();
+                if let Some(tier) = &self.state.tier {
+                    let missing: Vec<usize> = (0..keys.len()).filter(|&i| results[i].is_err()).collect();
+                    if !missing.is_empty() {
+                        let found = tier.exists(missing.iter().map(|&i| keys[i].to_vec()).collect()).await;
+                        for (i, r) in missing.into_iter().zip(found) {
+                            results[i] = match r {
+                                Ok(true) => Ok(()),
+                                Ok(false) => Err(ErrorCode::NotFound),
+                                Err(e) => Err(ErrorCode::from(&e)),
+                            };
+                        }
+                    }
+                }
                 metrics.record(Op::Exists, keys.len(), started.elapsed());
                 Response::Exists { results }
             }
             Request::Delete { keys } => {
-                let results = keys.iter().map(|k| if cache.remove(k) { Ok(()) } else { Err(ErrorCode::NotFound) }).collect();
+                let mut results: Vec<Result<(), ErrorCode>> =
+                    keys.iter().map(|k| if cache.remove(k) { Ok(()) } else { Err(ErrorCode::NotFound) }).collect();
+                if let Some(tier) = &self.state.tier {
+                    let removed = tier.delete(&keys).await;
+                    for (slot, r) in results.iter_mut().zip(removed) {
+                        *slot = match (&*slot, r) {
+                            (_, Err(e)) => Err(ErrorCode::from(&e)),
+                            (Ok(()), _) | (_, Ok(true)) => Ok(()),
+                            (Err(_), Ok(false)) => Err(ErrorCode::NotFound),
+                        };
+                    }
+                }
                 metrics.record(Op::Delete, keys.len(), started.elapsed());
                 Response::Delete { results }
             }
@@ -325,7 +355,17 @@ where
                 let granted =
                     if self.features.contains(Features::PIN_LEASE) { lease_ms.min(self.state.config.limits.max_lease_ms) } else { 0 };
                 let lease = (granted > 0).then(|| Duration::from_millis(granted as u64));
-                let matched = cache.match_prefix(&keys, lease);
+                let mut matched = cache.match_prefix(&keys, lease);
+                if let (Some(tier), true) = (&self.state.tier, matched < keys.len()) {
+                    // The rest of the chain from the second tier, into the
+                    // memory tier, then pinned like the first part. A block
+                    // evicted again before the pin just ends the match there.
+                    let rest: Vec<&[u8]> = keys[matched..].iter().map(|k| k.as_ref()).collect();
+                    let fetched = tier.read_through(cache, &rest).await;
+                    let contiguous = fetched.iter().take_while(|r| matches!(r, Ok(Some(_)))).count();
+                    drop(fetched);
+                    matched += cache.match_prefix(&keys[matched..matched + contiguous], lease);
+                }
                 metrics.record(Op::MatchPrefix, keys.len(), started.elapsed());
                 Response::MatchPrefix { matched: matched as u32, lease_ms: if matched > 0 { granted } else { 0 } }
             }
@@ -336,6 +376,39 @@ where
             Request::Hello(_) => Response::Error { code: ErrorCode::Invalid, message: "HELLO after the handshake".into() },
             Request::Put { .. } => Response::Error { code: ErrorCode::Internal, message: "PUT arrived without payload slots".into() },
         }
+    }
+
+    /// Each key from the memory tier, else from the second tier (read into
+    /// a pool block and kept in the memory tier).
+    async fn get(&self, keys: &[Bytes]) -> Vec<Result<Block, ErrorCode>> {
+        let cache = &self.state.cache;
+        let mut results = Vec::with_capacity(keys.len());
+        let mut missing = Vec::new();
+        for (i, k) in keys.iter().enumerate() {
+            match cache.get(k) {
+                Some(hit) => {
+                    if let Some(tier) = &self.state.tier {
+                        tier.read_hit(k, &hit).await;
+                    }
+                    results.push(Ok(Block::with_crc(hit.block.into_bytes(), hit.crc)));
+                }
+                None => {
+                    missing.push(i);
+                    results.push(Err(ErrorCode::NotFound));
+                }
+            }
+        }
+        if let (Some(tier), false) = (&self.state.tier, missing.is_empty()) {
+            let wanted: Vec<&[u8]> = missing.iter().map(|&i| keys[i].as_ref()).collect();
+            for (i, r) in missing.iter().zip(tier.read_through(cache, &wanted).await) {
+                results[*i] = match r {
+                    Ok(Some(found)) => Ok(Block::with_crc(found.block.into_bytes(), found.crc)),
+                    Ok(None) => Err(ErrorCode::NotFound),
+                    Err(e) => Err(ErrorCode::from(&e)),
+                };
+            }
+        }
+        results
     }
 
     async fn send(&mut self, request_id: u64, response: Response) -> Result<(), ConnectionEnd> {

@@ -24,6 +24,7 @@ use prometheus_client::registry::Registry;
 use super::NodeState;
 use crate::cache::CacheStats;
 use crate::memory::PoolStats;
+use crate::tier::{operation_name, SecondTier, OPERATIONS};
 
 /// Operations timed by the node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,14 +61,14 @@ const BUCKETS: [f64; 14] = [1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3
 
 /// A latency histogram recorded with relaxed atomic adds.
 #[derive(Default)]
-struct LatencyHistogram {
+pub(crate) struct LatencyHistogram {
     buckets: [AtomicU64; BUCKETS.len()],
     count: AtomicU64,
     sum_ns: AtomicU64,
 }
 
 impl LatencyHistogram {
-    fn record(&self, d: Duration) {
+    pub(crate) fn record(&self, d: Duration) {
         let secs = d.as_secs_f64();
         if let Some(i) = BUCKETS.iter().position(|&b| secs <= b) {
             self.buckets[i].fetch_add(1, Ordering::Relaxed);
@@ -78,7 +79,7 @@ impl LatencyHistogram {
 
     /// (sum in seconds, count, per-bucket counts) as the encoder wants them;
     /// observations above the last bound count only toward `+Inf`.
-    fn snapshot(&self) -> (f64, u64, Vec<(f64, u64)>) {
+    pub(crate) fn snapshot(&self) -> (f64, u64, Vec<(f64, u64)>) {
         let buckets: Vec<(f64, u64)> = BUCKETS.iter().zip(&self.buckets).map(|(b, c)| (*b, c.load(Ordering::Relaxed))).collect();
         let count = self.count.load(Ordering::Relaxed);
         let in_buckets: u64 = buckets.iter().map(|(_, c)| c).sum();
@@ -218,16 +219,88 @@ impl Collector for TierCollector {
         gauge(&mut e, "kvplane_memory_capacity_bytes", "Size of the preallocated block pool", pool.capacity_bytes as u64)?;
         gauge(&mut e, "kvplane_memory_used_bytes", "Pool bytes held by live blocks (by size class)", pool.used_bytes as u64)?;
         counter(&mut e, "kvplane_memory_failed_allocations", "Block allocations refused for lack of memory", pool.failed_allocations)?;
-        let mut family = e.encode_descriptor(
-            "kvplane_op_duration_seconds",
-            "Request latency inside the node, by operation",
-            None,
-            MetricType::Histogram,
-        )?;
-        for op in Op::ALL {
-            let (sum, count, buckets) = state.metrics.latency[op as usize].snapshot();
-            family.encode_family(&OpLabel { op: op.name() })?.encode_histogram::<OpLabel>(sum, count, &buckets, None)?;
+        {
+            let mut family = e.encode_descriptor(
+                "kvplane_op_duration_seconds",
+                "Request latency inside the node, by operation",
+                None,
+                MetricType::Histogram,
+            )?;
+            for op in Op::ALL {
+                let (sum, count, buckets) = state.metrics.latency[op as usize].snapshot();
+                family.encode_family(&OpLabel { op: op.name() })?.encode_histogram::<OpLabel>(sum, count, &buckets, None)?;
+            }
+        }
+        if let Some(tier) = &state.tier {
+            encode_second_tier(&mut e, &cache, tier)?;
         }
         Ok(())
     }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TierLabel {
+    tier: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabel {
+    outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ErrorLabel {
+    op: &'static str,
+    error: String,
+}
+
+/// A counter family with one series per `(labels, value)`.
+fn counters<L: EncodeLabelSet + fmt::Debug>(e: &mut DescriptorEncoder, name: &str, help: &str, series: &[(L, u64)]) -> fmt::Result {
+    let mut family = e.encode_descriptor(name, help, None, MetricType::Counter)?;
+    for (labels, value) in series {
+        ConstCounter::new(*value).encode(family.encode_family(labels)?)?;
+    }
+    Ok(())
+}
+
+/// The second tier's series: hits and misses per tier, backend latency,
+/// bytes, errors, retries and what the ingest did.
+fn encode_second_tier(e: &mut DescriptorEncoder, cache: &CacheStats, tier: &SecondTier) -> fmt::Result {
+    let m = tier.metrics();
+    let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
+    let memory = TierLabel { tier: "memory" };
+    let backend = TierLabel { tier: "backend" };
+    counters(e, "kvplane_tier_hits", "GET keys found, by tier", &[(memory.clone(), cache.hits), (backend.clone(), load(&m.hits))])?;
+    counters(e, "kvplane_tier_misses", "GET keys not found, by tier", &[(memory, cache.misses), (backend, load(&m.misses))])?;
+    counter(e, "kvplane_backend_read_bytes", "Bytes read from the second tier into pool blocks", load(&m.read_bytes))?;
+    counter(e, "kvplane_backend_written_bytes", "Bytes written to the second tier", load(&m.written_bytes))?;
+    counter(e, "kvplane_backend_retries", "Second-tier calls retried", load(&m.retries))?;
+    counter(e, "kvplane_backend_failed_open", "Second-tier failures answered as misses (fail-open)", load(&m.failed_open))?;
+    let errors: Vec<(ErrorLabel, u64)> = m
+        .errors
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .map(|((op, kind), n)| (ErrorLabel { op: operation_name(*op), error: kind.to_string() }, *n))
+        .collect();
+    counters(e, "kvplane_backend_errors", "Second-tier call failures, by operation and error", &errors)?;
+    counters(
+        e,
+        "kvplane_tier_ingest",
+        "Blocks offered to the second tier, by outcome",
+        &[
+            (OutcomeLabel { outcome: "stored" }, load(&m.ingest_stored)),
+            (OutcomeLabel { outcome: "failed" }, load(&m.ingest_failed)),
+            (OutcomeLabel { outcome: "skipped" }, load(&m.ingest_skipped)),
+        ],
+    )?;
+    counter(e, "kvplane_tier_ingest_waits", "PUTs that waited for room in the second tier's queue", load(&m.ingest_waited))?;
+    gauge(e, "kvplane_tier_ingest_in_flight_bytes", "Bytes queued for or being written to the second tier", tier.in_flight_bytes())?;
+    let mut family =
+        e.encode_descriptor("kvplane_backend_duration_seconds", "Second-tier call latency, by operation", None, MetricType::Histogram)?;
+    for op in OPERATIONS {
+        let (sum, count, buckets) = m.latency[op as usize].snapshot();
+        family.encode_family(&OpLabel { op: operation_name(op) })?.encode_histogram::<OpLabel>(sum, count, &buckets, None)?;
+    }
+    Ok(())
 }

@@ -7,7 +7,7 @@
 
 pub mod config;
 mod connection;
-mod metrics;
+pub(crate) mod metrics;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -25,6 +25,7 @@ use tokio::task::JoinSet;
 
 use crate::cache::{BlockCache, CacheConfig};
 use crate::memory::{MemoryPool, PoolConfig};
+use crate::tier::{SecondTier, TierSetup};
 use metrics::Metrics;
 
 /// Everything a node is started with. [`NodeConfig::default`] is the
@@ -49,8 +50,11 @@ pub struct NodeConfig {
     /// How long one answer may take to write: a client that stops reading is
     /// disconnected after this, releasing the blocks its answer holds.
     pub write_timeout: Duration,
-    /// How long shutdown waits for connections to finish their request.
+    /// How long shutdown waits for connections to finish their request
+    /// (and then for the second tier to take the blocks queued for it).
     pub drain_timeout: Duration,
+    /// The second tier (a backend plugin), if any.
+    pub tier: Option<TierSetup>,
 }
 
 impl Default for NodeConfig {
@@ -67,6 +71,7 @@ impl Default for NodeConfig {
             handshake_timeout: Duration::from_secs(10),
             write_timeout: Duration::from_secs(30),
             drain_timeout: Duration::from_secs(10),
+            tier: None,
         }
     }
 }
@@ -76,6 +81,7 @@ pub(crate) struct NodeState {
     pub(crate) cache: BlockCache,
     pub(crate) metrics: Metrics,
     pub(crate) config: NodeConfig,
+    pub(crate) tier: Option<SecondTier>,
     draining: AtomicBool,
 }
 
@@ -85,7 +91,11 @@ impl NodeState {
     }
 
     pub(crate) fn stats(&self) -> Vec<(String, u64)> {
-        self.metrics.snapshot(&self.cache.stats(), &self.cache.pool().stats())
+        let mut out = self.metrics.snapshot(&self.cache.stats(), &self.cache.pool().stats());
+        if let Some(tier) = &self.tier {
+            out.extend(tier.stats());
+        }
+        out
     }
 }
 
@@ -123,7 +133,8 @@ impl Node {
         let tcp_addr = tcp.as_ref().map(TcpListener::local_addr).transpose()?;
         let unix_path = config.unix.clone();
         let admin_at = config.admin;
-        let state = Arc::new(NodeState { cache, metrics: Metrics::default(), config, draining: AtomicBool::new(false) });
+        let tier = config.tier.clone().map(|t| SecondTier::start(t, cache.pool().capacity_bytes()));
+        let state = Arc::new(NodeState { cache, metrics: Metrics::default(), config, tier, draining: AtomicBool::new(false) });
         state.metrics.register(&mut registry, Arc::downgrade(&state));
         let admin = match admin_at {
             Some(addr) => {
@@ -175,6 +186,17 @@ impl Node {
         if !drained {
             tracing::warn!(?deadline, "drain deadline passed; closing the remaining connections");
             self.tasks.abort_all();
+        }
+        let mut drained = drained;
+        if let Some(tier) = &self.state.tier {
+            if !tier.drain(deadline).await {
+                tracing::warn!(
+                    ?deadline,
+                    bytes = tier.in_flight_bytes(),
+                    "drain deadline passed; blocks queued for the second tier are not written"
+                );
+                drained = false;
+            }
         }
         if let Some(path) = &self.unix_path {
             let _ = std::fs::remove_file(path);

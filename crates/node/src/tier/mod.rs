@@ -1,0 +1,437 @@
+//! The second tier: a backend plugin behind the memory tier.
+//!
+//! The memory tier ([`crate::cache`]) answers first. A key it does not hold
+//! is read from the backend plugin straight into a pool block (the block is
+//! the plugin's destination buffer, so the bytes are written once, by the
+//! host's socket read) and kept in the memory tier for the next reader.
+//! Blocks go the other way through [`ingest`], by mode: every PUT (`all`),
+//! blocks the memory tier evicts (`on-evict`), or blocks read `hotReads`
+//! times (`hot`).
+//!
+//! Every backend call goes through [`retry`] (the retry-policy plugin, or
+//! the node's own rule) within the request's deadline. What a failure that
+//! survives the retries means is the backend declaration's failure policy:
+//! fail-open turns it into a miss (the engine recomputes the block), fail-closed into a typed error for the client.
+
+pub(crate) mod ingest;
+pub(crate) mod retry;
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use kvplane_config::{IngestMode, TieringConfig};
+use kvplane_protocol::{checksum, ErrorKind, KvError};
+use kvplane_runtime::bindings::CallOptions;
+use kvplane_runtime::worlds::Operation;
+use kvplane_runtime::{Backend, FailurePolicy, RetryPolicy, WritableMemory};
+
+use crate::cache::{Allocation, BlockCache, CachedBlock, Evicted};
+use crate::memory::{Block, BlockMut};
+use ingest::{Budget, Ingest};
+use retry::{plugin_error, Attempts, Next, Retrier};
+
+/// `reads` of a block the memory tier got from the second tier: it is
+/// already there, so neither `hot` nor `on-evict` copies it back.
+pub const FROM_SECOND_TIER: u32 = u32::MAX;
+
+/// What a node needs to serve a second tier: the loaded plugins and the
+/// settings. Built by whoever loaded the plugins (the `kvplane node` command).
+#[derive(Clone)]
+pub struct TierSetup {
+    /// The backend plugin's declared name (the retry policy's `target`).
+    pub name: String,
+    pub backend: Arc<Backend>,
+    pub retry: Option<Arc<RetryPolicy>>,
+    pub settings: TieringConfig,
+}
+
+impl fmt::Debug for TierSetup {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TierSetup")
+            .field("backend", &self.name)
+            .field("retry", &self.retry.as_ref().map(|r| r.plugin.decl().name.clone()))
+            .field("settings", &self.settings)
+            .finish()
+    }
+}
+
+/// Counters of the second tier, read at scrape time.
+#[derive(Default)]
+pub(crate) struct TierMetrics {
+    pub(crate) hits: AtomicU64,
+    pub(crate) misses: AtomicU64,
+    pub(crate) read_bytes: AtomicU64,
+    pub(crate) written_bytes: AtomicU64,
+    pub(crate) retries: AtomicU64,
+    pub(crate) ingest_stored: AtomicU64,
+    pub(crate) ingest_failed: AtomicU64,
+    pub(crate) ingest_skipped: AtomicU64,
+    pub(crate) ingest_waited: AtomicU64,
+    /// Failures that became misses under fail-open.
+    pub(crate) failed_open: AtomicU64,
+    pub(crate) latency: [crate::server::metrics::LatencyHistogram; 4],
+    /// (operation, error kind) → count; errors are rare, a lock is fine.
+    pub(crate) errors: Mutex<Vec<((Operation, ErrorKind), u64)>>,
+}
+
+pub(crate) const OPERATIONS: [Operation; 4] = [Operation::Put, Operation::Get, Operation::Exists, Operation::Delete];
+
+pub(crate) fn operation_name(op: Operation) -> &'static str {
+    match op {
+        Operation::Put => "put",
+        Operation::Get => "get",
+        Operation::Exists => "exists",
+        Operation::Delete => "delete",
+    }
+}
+
+impl TierMetrics {
+    fn record(&self, op: Operation, elapsed: Duration) {
+        self.latency[op as usize].record(elapsed);
+    }
+
+    fn error(&self, op: Operation, e: &KvError) {
+        let kind = e.kind();
+        let mut errors = self.errors.lock().unwrap_or_else(|p| p.into_inner());
+        match errors.iter_mut().find(|(k, _)| *k == (op, kind)) {
+            Some((_, n)) => *n += 1,
+            None => errors.push(((op, kind), 1)),
+        }
+    }
+}
+
+/// What the writer tasks share with the request path.
+pub(crate) struct TierShared {
+    pub(crate) backend: Arc<Backend>,
+    pub(crate) retrier: Retrier,
+    pub(crate) settings: TieringConfig,
+    pub(crate) budget: Budget,
+    pub(crate) metrics: TierMetrics,
+    fail_open: bool,
+}
+
+impl TierShared {
+    /// Deletes now (the caller has ordered it behind earlier writes).
+    async fn delete_now(&self, keys: Vec<Vec<u8>>) -> Result<Vec<Result<(), KvError>>, KvError> {
+        let mut attempts = Attempts::new();
+        loop {
+            let started = Instant::now();
+            let result = self.backend.delete(keys.clone(), CallOptions { ttl_ms: None, namespace: None }).await;
+            self.metrics.record(Operation::Delete, started.elapsed());
+            let error = match result {
+                Ok(results) => match results.iter().find_map(|r| r.as_ref().err().filter(|e| retry::transient(e))) {
+                    None => return Ok(results),
+                    Some(e) => e.clone(),
+                },
+                Err(e) => plugin_error(&e),
+            };
+            self.metrics.error(Operation::Delete, &error);
+            match self.retrier.next(Operation::Delete, true, &mut attempts, &error).await {
+                Next::RetryAfter(wait) => {
+                    self.metrics.retries.fetch_add(1, Ordering::Relaxed);
+                    tokio::time::sleep(wait).await;
+                }
+                Next::GiveUp => return Err(error),
+            }
+        }
+    }
+}
+
+/// A pool block lent to the backend plugin as a GET destination.
+impl WritableMemory for BlockMut {
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        self.as_mut_slice()
+    }
+}
+
+/// The second tier of a running node.
+pub(crate) struct SecondTier {
+    shared: Arc<TierShared>,
+    ingest: Ingest,
+    writers: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    /// The size a read-through allocates first: the largest block seen so
+    /// far (0: none yet, so the pool's largest class).
+    expected_len: AtomicUsize,
+}
+
+impl SecondTier {
+    /// Starts the writer tasks (needs a Tokio runtime). `pool_bytes` is the
+    /// memory tier's size: in `on-evict` mode evicted blocks keep their pool
+    /// memory until written, so at most an eighth of the pool may wait (else
+    /// a burst of PUTs would evict the whole memory tier into the queue).
+    pub(crate) fn start(setup: TierSetup, pool_bytes: usize) -> SecondTier {
+        let fail_open = setup.backend.plugin.decl().failure_policy == FailurePolicy::FailOpen;
+        let mut bound = setup.settings.max_in_flight.bytes();
+        if setup.settings.mode == IngestMode::OnEvict {
+            bound = bound.min(pool_bytes as u64 / 8).max(1);
+        }
+        let shared = Arc::new(TierShared {
+            retrier: Retrier { policy: setup.retry, target: setup.name, deadline: Duration::from_millis(setup.settings.deadline_ms) },
+            budget: Budget::new(bound),
+            backend: setup.backend,
+            settings: setup.settings,
+            metrics: TierMetrics::default(),
+            fail_open,
+        });
+        let (ingest, writers) = Ingest::start(&shared, shared.settings.writers as usize);
+        SecondTier { shared, ingest, writers: Mutex::new(writers), expected_len: AtomicUsize::new(0) }
+    }
+
+    pub(crate) fn metrics(&self) -> &TierMetrics {
+        &self.shared.metrics
+    }
+
+    /// The second tier's counters, as a STATS answer lists them.
+    pub(crate) fn stats(&self) -> Vec<(String, u64)> {
+        let m = &self.shared.metrics;
+        let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        let mut out = vec![
+            ("backend_hits".to_string(), load(&m.hits)),
+            ("backend_misses".into(), load(&m.misses)),
+            ("backend_read_bytes".into(), load(&m.read_bytes)),
+            ("backend_written_bytes".into(), load(&m.written_bytes)),
+            ("backend_retries".into(), load(&m.retries)),
+            ("backend_failed_open".into(), load(&m.failed_open)),
+            ("tier_ingest_stored".into(), load(&m.ingest_stored)),
+            ("tier_ingest_failed".into(), load(&m.ingest_failed)),
+            ("tier_ingest_skipped".into(), load(&m.ingest_skipped)),
+            ("tier_ingest_waits".into(), load(&m.ingest_waited)),
+            ("tier_in_flight_bytes".into(), self.in_flight_bytes()),
+        ];
+        let errors: u64 = m.errors.lock().unwrap_or_else(|p| p.into_inner()).iter().map(|(_, n)| n).sum();
+        out.push(("backend_errors".into(), errors));
+        out
+    }
+
+    pub(crate) fn in_flight_bytes(&self) -> u64 {
+        self.shared.budget.in_flight()
+    }
+
+    /// Lets the writers finish what is queued, up to `deadline`. False when
+    /// the deadline passed first (the rest is not written).
+    pub(crate) async fn drain(&self, deadline: Duration) -> bool {
+        // The writers end once their queues are empty and closed; the queues
+        // close when `self.ingest` is dropped, which the caller does by
+        // dropping the node state. Here: wait for the budget to empty.
+        let emptied = tokio::time::timeout(deadline, self.shared.budget.emptied()).await.is_ok();
+        if !emptied {
+            let left: Vec<_> = std::mem::take(&mut *self.writers.lock().unwrap_or_else(|p| p.into_inner()));
+            left.iter().for_each(|w| w.abort());
+        }
+        emptied
+    }
+
+    /// A block for a PUT of `len` bytes. In `on-evict` mode what the memory
+    /// tier evicts to make room is queued for the second tier first.
+    pub(crate) async fn allocate(&self, cache: &BlockCache, len: usize) -> Result<BlockMut, KvError> {
+        self.expected_len.fetch_max(len, Ordering::Relaxed);
+        if self.shared.settings.mode != IngestMode::OnEvict {
+            return cache.allocate(len);
+        }
+        let mut evicted = 0u64;
+        loop {
+            match cache.allocate_or_evict(len, evicted)? {
+                Allocation::Block(b) => return Ok(b),
+                Allocation::Evicted(victim) => self.evicted(victim).await,
+            }
+            evicted += 1;
+        }
+    }
+
+    async fn evicted(&self, victim: Evicted) {
+        if victim.reads == FROM_SECOND_TIER {
+            return;
+        }
+        let _ = self.ingest.offer(&self.shared, victim.key, victim.block.into_bytes()).await;
+    }
+
+    /// After a PUT stored `block` in the memory tier.
+    pub(crate) async fn stored(&self, key: &Bytes, block: &Block) {
+        if self.shared.settings.mode == IngestMode::All {
+            let _ = self.ingest.offer(&self.shared, key.clone(), block.clone().into_bytes()).await;
+        }
+    }
+
+    /// After a GET found `hit` in the memory tier.
+    pub(crate) async fn read_hit(&self, key: &[u8], hit: &CachedBlock) {
+        if self.shared.settings.mode == IngestMode::Hot && hit.reads == self.shared.settings.hot_reads {
+            let _ = self.ingest.offer(&self.shared, Bytes::copy_from_slice(key), hit.block.clone().into_bytes()).await;
+        }
+    }
+
+    /// Reads `keys` (memory-tier misses) from the second tier into pool
+    /// blocks and stores them in the memory tier. One answer per key:
+    /// `Ok(None)` a miss (or a failure under fail-open), `Err` a failure
+    /// under fail-closed.
+    pub(crate) async fn read_through(&self, cache: &BlockCache, keys: &[&[u8]]) -> Vec<Result<Option<CachedBlock>, KvError>> {
+        let mut out: Vec<Result<Option<CachedBlock>, KvError>> = (0..keys.len()).map(|_| Ok(None)).collect();
+        let expected = match self.expected_len.load(Ordering::Relaxed) {
+            0 => cache.pool().max_block_bytes(),
+            n => n,
+        };
+        // (index into keys, destination size)
+        let mut pending: Vec<(usize, usize)> = (0..keys.len()).map(|i| (i, expected)).collect();
+        let mut attempts = Attempts::new();
+        while !pending.is_empty() {
+            let mut entries = Vec::with_capacity(pending.len());
+            let mut asked = Vec::with_capacity(pending.len());
+            for &(i, size) in &pending {
+                match self.allocate(cache, size).await {
+                    Ok(block) => {
+                        entries.push((keys[i].to_vec(), block));
+                        asked.push((i, size));
+                    }
+                    // No room in the memory tier: the block cannot be served
+                    // from here; the client sees what the pool said.
+                    Err(e) => out[i] = Err(e),
+                }
+            }
+            if entries.is_empty() {
+                break;
+            }
+            let started = Instant::now();
+            let (blocks, result) = self.shared.backend.get(entries, CallOptions { ttl_ms: None, namespace: None }).await;
+            self.shared.metrics.record(Operation::Get, started.elapsed());
+            let results = match result {
+                Ok(r) => r,
+                Err(e) => (0..asked.len()).map(|_| Err(plugin_error(&e))).collect(),
+            };
+            pending = Vec::new();
+            let mut first_error = None;
+            for ((i, size), (mut block, r)) in asked.into_iter().zip(blocks.into_iter().zip(results)) {
+                match r {
+                    Ok(len) => {
+                        block.truncate(len);
+                        let block = self.right_sized(cache, block);
+                        let crc = checksum(&block);
+                        let block = block.freeze();
+                        self.expected_len.fetch_max(len, Ordering::Relaxed);
+                        self.shared.metrics.hits.fetch_add(1, Ordering::Relaxed);
+                        self.shared.metrics.read_bytes.fetch_add(len as u64, Ordering::Relaxed);
+                        let key = Bytes::copy_from_slice(keys[i]);
+                        cache.insert_from_lower_tier(key, block.clone(), crc);
+                        out[i] = Ok(Some(CachedBlock { block, crc, reads: FROM_SECOND_TIER }));
+                    }
+                    Err(KvError::NotFound) => {
+                        self.shared.metrics.misses.fetch_add(1, Ordering::Relaxed);
+                    }
+                    // Longer than the destination: once more with the
+                    // pool's largest block.
+                    Err(KvError::Capacity(_)) if size < cache.pool().max_block_bytes() => {
+                        pending.push((i, cache.pool().max_block_bytes()));
+                    }
+                    Err(e) => {
+                        self.shared.metrics.error(Operation::Get, &e);
+                        if retry::transient(&e) {
+                            pending.push((i, size));
+                            first_error.get_or_insert(e);
+                        } else {
+                            out[i] = self.failed(e);
+                        }
+                    }
+                }
+            }
+            if let Some(error) = first_error {
+                match self.shared.retrier.next(Operation::Get, true, &mut attempts, &error).await {
+                    Next::RetryAfter(wait) => {
+                        self.shared.metrics.retries.fetch_add(1, Ordering::Relaxed);
+                        tokio::time::sleep(wait).await;
+                    }
+                    Next::GiveUp => {
+                        for (i, _) in std::mem::take(&mut pending) {
+                            out[i] = self.failed(error.clone());
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// A value much shorter than the block it was read into is copied into
+    /// a block of its own size class, so a guessed-too-large destination
+    /// does not pin a large class for a small value. The common case (the
+    /// guess was the block size in use) keeps the block as it is.
+    fn right_sized(&self, cache: &BlockCache, block: BlockMut) -> BlockMut {
+        if block.len() >= block.capacity() / 2 {
+            return block;
+        }
+        match cache.allocate(block.len()) {
+            Ok(mut fitted) if fitted.capacity() < block.capacity() => {
+                fitted.as_mut_slice().copy_from_slice(block.as_slice());
+                fitted
+            }
+            _ => block,
+        }
+    }
+
+    /// Whether each key (absent from the memory tier) is in the second tier.
+    pub(crate) async fn exists(&self, keys: Vec<Vec<u8>>) -> Vec<Result<bool, KvError>> {
+        let n = keys.len();
+        let mut attempts = Attempts::new();
+        loop {
+            let started = Instant::now();
+            let result = self.shared.backend.exists(keys.clone(), CallOptions { ttl_ms: None, namespace: None }).await;
+            self.shared.metrics.record(Operation::Exists, started.elapsed());
+            let error = match result {
+                Ok(results) => match results.iter().find_map(|r| r.as_ref().err().filter(|e| retry::transient(e))) {
+                    None => {
+                        return results
+                            .into_iter()
+                            .map(|r| match r {
+                                Ok(b) => Ok(b),
+                                Err(KvError::NotFound) => Ok(false),
+                                Err(e) => self.fail(e).map(|()| false),
+                            })
+                            .collect()
+                    }
+                    Some(e) => e.clone(),
+                },
+                Err(e) => plugin_error(&e),
+            };
+            self.shared.metrics.error(Operation::Exists, &error);
+            match self.shared.retrier.next(Operation::Exists, true, &mut attempts, &error).await {
+                Next::RetryAfter(wait) => {
+                    self.shared.metrics.retries.fetch_add(1, Ordering::Relaxed);
+                    tokio::time::sleep(wait).await;
+                }
+                Next::GiveUp => return (0..n).map(|_| self.fail(error.clone()).map(|()| false)).collect(),
+            }
+        }
+    }
+
+    /// Deletes `keys` from the second tier, after any write of them queued
+    /// before. `Ok(true)`: it was there (or the store does not say).
+    pub(crate) async fn delete(&self, keys: &[Bytes]) -> Vec<Result<bool, KvError>> {
+        match self.ingest.delete(keys).await {
+            Ok(results) => results
+                .into_iter()
+                .map(|r| match r {
+                    Ok(()) => Ok(true),
+                    Err(KvError::NotFound) => Ok(false),
+                    Err(e) => self.fail(e).map(|()| false),
+                })
+                .collect(),
+            Err(e) => keys.iter().map(|_| self.fail(e.clone()).map(|()| false)).collect(),
+        }
+    }
+
+    /// A failure the retries did not cure: a miss under fail-open, the
+    /// error under fail-closed.
+    fn failed<T>(&self, e: KvError) -> Result<Option<T>, KvError> {
+        self.fail(e).map(|()| None)
+    }
+
+    /// As `failed`, for answers that are a plain "no".
+    fn fail(&self, e: KvError) -> Result<(), KvError> {
+        if self.shared.fail_open {
+            self.shared.metrics.failed_open.fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        } else {
+            Err(e)
+        }
+    }
+}

@@ -1,0 +1,377 @@
+//! The second tier end to end: a node whose memory tier is backed by
+//! `builtin:resp` against Debian's real redis-server, driven by the real
+//! client. Each ingest mode, both tiers seen by EXISTS / MATCH_PREFIX /
+//! DELETE, the store killed under load (fail-open: misses, nothing
+//! corrupted, recovery), fail-closed errors, the in-flight bound, and peers
+//! that never answer or answer garbage.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use kvplane_client::{Client, ClientConfig, Endpoint, KvError};
+use kvplane_config::{AtBound, ByteSize, FailurePolicy, IngestMode, TieringConfig};
+use kvplane_node::memory::PoolConfig;
+use kvplane_node::server::{Node, NodeConfig};
+use kvplane_node::tier::TierSetup;
+use kvplane_runtime::bindings::CallOptions;
+use kvplane_runtime::{Backend, PluginDecl, PluginRuntime, PluginSource, World};
+use kvplane_tests::redis::RedisServer;
+
+const KIB: usize = 1 << 10;
+const MIB: usize = 1 << 20;
+/// How long a test waits for a state it polls for: far longer than any
+/// should take, so a slow machine is not a failure.
+const PATIENCE: Duration = Duration::from_secs(30);
+const NONE: CallOptions = CallOptions { ttl_ms: None, namespace: None };
+
+fn resp(endpoint: &str, policy: FailurePolicy) -> PluginDecl {
+    let mut d = PluginDecl::new("resp", World::Backend, PluginSource::Builtin("resp".into()));
+    d.config.insert("endpoint".into(), endpoint.to_string());
+    d.config.insert("prefix".into(), "tier:".into());
+    d.allowed_endpoints = vec![endpoint.to_string()];
+    d.failure_policy = policy;
+    d.limits.timeout = Duration::from_millis(500);
+    d
+}
+
+fn backend(runtime: &PluginRuntime, d: PluginDecl) -> Arc<Backend> {
+    Arc::new(runtime.load_backend(d).expect("loading builtin:resp"))
+}
+
+fn setup(backend: Arc<Backend>, settings: TieringConfig) -> TierSetup {
+    TierSetup { name: "resp".into(), backend, retry: None, settings }
+}
+
+async fn node(memory: usize, tier: TierSetup) -> Node {
+    let config = NodeConfig {
+        listen: Some("127.0.0.1:0".parse().unwrap()),
+        admin: Some("127.0.0.1:0".parse().unwrap()),
+        pool: PoolConfig::new(memory),
+        tier: Some(tier),
+        drain_timeout: PATIENCE,
+        ..NodeConfig::default()
+    };
+    Node::start(config).await.expect("node starts")
+}
+
+async fn client(node: &Node) -> Client {
+    let endpoint = Endpoint::Tcp(node.tcp_addr().expect("tcp").to_string());
+    Client::connect(ClientConfig::new(endpoint)).await.expect("client connects")
+}
+
+/// A block whose every byte derives from its key: a reader can check any
+/// block it gets without remembering what was written.
+fn value_of(key: &str, len: usize) -> Bytes {
+    let seed = key.bytes().fold(7u8, |a, b| a.wrapping_mul(31).wrapping_add(b));
+    Bytes::from((0..len).map(|i| seed.wrapping_add((i % 251) as u8)).collect::<Vec<u8>>())
+}
+
+fn keys(prefix: &str, n: usize) -> Vec<String> {
+    (0..n).map(|i| format!("{prefix}{i:04}")).collect()
+}
+
+fn stat(node: &Node, name: &str) -> u64 {
+    node.stats().into_iter().find(|(n, _)| n == name).map(|(_, v)| v).unwrap_or_else(|| panic!("no stat {name}"))
+}
+
+async fn wait_for(what: &str, mut check: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !check() {
+        assert!(start.elapsed() < PATIENCE, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+async fn put_all(c: &Client, names: &[String], len: usize) {
+    let entries = names.iter().map(|k| (Bytes::from(k.clone()), value_of(k, len))).collect();
+    let results = c.put(entries).await.expect("put");
+    assert!(results.iter().all(Result::is_ok), "{results:?}");
+}
+
+/// GETs every key and checks each found block against its key; answers
+/// how many were found.
+async fn get_checked(c: &Client, names: &[String], len: usize) -> usize {
+    let got = c.get(names.iter().map(|k| Bytes::from(k.clone())).collect()).await.expect("get");
+    let mut found = 0;
+    for (k, r) in names.iter().zip(got) {
+        match r {
+            Ok(v) => {
+                assert_eq!(v, value_of(k, len), "block {k} came back different");
+                found += 1;
+            }
+            Err(KvError::NotFound) => {}
+            Err(e) => panic!("{k}: {e}"),
+        }
+    }
+    found
+}
+
+#[tokio::test]
+async fn a_miss_reads_through_into_the_memory_tier_with_identical_bytes() {
+    let redis = RedisServer::start(&[]);
+    let runtime = PluginRuntime::new(None).unwrap();
+    let names = keys("rt/", 16);
+    // The first node writes every PUT behind the reply (mode all) and
+    // drains its queue when it stops.
+    let first =
+        node(64 * MIB, setup(backend(&runtime, resp(&redis.endpoint(), FailurePolicy::FailClosed)), TieringConfig::default())).await;
+    put_all(&client(&first).await, &names, 64 * KIB).await;
+    assert!(first.shutdown().await, "the second tier took every queued block before the deadline");
+
+    // A fresh node has nothing in memory: each GET is a second-tier hit
+    // read into a pool block, then a memory hit.
+    let second =
+        node(64 * MIB, setup(backend(&runtime, resp(&redis.endpoint(), FailurePolicy::FailClosed)), TieringConfig::default())).await;
+    let c = client(&second).await;
+    assert_eq!(get_checked(&c, &names, 64 * KIB).await, 16);
+    assert_eq!(stat(&second, "backend_hits"), 16);
+    assert_eq!(stat(&second, "backend_read_bytes"), 16 * 64 * KIB as u64);
+    assert_eq!(get_checked(&c, &names, 64 * KIB).await, 16);
+    assert_eq!(stat(&second, "backend_hits"), 16, "the second read was served by the memory tier");
+    assert_eq!(stat(&second, "hits"), 16);
+    // Absent everywhere: a miss, counted in both tiers.
+    assert_eq!(get_checked(&c, &["nowhere".to_string()], 1).await, 0);
+    assert_eq!(stat(&second, "backend_misses"), 1);
+    // The same figures per tier on /metrics, with the store's latency.
+    let url = format!("http://{}/metrics", second.admin_addr().unwrap());
+    let text = tokio::task::spawn_blocking(move || ureq::get(&url).call().unwrap().body_mut().read_to_string().unwrap()).await.unwrap();
+    for series in [
+        "kvplane_tier_hits_total{tier=\"backend\"} 16",
+        "kvplane_tier_hits_total{tier=\"memory\"} 16",
+        "kvplane_tier_misses_total{tier=\"backend\"} 1",
+        "kvplane_backend_read_bytes_total 1048576",
+        "kvplane_backend_duration_seconds_count{op=\"get\"}",
+    ] {
+        assert!(text.contains(series), "no {series} in\n{text}");
+    }
+    second.shutdown().await;
+}
+
+#[tokio::test]
+async fn on_evict_copies_only_what_the_memory_tier_drops() {
+    let redis = RedisServer::start(&[]);
+    let runtime = PluginRuntime::new(None).unwrap();
+    let settings = TieringConfig { mode: IngestMode::OnEvict, ..TieringConfig::default() };
+    let store = backend(&runtime, resp(&redis.endpoint(), FailurePolicy::FailClosed));
+    // 8 MiB of memory, 64 KiB blocks: 200 blocks (12.5 MiB) cannot all stay.
+    let n = node(8 * MIB, setup(Arc::clone(&store), settings)).await;
+    let c = client(&n).await;
+    let names = keys("ev/", 200);
+    for chunk in names.chunks(10) {
+        put_all(&c, chunk, 64 * KIB).await;
+    }
+    let evicted = stat(&n, "evictions");
+    assert!(evicted > 0, "the pool was meant to overflow");
+    wait_for("evicted blocks written", || stat(&n, "tier_ingest_stored") == evicted).await;
+    assert_eq!(stat(&n, "tier_ingest_skipped") + stat(&n, "tier_ingest_failed"), 0);
+    // Exactly the evicted blocks are in the store: the first ones put.
+    let present = store.exists(names.iter().map(|k| k.as_bytes().to_vec()).collect(), NONE).await.unwrap();
+    let in_store = present.iter().filter(|r| matches!(r, Ok(true))).count() as u64;
+    assert_eq!(in_store, evicted, "the store holds the evicted blocks and nothing else");
+    // Every block is still served, from one tier or the other.
+    for chunk in names.chunks(20) {
+        assert_eq!(get_checked(&c, chunk, 64 * KIB).await, chunk.len());
+    }
+    n.shutdown().await;
+}
+
+#[tokio::test]
+async fn hot_mode_copies_a_block_once_it_was_read_often_enough() {
+    let redis = RedisServer::start(&[]);
+    let runtime = PluginRuntime::new(None).unwrap();
+    let settings = TieringConfig { mode: IngestMode::Hot, hot_reads: 3, ..TieringConfig::default() };
+    let store = backend(&runtime, resp(&redis.endpoint(), FailurePolicy::FailClosed));
+    let n = node(64 * MIB, setup(Arc::clone(&store), settings)).await;
+    let c = client(&n).await;
+    let names = keys("hot/", 2);
+    put_all(&c, &names, 4 * KIB).await;
+    for _ in 0..2 {
+        get_checked(&c, &names[..1], 4 * KIB).await;
+    }
+    let in_store = |store: Arc<Backend>| async move { store.exists(vec![b"hot/0000".to_vec(), b"hot/0001".to_vec()], NONE).await.unwrap() };
+    assert_eq!(stat(&n, "tier_ingest_stored"), 0, "two reads are not hot yet");
+    get_checked(&c, &names[..1], 4 * KIB).await;
+    wait_for("the hot block written", || stat(&n, "tier_ingest_stored") == 1).await;
+    assert_eq!(in_store(Arc::clone(&store)).await, vec![Ok(true), Ok(false)]);
+    // More reads do not copy it again.
+    get_checked(&c, &names[..1], 4 * KIB).await;
+    assert_eq!(stat(&n, "tier_ingest_stored"), 1);
+    n.shutdown().await;
+}
+
+#[tokio::test]
+async fn exists_match_prefix_and_delete_see_both_tiers() {
+    let redis = RedisServer::start(&[]);
+    let runtime = PluginRuntime::new(None).unwrap();
+    let store = backend(&runtime, resp(&redis.endpoint(), FailurePolicy::FailClosed));
+    let settings = TieringConfig { mode: IngestMode::OnEvict, ..TieringConfig::default() };
+    let n = node(64 * MIB, setup(Arc::clone(&store), settings)).await;
+    let c = client(&n).await;
+    // c0 in memory; c1, c2 only in the second tier; c3 nowhere; c4 only in
+    // the second tier (after the gap).
+    put_all(&c, &["c0".to_string()], 64 * KIB).await;
+    let only_in_store = ["c1", "c2", "c4"];
+    let r = store.put(only_in_store.iter().map(|k| (k.as_bytes().to_vec(), value_of(k, 64 * KIB))).collect(), NONE).await.unwrap();
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+
+    let chain: Vec<Bytes> = ["c0", "c1", "c2", "c3", "c4"].iter().map(|k| Bytes::from_static(k.as_bytes())).collect();
+    let exists = c.exists(chain.clone()).await.unwrap();
+    assert_eq!(exists, vec![true, true, true, false, true]);
+
+    // The prefix runs through the second tier up to the gap; what it read is
+    // now in memory and pinned for the lease.
+    let m = c.match_prefix(chain.clone(), Duration::from_secs(30)).await.unwrap();
+    assert_eq!(m.matched, 3, "{m:?}");
+    assert_eq!(stat(&n, "pinned"), 3);
+    assert_eq!(get_checked(&c, &["c1".to_string(), "c2".to_string()], 64 * KIB).await, 2);
+
+    // DELETE removes from both tiers. A store's delete is idempotent (an
+    // absent key is a success), so a key in neither tier is not told apart.
+    let deleted = c.delete(vec![Bytes::from_static(b"c0"), Bytes::from_static(b"c4"), Bytes::from_static(b"c3")]).await.unwrap();
+    assert_eq!(deleted, vec![true, true, true]);
+    assert_eq!(store.exists(vec![b"c4".to_vec()], NONE).await.unwrap(), vec![Ok(false)]);
+    assert_eq!(c.exists(vec![Bytes::from_static(b"c0"), Bytes::from_static(b"c4")]).await.unwrap(), vec![false, false]);
+    n.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_killed_backend_under_load_degrades_to_misses_and_recovers() {
+    let mut redis = RedisServer::start(&[]);
+    let runtime = PluginRuntime::new(None).unwrap();
+    // 4 MiB of memory for 16 KiB blocks: most reads of older keys miss the
+    // memory tier and go to the store.
+    let n = node(4 * MIB, setup(backend(&runtime, resp(&redis.endpoint(), FailurePolicy::FailOpen)), TieringConfig::default())).await;
+    let addr = n.tcp_addr().unwrap().to_string();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // Two load generators: PUT a batch, GET an older batch; every block
+    // that comes back is checked against its key, and any error other
+    // than not-found fails the test.
+    let mut load = Vec::new();
+    for w in 0..2 {
+        let stop = Arc::clone(&stop);
+        let addr = addr.clone();
+        load.push(tokio::spawn(async move {
+            let c = Client::connect(ClientConfig::new(Endpoint::Tcp(addr))).await.unwrap();
+            let (mut round, mut found, mut asked) = (0usize, 0usize, 0usize);
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let batch = keys(&format!("load/{w}/{round}/"), 8);
+                put_all(&c, &batch, 16 * KIB).await;
+                let old = keys(&format!("load/{w}/{}/", round / 2), 8);
+                found += get_checked(&c, &old, 16 * KIB).await;
+                asked += old.len();
+                round += 1;
+            }
+            (round, found, asked)
+        }));
+    }
+    wait_for("blocks written to the store", || stat(&n, "tier_ingest_stored") > 64).await;
+    redis.kill();
+    let failed_before = stat(&n, "backend_failed_open");
+    wait_for("failures answered as misses", || stat(&n, "backend_failed_open") > failed_before).await;
+    redis.restart();
+    let stored = stat(&n, "tier_ingest_stored");
+    wait_for("writes reaching the restarted store", || stat(&n, "tier_ingest_stored") > stored + 32).await;
+    let hits = stat(&n, "backend_hits");
+    wait_for("reads from the restarted store", || stat(&n, "backend_hits") > hits).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for l in load {
+        let (rounds, found, asked) = l.await.expect("no load generator saw corruption or an error");
+        assert!(rounds > 0 && found <= asked);
+    }
+    n.shutdown().await;
+}
+
+#[tokio::test]
+async fn fail_closed_answers_the_typed_error() {
+    let mut redis = RedisServer::start(&[]);
+    let runtime = PluginRuntime::new(None).unwrap();
+    let n = node(64 * MIB, setup(backend(&runtime, resp(&redis.endpoint(), FailurePolicy::FailClosed)), TieringConfig::default())).await;
+    let c = client(&n).await;
+    put_all(&c, &["here".to_string()], 4 * KIB).await;
+    redis.kill();
+    let got = c.get(vec![Bytes::from_static(b"here"), Bytes::from_static(b"elsewhere")]).await.unwrap();
+    assert_eq!(got[0].as_ref().unwrap(), &value_of("here", 4 * KIB), "a memory hit needs no store");
+    assert!(matches!(got[1], Err(KvError::Unavailable(_))), "{:?}", got[1]);
+    assert!(stat(&n, "backend_retries") > 0, "unavailable is retried before it is answered");
+    n.shutdown().await;
+}
+
+/// A TCP peer that accepts and then answers `reply` to anything (nothing:
+/// never answers), for as long as the test holds it.
+struct Peer {
+    addr: String,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Peer {
+    async fn start(reply: &'static [u8]) -> Peer {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let task = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((mut s, _)) = listener.accept().await {
+                if reply.is_empty() {
+                    held.push(s);
+                    continue;
+                }
+                tokio::spawn(async move {
+                    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                    let mut buf = vec![0u8; 64 * KIB];
+                    while let Ok(n) = s.read(&mut buf).await {
+                        if n == 0 || s.write_all(reply).await.is_err() {
+                            break;
+                        }
+                    }
+                });
+            }
+        });
+        Peer { addr, task }
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+#[tokio::test]
+async fn at_the_bound_puts_skip_or_wait_and_both_are_counted() {
+    let runtime = PluginRuntime::new(None).unwrap();
+    let silent = Peer::start(b"").await;
+    // A store that never answers: each write holds its bytes until the
+    // plugin's 500 ms deadline; the bound is one block.
+    let bound = TieringConfig { max_in_flight: ByteSize(64 * KIB as u64), ..TieringConfig::default() };
+    let skip = TieringConfig { at_bound: AtBound::Skip, ..bound.clone() };
+    let n = node(64 * MIB, setup(backend(&runtime, resp(&silent.addr, FailurePolicy::FailOpen)), skip)).await;
+    let c = client(&n).await;
+    put_all(&c, &keys("skip/", 8), 64 * KIB).await;
+    assert!(stat(&n, "tier_ingest_skipped") >= 1, "the bound was reached at once");
+    wait_for("every offered block accounted for", || {
+        stat(&n, "tier_ingest_stored") + stat(&n, "tier_ingest_failed") + stat(&n, "tier_ingest_skipped") == 8
+    })
+    .await;
+    assert_eq!(get_checked(&c, &keys("skip/", 8), 64 * KIB).await, 8, "the memory tier kept every block");
+    n.shutdown().await;
+
+    let n = node(64 * MIB, setup(backend(&runtime, resp(&silent.addr, FailurePolicy::FailOpen)), bound)).await;
+    let c = client(&n).await;
+    put_all(&c, &keys("wait/", 2), 64 * KIB).await;
+    assert_eq!(stat(&n, "tier_ingest_waits"), 1, "the second PUT waited for the first write to end");
+    assert_eq!(stat(&n, "tier_ingest_skipped"), 0);
+    n.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_backend_answering_garbage_gets_a_typed_error_and_stores_nothing() {
+    let runtime = PluginRuntime::new(None).unwrap();
+    let garbage = Peer::start(b"%not resp at all\r\n").await;
+    let n = node(64 * MIB, setup(backend(&runtime, resp(&garbage.addr, FailurePolicy::FailClosed)), TieringConfig::default())).await;
+    let c = client(&n).await;
+    let got = c.get(vec![Bytes::from_static(b"k")]).await.unwrap();
+    assert!(got[0].is_err() && !matches!(got[0], Err(KvError::NotFound)), "{:?}", got[0]);
+    assert_eq!(stat(&n, "entries"), 0, "nothing from the garbage reached the memory tier");
+    assert_eq!(stat(&n, "backend_hits"), 0);
+    n.shutdown().await;
+}
