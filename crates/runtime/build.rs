@@ -14,6 +14,7 @@ const BUILTINS: &[(&str, &str)] = &[
     ("backoff", "kvplane-plugin-backoff"),
     ("gpu-affinity", "kvplane-plugin-gpu-affinity"),
     ("resp", "kvplane-plugin-resp"),
+    ("eic", "kvplane-plugin-eic"),
 ];
 
 fn main() {

@@ -1,7 +1,8 @@
 //! Builds the C test driver, `tests/fixtures/test-driver/test_driver.c`, a
 //! test double of a vendor's driver (see its header comment for what it
-//! implements and the config keys it takes), and other small C libraries
-//! that tests need. Needs only a C compiler: `$CC`, or `cc` (Debian's
+//! implements and the config keys it takes), the EIC test driver next to it
+//! (`eic_test_driver.c`, a test double of an EIC driver), and other small C
+//! libraries that tests need. Needs only a C compiler: `$CC`, or `cc` (Debian's
 //! build-essential).
 
 use std::path::{Path, PathBuf};
@@ -35,6 +36,23 @@ pub fn test_driver_source() -> PathBuf {
 pub fn build_test_driver(out_dir: &Path) -> anyhow::Result<PathBuf> {
     let output = out_dir.join(TEST_DRIVER_FILE);
     compile_c_library(&test_driver_source(), &output)?;
+    Ok(output)
+}
+
+/// The file name [`build_eic_test_driver`] writes.
+pub const EIC_TEST_DRIVER_FILE: &str = "libkvplane_eic_test_driver.so";
+
+/// The EIC test driver's C source: a test double of an EIC driver (the
+/// vendor SDK's shim), modelling EIC's client for `builtin:eic`'s tests.
+pub fn eic_test_driver_source() -> PathBuf {
+    workspace_root().join("tests/fixtures/test-driver/eic_test_driver.c")
+}
+
+/// Compiles the EIC test driver into
+/// `out_dir/libkvplane_eic_test_driver.so` and returns that path.
+pub fn build_eic_test_driver(out_dir: &Path) -> anyhow::Result<PathBuf> {
+    let output = out_dir.join(EIC_TEST_DRIVER_FILE);
+    compile_c_library(&eic_test_driver_source(), &output)?;
     Ok(output)
 }
 

@@ -8,7 +8,7 @@ macro_rules! builtin {
 }
 
 /// Names of the builtin plugins.
-pub const NAMES: &[&str] = &["ring", "backoff", "gpu-affinity", "resp"];
+pub const NAMES: &[&str] = &["ring", "backoff", "gpu-affinity", "resp", "eic"];
 
 /// The component bytes of builtin `name`.
 pub fn bytes(name: &str) -> Option<&'static [u8]> {
@@ -17,6 +17,7 @@ pub fn bytes(name: &str) -> Option<&'static [u8]> {
         "backoff" => builtin!("backoff"),
         "gpu-affinity" => builtin!("gpu-affinity"),
         "resp" => builtin!("resp"),
+        "eic" => builtin!("eic"),
         _ => return None,
     })
 }
@@ -28,7 +29,7 @@ pub fn world(name: &str) -> Option<super::decl::World> {
         "ring" => World::KeyPlacement,
         "backoff" => World::RetryPolicy,
         "gpu-affinity" => World::PlacementRule,
-        "resp" => World::Backend,
+        "resp" | "eic" => World::Backend,
         _ => return None,
     })
 }

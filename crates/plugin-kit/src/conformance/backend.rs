@@ -2,7 +2,9 @@
 //! the destinations the host lends, values shorter or longer than their
 //! destination, missing keys as not-found, per-call namespaces and ttl where
 //! announced, a vanishing server as unavailable, and an endpoint outside the
-//! declaration refused.
+//! declaration refused (for a backend whose declaration names `drivers`: a
+//! driver library that cannot be loaded as unavailable, and a driver outside
+//! the declaration refused).
 
 use std::time::{Duration, Instant};
 
@@ -223,8 +225,15 @@ pub async fn run(runtime: &PluginRuntime, decl: &PluginDecl) -> Report {
     .await;
     r.record("delete removes keys (and deleting a missing key is fine)", delete);
 
-    r.record("a server that goes away is reported as unavailable", server_goes_away(runtime, decl).await);
-    r.record("an endpoint outside the declaration is denied", outside_declaration(runtime, decl).await);
+    if decl.drivers.is_empty() {
+        r.record("a server that goes away is reported as unavailable", server_goes_away(runtime, decl).await);
+        r.record("an endpoint outside the declaration is denied", outside_declaration(runtime, decl).await);
+    } else {
+        // A backend that reaches its store through a driver has no endpoint
+        // to point elsewhere: its store is the driver's business.
+        r.record("a driver library that cannot be loaded is reported as unavailable", driver_missing(runtime, decl).await);
+        r.record("a driver outside the declaration is denied", undeclared_driver(runtime, decl).await);
+    }
     r
 }
 
@@ -339,5 +348,41 @@ async fn outside_declaration(runtime: &PluginRuntime, decl: &PluginDecl) -> Resu
         }
         Ok(res) if matches!(&res[0], Err(KvError::Denied(m)) if m.contains("allowedEndpoints")) => Ok(format!("{:?}", res[0])),
         other => Err(format!("expected denied naming allowedEndpoints, got {other:?}")),
+    }
+}
+
+/// Point every declared driver at a library that does not exist: the host
+/// cannot load it, and the plugin must report `unavailable` (from `open`,
+/// or for every key).
+async fn driver_missing(runtime: &PluginRuntime, decl: &PluginDecl) -> Result<String, String> {
+    let mut missing = decl.clone();
+    missing.name = format!("{}-missing-driver", decl.name);
+    let nowhere = std::env::temp_dir().join(format!("kvplane-conformance-{:016x}", fastrand::u64(..))).join("no-such-driver.so");
+    for path in missing.drivers.values_mut() {
+        path.clone_from(&nowhere);
+    }
+    let backend = runtime.load_backend(missing).map_err(|e| e.to_string())?;
+    match backend.exists(vec![b"k1".to_vec(), b"k2".to_vec()], plain()).await {
+        Err(e) if matches!(e.fault, Fault::Returned(KvError::Unavailable(_)) | Fault::Configure(KvError::Unavailable(_))) => {
+            Ok(e.to_string())
+        }
+        Ok(res) if res.iter().all(|r| matches!(r, Err(KvError::Unavailable(_)))) => Ok(format!("{:?}", res[0])),
+        other => Err(format!("expected unavailable, got {other:?}")),
+    }
+}
+
+/// Take the drivers out of the declaration: the host must refuse to open
+/// one and the plugin must report `denied`.
+async fn undeclared_driver(runtime: &PluginRuntime, decl: &PluginDecl) -> Result<String, String> {
+    let mut sneaky = decl.clone();
+    sneaky.name = format!("{}-undeclared-driver", decl.name);
+    sneaky.drivers.clear();
+    let backend = runtime.load_backend(sneaky).map_err(|e| e.to_string())?;
+    match backend.exists(vec![b"k".to_vec()], plain()).await {
+        Err(e) if matches!(&e.fault, Fault::Returned(KvError::Denied(m)) | Fault::Configure(KvError::Denied(m)) if m.contains("declared drivers")) => {
+            Ok(e.to_string())
+        }
+        Ok(res) if matches!(&res[0], Err(KvError::Denied(m)) if m.contains("declared drivers")) => Ok(format!("{:?}", res[0])),
+        other => Err(format!("expected denied naming the declared drivers, got {other:?}")),
     }
 }
