@@ -15,6 +15,7 @@ const BUILTINS: &[(&str, &str)] = &[
     ("gpu-affinity", "kvplane-plugin-gpu-affinity"),
     ("resp", "kvplane-plugin-resp"),
     ("eic", "kvplane-plugin-eic"),
+    ("vineyard", "kvplane-plugin-vineyard"),
 ];
 
 fn main() {

@@ -236,3 +236,4 @@ pub mod control_plane;
 mod net;
 mod process;
 pub mod registry;
+pub mod vineyard;

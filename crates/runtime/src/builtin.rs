@@ -8,7 +8,7 @@ macro_rules! builtin {
 }
 
 /// Names of the builtin plugins.
-pub const NAMES: &[&str] = &["ring", "backoff", "gpu-affinity", "resp", "eic"];
+pub const NAMES: &[&str] = &["ring", "backoff", "gpu-affinity", "resp", "eic", "vineyard"];
 
 /// The component bytes of builtin `name`.
 pub fn bytes(name: &str) -> Option<&'static [u8]> {
@@ -18,6 +18,7 @@ pub fn bytes(name: &str) -> Option<&'static [u8]> {
         "gpu-affinity" => builtin!("gpu-affinity"),
         "resp" => builtin!("resp"),
         "eic" => builtin!("eic"),
+        "vineyard" => builtin!("vineyard"),
         _ => return None,
     })
 }
@@ -29,7 +30,7 @@ pub fn world(name: &str) -> Option<super::decl::World> {
         "ring" => World::KeyPlacement,
         "backoff" => World::RetryPolicy,
         "gpu-affinity" => World::PlacementRule,
-        "resp" | "eic" => World::Backend,
+        "resp" | "eic" | "vineyard" => World::Backend,
         _ => return None,
     })
 }
