@@ -344,3 +344,38 @@ fn a_plugin_config_the_plugin_refuses_stops_the_node_naming_plugin_and_key() {
     assert!(t.contains("plugin placement") && t.contains("vnodes") && t.contains("lots"), "{t}");
     assert!(!t.contains("kvplane node serving"), "the node served before its plugins started: {t}");
 }
+
+/// The ConfigMap the operator renders for `examples/kvcache/redis.yaml`
+/// (the store's address swapped for a real redis-server with a password,
+/// which the pods get from the Secret through `KVPLANE_BACKEND_SECRET`),
+/// started as `kvplane node --config`: a block PUT to one node process
+/// reaches the store, and a fresh node process reads it back from there.
+#[test]
+fn the_config_rendered_for_the_redis_example_serves_with_that_second_tier() {
+    let redis = kvplane_tests::redis::RedisServer::start(&["--requirepass", "s3cret"]);
+    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/kvcache/redis.yaml");
+    let yaml = std::fs::read_to_string(example).unwrap().replace("redis.cache.svc:6379", &redis.endpoint());
+    let kv: kvplane_operator::KVCache = serde_yaml::from_str(&yaml).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("node.json");
+    std::fs::write(&config, kvplane_operator::rendered_node_config(&kv).unwrap()).unwrap();
+    let env = [("KVPLANE_BACKEND_SECRET", "s3cret".into()), ("KVPLANE_CACHE_DIR", dir.path().join("cache"))];
+
+    let block = dir.path().join("block.bin");
+    let data: Vec<u8> = (0..65_536u32).map(|i| (i % 241) as u8).collect();
+    std::fs::write(&block, &data).unwrap();
+    let first = NodeProcess::start_with_env(&["--config", config.to_str().unwrap()], &env);
+    let out = run(&["put", "--endpoint", &first.endpoint, "layer0/block7", block.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out));
+    // SIGTERM drains: the block queued for the store is written first.
+    assert!(first.sigterm_and_wait().success());
+
+    let second = NodeProcess::start_with_env(&["--config", config.to_str().unwrap()], &env);
+    let back = dir.path().join("back.bin");
+    let out = run(&["get", "--endpoint", &second.endpoint, "layer0/block7", "-o", back.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(std::fs::read(&back).unwrap(), data, "the block read back from the second tier differs");
+    let out = run(&["stats", "--endpoint", &second.endpoint, "--json"]);
+    let stats: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(stats["backend_hits"], 1, "{stats}");
+}

@@ -14,6 +14,11 @@ use serde::{Deserialize, Serialize};
 use crate::plugin::{PluginKind, PluginSpec};
 use crate::size::ByteSize;
 
+/// Environment variable holding the second tier's secret (the operator sets
+/// it from `spec.backend.secretRef`); the node gives it to the backend
+/// plugin as config `password` unless the declaration sets one.
+pub const BACKEND_SECRET_ENV: &str = "KVPLANE_BACKEND_SECRET";
+
 /// What serves the blocks.
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "lowercase")]

@@ -95,6 +95,15 @@ pub fn crd_yaml() -> anyhow::Result<String> {
 }
 
 /// Creates or updates the CRD (for `--install-crd` and tests).
+/// The `node.json` the operator puts in `kv`'s ConfigMap: what its cache
+/// pods start with (`kvplane node --config`). An invalid spec is an error
+/// naming the field.
+pub fn rendered_node_config(kv: &KVCache) -> anyhow::Result<String> {
+    let r = resolve::resolve(kv).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let config = render::node_config(&r, &render::etcd_client_urls(&r));
+    Ok(serde_json::to_string_pretty(&config)?)
+}
+
 pub async fn install_crd(client: &Client) -> anyhow::Result<()> {
     let api: Api<CustomResourceDefinition> = Api::all(client.clone());
     let crd = KVCache::crd();

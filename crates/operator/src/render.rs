@@ -8,8 +8,8 @@ use k8s_openapi::api::apps::v1::{StatefulSet, StatefulSetSpec};
 use k8s_openapi::api::core::v1::{
     Affinity, ConfigMap, ConfigMapProjection, Container, ContainerPort, EmptyDirVolumeSource, EnvVar, EnvVarSource, HTTPGetAction,
     KeyToPath, ObjectFieldSelector, PersistentVolumeClaim, PersistentVolumeClaimSpec, PodSpec, PodTemplateSpec, Probe,
-    ProjectedVolumeSource, Service, ServicePort, ServiceSpec, TCPSocketAction, Toleration, TopologySpreadConstraint, Volume, VolumeMount,
-    VolumeProjection, VolumeResourceRequirements,
+    ProjectedVolumeSource, SecretKeySelector, Service, ServicePort, ServiceSpec, TCPSocketAction, Toleration, TopologySpreadConstraint,
+    Volume, VolumeMount, VolumeProjection, VolumeResourceRequirements,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
@@ -244,6 +244,10 @@ fn port(name: &str, port: i32) -> ServicePort {
     }
 }
 
+/// The variable that carries `spec.backend.secretRef` into cache pods; the
+/// node passes it to the backend plugin as its `password`.
+pub const BACKEND_SECRET_ENV: &str = kvplane_config::node::BACKEND_SECRET_ENV;
+
 fn field_env(name: &str, path: &str) -> EnvVar {
     EnvVar {
         name: name.into(),
@@ -406,6 +410,16 @@ fn render_cache(r: &Resolved, placement: &RolePlacement, owner: &OwnerReference,
     let sts_name = Names::cache(&r.name);
     let w = &r.cache;
     let mut env = vec![field_env("POD_NAME", "metadata.name"), field_env("POD_IP", "status.podIP")];
+    if let Some(secret) = &r.backend_secret {
+        env.push(EnvVar {
+            name: BACKEND_SECRET_ENV.into(),
+            value_from: Some(EnvVarSource {
+                secret_key_ref: Some(SecretKeySelector { name: secret.name.clone(), key: secret.key.clone(), optional: None }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+    }
     env.extend(w.env.iter().cloned());
     let (args, probe, ports) = match r.backend {
         BackendType::Vineyard => {

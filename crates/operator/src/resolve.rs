@@ -80,6 +80,9 @@ pub struct Resolved {
     /// True when `backend` was not given and was inferred from the image.
     pub backend_inferred: bool,
     pub backend_endpoints: Vec<String>,
+    /// The store's credentials, handed to the cache pods as
+    /// `KVPLANE_BACKEND_SECRET` (the node gives it to the backend plugin).
+    pub backend_secret: Option<crate::crd::SecretKeyRef>,
     pub cache: Workload,
     /// vineyardd's `--size` (shared memory); unused for kvplane nodes.
     pub shared_memory_size: Option<String>,
@@ -152,6 +155,7 @@ pub fn resolve(kv: &KVCache) -> Result<Resolved, SpecError> {
         backend,
         backend_inferred,
         backend_endpoints,
+        backend_secret: spec.backend.as_ref().and_then(|b| b.secret_ref.clone()),
         cache,
         shared_memory_size: shared_memory_size(cache_runtime.shared_memory_size.as_deref(), cache_field)?,
         metadata,

@@ -37,15 +37,20 @@ pub fn plugin_dir(config: &Path) -> PathBuf {
 ///
 /// A backend plugin whose config names no `endpoint` gets the first of
 /// `backendEndpoints` (the store the KVCache declares), so a declaration
-/// need not repeat it.
+/// need not repeat it; nor a `password`, the secret in
+/// `KVPLANE_BACKEND_SECRET` (from the KVCache's `backend.secretRef`).
 pub fn read(path: &Path) -> anyhow::Result<NodeConfigFile> {
     let text = std::fs::read_to_string(path).with_context(|| format!("reading the node config {}", path.display()))?;
     let mut file: NodeConfigFile =
         kvplane_config::from_json_strict(&text).with_context(|| format!("{}: not a node configuration", path.display()))?;
     file.validate().with_context(|| format!("{}: invalid node configuration", path.display()))?;
-    if let Some(endpoint) = file.backend_endpoints.first().cloned() {
-        for p in file.plugins.iter_mut().filter(|p| p.kind == PluginKind::Backend) {
-            p.config.entry("endpoint".into()).or_insert(endpoint.clone());
+    let secret = std::env::var(kvplane_config::node::BACKEND_SECRET_ENV).ok().filter(|s| !s.is_empty());
+    for p in file.plugins.iter_mut().filter(|p| p.kind == PluginKind::Backend) {
+        if let Some(endpoint) = file.backend_endpoints.first() {
+            p.config.entry("endpoint".into()).or_insert_with(|| endpoint.clone());
+        }
+        if let Some(secret) = &secret {
+            p.config.entry("password".into()).or_insert_with(|| secret.clone());
         }
     }
     Ok(file)
