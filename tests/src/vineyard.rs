@@ -109,6 +109,8 @@ pub fn vineyardd() -> PathBuf {
 
 pub struct VineyardServer {
     pub port: u16,
+    /// `--size`: the memory its blobs may take.
+    size: String,
     dir: tempfile::TempDir,
     binary: PathBuf,
     child: Option<Child>,
@@ -119,12 +121,18 @@ impl VineyardServer {
     /// listens for RPC. Only inside [`in_private_network`]: panics anywhere
     /// else rather than open a port on every address of the machine.
     pub fn start() -> VineyardServer {
+        VineyardServer::with_size("512Mi")
+    }
+
+    /// [`VineyardServer::start`] with a store of `size` (vineyardd's
+    /// `--size`: 8Mi, 1Gi, ...).
+    pub fn with_size(size: &str) -> VineyardServer {
         assert!(std::env::var_os(IN_NAMESPACE).is_some(), "vineyardd listens on 0.0.0.0: start it only inside in_private_network()");
         let binary = vineyardd();
         let dir = tempfile::tempdir().expect("a folder for vineyardd's IPC socket");
         // Alone in this network namespace: any port is free.
         let [port] = free_ports();
-        let mut server = VineyardServer { port, dir, binary, child: None };
+        let mut server = VineyardServer { port, size: size.to_owned(), dir, binary, child: None };
         if let Err(why) = server.spawn() {
             panic!("vineyardd did not start on port {port}: {why}");
         }
@@ -147,7 +155,7 @@ impl VineyardServer {
         let mut cmd = Command::new(&self.binary);
         cmd.arg("--socket")
             .arg(&socket)
-            .args(["--meta=local", "--rpc_socket_port", &self.port.to_string(), "--size", "512Mi"])
+            .args(["--meta=local", "--rpc_socket_port", &self.port.to_string(), "--size", &self.size])
             .stdout(Stdio::null())
             // Its log (glog, on stderr) says why it exits.
             .stderr(Stdio::piped());

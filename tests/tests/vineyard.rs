@@ -153,7 +153,7 @@ async fn a_batch_larger_than_the_queued_bytes_limit_is_stored() {
     }
     let server = VineyardServer::start();
     let backend = load(decl(&server.endpoint(), &[]));
-    let mib = |i: usize| Bytes::from((0..1usize << 20).map(|j| (j as u64 ^ i as u64 * 0x9e37) as u8).collect::<Vec<u8>>());
+    let mib = |i: usize| Bytes::from((0..1usize << 20).map(|j| (j as u64 ^ (i as u64 * 0x9e37)) as u8).collect::<Vec<u8>>());
     let keys: Vec<Vec<u8>> = (0..72).map(|i| format!("big/{i}").into_bytes()).collect();
     let put = backend.put(keys.iter().cloned().zip((0..72).map(mib)).collect(), NONE).await.unwrap();
     assert!(put.iter().all(|r| r.is_ok()), "{:?}", put.iter().find(|r| r.is_err()));
@@ -165,6 +165,24 @@ async fn a_batch_larger_than_the_queued_bytes_limit_is_stored() {
     for (i, r) in got.iter().enumerate() {
         assert!(r.as_ref().is_ok_and(|g| g == &mib(64 + i)), "key {}: {:?}", 64 + i, r.as_ref().map(Bytes::len));
     }
+}
+
+/// A store without room for a value refuses it as `capacity`, stores
+/// nothing, and keeps serving.
+#[tokio::test]
+async fn a_full_store_is_capacity_and_keeps_serving() {
+    if !in_private_network("a_full_store_is_capacity_and_keeps_serving") {
+        return;
+    }
+    let server = VineyardServer::with_size("8Mi");
+    let backend = load(decl(&server.endpoint(), &[]));
+    let huge = Bytes::from(vec![7u8; 16 << 20]);
+    let put = backend.put(vec![(b"huge".to_vec(), huge), (b"small".to_vec(), block(1))], NONE).await.unwrap();
+    assert!(put.iter().all(|r| matches!(r, Err(KvError::Capacity(m)) if m.contains("create_remote_buffers_request"))), "{put:?}");
+    assert_eq!(backend.exists(vec![b"huge".to_vec(), b"small".to_vec()], NONE).await.unwrap(), vec![Ok(false), Ok(false)]);
+    let put = backend.put(vec![(b"small".to_vec(), block(1))], NONE).await.unwrap();
+    assert!(put[0].is_ok(), "{put:?}");
+    assert_eq!(get(&backend, &[b"small".to_vec()], 65536, NONE).await.unwrap()[0].as_ref().unwrap(), &block(1));
 }
 
 #[tokio::test]
