@@ -79,6 +79,7 @@ pub async fn run(args: NodeArgs) -> anyhow::Result<ExitCode> {
     // node serves.
     let mut plugins = Vec::new();
     let mut tier = None;
+    let mut cluster_file = None;
     if let Some(path) = &args.config {
         let file = kvplane_node::server::config::read(path)?;
         let runtime = kvplane_runtime::PluginRuntime::with_default_cache()?;
@@ -102,6 +103,7 @@ pub async fn run(args: NodeArgs) -> anyhow::Result<ExitCode> {
             ),
             None => eprintln!("backend {}: no backend plugin declared; the memory tier serves alone", file.backend.name()),
         }
+        cluster_file = Some(file.clone());
         plugins = verified;
         runtime.metrics().register(&mut registry);
         file_memory = file
@@ -133,6 +135,20 @@ pub async fn run(args: NodeArgs) -> anyhow::Result<ExitCode> {
         }
         config.token = Some(token);
     }
+    if let Some(file) = &cluster_file {
+        config.cluster = kvplane_node::server::config::cluster_setup(file, &plugins, config.token.clone())?;
+        if let (Some(c), Some(f)) = (&config.cluster, &file.cluster) {
+            eprintln!(
+                "cluster {}: member {} (etcd {}), {} owners per key, lease {} s, placement {}",
+                c.name,
+                c.member.id,
+                c.etcd.join(","),
+                c.replicas,
+                f.lease_ttl_seconds,
+                c.placement.as_ref().map_or("native ring".to_string(), |p| format!("plugin {}", p.plugin.decl().name))
+            );
+        }
+    }
     let policy = config.cache.policy;
     let node = Node::start_with_registry(config, registry).await?;
     let mut parts = Vec::new();
@@ -152,6 +168,12 @@ pub async fn run(args: NodeArgs) -> anyhow::Result<ExitCode> {
     );
     wait_for_signal().await?;
     eprintln!("kvplane node: draining");
+    if cluster_file.as_ref().is_some_and(|f| f.cluster.is_some()) {
+        match node.hand_off().await {
+            Ok(h) => eprintln!("kvplane node: handed {} blocks to their new owners ({} not taken); left the cluster", h.moved, h.failed),
+            Err(e) => eprintln!("kvplane node: hand-off failed: {e:#}"),
+        }
+    }
     let drained = node.shutdown().await;
     eprintln!("kvplane node: stopped{}", if drained { "" } else { " (drain deadline passed)" });
     drop(plugins);

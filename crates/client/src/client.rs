@@ -121,6 +121,12 @@ impl Client {
     }
 
     async fn presence(&self, keys: Vec<Bytes>, exists: bool) -> Result<Vec<bool>, KvError> {
+        self.presence_each(keys, exists).await?.into_iter().collect()
+    }
+
+    /// EXISTS or DELETE with one answer per key: present, absent, or the
+    /// key's error.
+    pub(crate) async fn presence_each(&self, keys: Vec<Bytes>, exists: bool) -> Result<Vec<Result<bool, KvError>>, KvError> {
         let mut out = Vec::with_capacity(keys.len());
         let op = if exists { "EXISTS" } else { "DELETE" };
         for chunk in self.split_keys(keys) {
@@ -132,9 +138,9 @@ impl Client {
             };
             for r in results {
                 out.push(match r {
-                    Ok(()) => true,
-                    Err(ErrorCode::NotFound) => false,
-                    Err(code) => return Err(code.into_kv_error(format!("{op} of one key"))),
+                    Ok(()) => Ok(true),
+                    Err(ErrorCode::NotFound) => Ok(false),
+                    Err(code) => Err(code.into_kv_error(format!("{op} of one key"))),
                 });
             }
         }

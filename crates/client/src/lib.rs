@@ -17,10 +17,12 @@
 #![forbid(unsafe_code)]
 
 mod client;
+mod cluster;
 mod connection;
 mod endpoint;
 
 pub use client::{Client, ClientConfig, PrefixMatch};
+pub use cluster::{ClusterClient, ClusterConfig};
 pub use connection::Connection;
 pub use endpoint::Endpoint;
 pub use kvplane_protocol::{ErrorKind, KvError, Limits};

@@ -11,6 +11,7 @@
 #![deny(unsafe_code)]
 
 pub mod cache;
+pub mod cluster;
 #[allow(unsafe_code)] // The pool maps and hands out raw memory; see the module docs.
 pub mod memory;
 pub mod server;

@@ -27,8 +27,12 @@ use bytes::{BufMut, Bytes};
 
 use crate::error::{DecodeError, ErrorCode, ProtocolError};
 use crate::frame::{Features, FrameHeader, Opcode, HEADER_LEN, VERSION};
-use crate::limits::{Limits, MAX_ERROR_MESSAGE_BYTES, MAX_STATS_ENTRIES, MAX_TOKEN_BYTES};
+use crate::limits::{
+    Limits, MAX_CLUSTER_MEMBERS, MAX_CLUSTER_REPLICAS, MAX_CLUSTER_SLOTS, MAX_CLUSTER_STRING_BYTES, MAX_ERROR_MESSAGE_BYTES,
+    MAX_STATS_ENTRIES, MAX_TOKEN_BYTES,
+};
 use crate::message::{Block, Frame, Hello, HelloAck, Message, PutEntry, Request, Response, StatEntry};
+use crate::placement::{Member, MemberState, SlotTable};
 
 /// A frame ready to write: header and meta in one buffer, payloads as the
 /// shared buffers they already live in.
@@ -156,6 +160,61 @@ fn encode_request(req: &Request, out: &mut Vec<u8>, payloads: &mut Vec<Bytes>) -
             put_keys(out, keys)?;
         }
         Request::Stats | Request::Ping => {}
+        Request::ClusterTable { after_version, wait_ms } => {
+            out.put_u64_le(*after_version);
+            out.put_u32_le(*wait_ms);
+        }
+    }
+    Ok(())
+}
+
+/// A string field with a u16 length, at most `max` bytes.
+fn put_str(out: &mut Vec<u8>, s: &str, max: usize, field: &'static str) -> Result<(), ProtocolError> {
+    if s.len() > max {
+        return Err(ProtocolError::malformed(field, format!("{} bytes, over the limit of {max}", s.len())));
+    }
+    out.put_u16_le(s.len() as u16);
+    out.extend_from_slice(s.as_bytes());
+    Ok(())
+}
+
+fn member_state_code(state: MemberState) -> u8 {
+    match state {
+        MemberState::Joining => 0,
+        MemberState::Up => 1,
+        MemberState::Draining => 2,
+        MemberState::Down => 3,
+    }
+}
+
+fn encode_cluster_table(t: &SlotTable, out: &mut Vec<u8>) -> Result<(), ProtocolError> {
+    let members = t.members();
+    if members.len() > MAX_CLUSTER_MEMBERS {
+        return Err(ProtocolError::malformed(
+            "cluster_table.members",
+            format!("{} members, over the limit of {MAX_CLUSTER_MEMBERS}", members.len()),
+        ));
+    }
+    if t.slots() > MAX_CLUSTER_SLOTS || t.replicas() > MAX_CLUSTER_REPLICAS {
+        return Err(ProtocolError::malformed(
+            "cluster_table.slots",
+            format!("{} slots × {} replicas, over the limits of {MAX_CLUSTER_SLOTS} × {MAX_CLUSTER_REPLICAS}", t.slots(), t.replicas()),
+        ));
+    }
+    out.put_u64_le(t.version);
+    out.put_u32_le(t.slots());
+    out.put_u16_le(t.replicas() as u16);
+    out.put_u16_le(members.len() as u16);
+    for m in members {
+        put_str(out, &m.id, MAX_CLUSTER_STRING_BYTES, "cluster_table.member.id")?;
+        put_str(out, &m.endpoint, MAX_CLUSTER_STRING_BYTES, "cluster_table.member.endpoint")?;
+        put_str(out, &m.zone, MAX_CLUSTER_STRING_BYTES, "cluster_table.member.zone")?;
+        out.put_u32_le(m.weight);
+        out.push(member_state_code(m.state));
+    }
+    for &owner in t.owner_indices() {
+        // Indices are below the member count, itself at most 4096.
+        out.put_u16_le(owner as u16);
     }
     Ok(())
 }
@@ -210,6 +269,7 @@ fn encode_response(resp: &Response, out: &mut Vec<u8>, payloads: &mut Vec<Bytes>
             }
         }
         Response::Pong => {}
+        Response::ClusterTable(t) => encode_cluster_table(t, out)?,
         Response::Error { code, message } => {
             out.put_u16_le(code.to_u16());
             let message = truncate_utf8(message, MAX_ERROR_MESSAGE_BYTES);
@@ -344,6 +404,16 @@ pub fn decode_body(header: &FrameHeader, meta: Bytes, limits: &Limits) -> Result
         Opcode::Pong => {
             no_payload("pong")?;
             Meta::Complete(Message::Response(Response::Pong))
+        }
+        Opcode::ClusterTable => {
+            no_payload("cluster_table")?;
+            let after_version = r.u64("cluster_table.after_version")?;
+            let wait_ms = r.u32("cluster_table.wait_ms")?;
+            Meta::Complete(Message::Request(Request::ClusterTable { after_version, wait_ms }))
+        }
+        Opcode::ClusterTableResult => {
+            no_payload("cluster_table_result")?;
+            Meta::Complete(Message::Response(Response::ClusterTable(Box::new(r.cluster_table()?))))
         }
         Opcode::PutResult | Opcode::ExistsResult | Opcode::DeleteResult => {
             no_payload("results")?;
@@ -590,6 +660,63 @@ impl Reader {
             keys.push(self.key(i, limits)?);
         }
         Ok(keys)
+    }
+
+    fn string(&mut self, max: usize, field: &'static str) -> Result<String, ProtocolError> {
+        let len = self.u16(field)? as usize;
+        if len > max {
+            return Err(ProtocolError::malformed(field, format!("{len} bytes, over the limit of {max}")));
+        }
+        let raw = self.bytes(len, field)?;
+        String::from_utf8(raw.to_vec()).map_err(|_| ProtocolError::malformed(field, "not UTF-8"))
+    }
+
+    /// A CLUSTER_TABLE_RESULT's meta, checked as a table (owners name
+    /// existing members, no member twice in a slot, no down owner).
+    fn cluster_table(&mut self) -> Result<SlotTable, ProtocolError> {
+        let version = self.u64("cluster_table.version")?;
+        let slots = self.u32("cluster_table.slots")?;
+        let replicas = self.u16("cluster_table.replicas")? as u32;
+        let count = self.u16("cluster_table.member_count")? as usize;
+        if slots > MAX_CLUSTER_SLOTS || replicas > MAX_CLUSTER_REPLICAS {
+            return Err(ProtocolError::malformed(
+                "cluster_table.slots",
+                format!("{slots} slots × {replicas} replicas, over the limits of {MAX_CLUSTER_SLOTS} × {MAX_CLUSTER_REPLICAS}"),
+            ));
+        }
+        if count > MAX_CLUSTER_MEMBERS {
+            return Err(ProtocolError::malformed(
+                "cluster_table.member_count",
+                format!("{count} members, over the limit of {MAX_CLUSTER_MEMBERS}"),
+            ));
+        }
+        // Each member is at least 11 bytes (three empty strings, weight, state).
+        self.fits(count, 11, "cluster_table.member_count")?;
+        let mut members = Vec::with_capacity(count);
+        for _ in 0..count {
+            let id = self.string(MAX_CLUSTER_STRING_BYTES, "cluster_table.member.id")?;
+            let endpoint = self.string(MAX_CLUSTER_STRING_BYTES, "cluster_table.member.endpoint")?;
+            let zone = self.string(MAX_CLUSTER_STRING_BYTES, "cluster_table.member.zone")?;
+            let weight = self.u32("cluster_table.member.weight")?;
+            let state = match self.take(1, "cluster_table.member.state")?[0] {
+                0 => MemberState::Joining,
+                1 => MemberState::Up,
+                2 => MemberState::Draining,
+                3 => MemberState::Down,
+                other => {
+                    return Err(ProtocolError::malformed("cluster_table.member.state", format!("{other} is not a member state (0..=3)")))
+                }
+            };
+            members.push(Member { id, endpoint, zone, weight, state, labels: Vec::new() });
+        }
+        let entries = slots as usize * replicas as usize;
+        self.fits(entries, 2, "cluster_table.owners")?;
+        let mut owners = Vec::with_capacity(entries);
+        for _ in 0..entries {
+            owners.push(self.u16("cluster_table.owner")? as u32);
+        }
+        SlotTable::new(version, members, slots, replicas, replicas, owners)
+            .map_err(|e| ProtocolError::malformed("cluster_table.owners", e.to_string()))
     }
 
     fn finish(&self) -> Result<(), ProtocolError> {

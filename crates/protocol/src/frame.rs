@@ -31,6 +31,7 @@ pub enum Opcode {
     MatchPrefix = 0x06,
     Stats = 0x07,
     Ping = 0x08,
+    ClusterTable = 0x09,
     HelloAck = 0x81,
     PutResult = 0x82,
     GetResult = 0x83,
@@ -39,6 +40,7 @@ pub enum Opcode {
     MatchPrefixResult = 0x86,
     StatsResult = 0x87,
     Pong = 0x88,
+    ClusterTableResult = 0x89,
     Error = 0xff,
 }
 
@@ -53,6 +55,7 @@ impl Opcode {
             0x06 => Opcode::MatchPrefix,
             0x07 => Opcode::Stats,
             0x08 => Opcode::Ping,
+            0x09 => Opcode::ClusterTable,
             0x81 => Opcode::HelloAck,
             0x82 => Opcode::PutResult,
             0x83 => Opcode::GetResult,
@@ -61,6 +64,7 @@ impl Opcode {
             0x86 => Opcode::MatchPrefixResult,
             0x87 => Opcode::StatsResult,
             0x88 => Opcode::Pong,
+            0x89 => Opcode::ClusterTableResult,
             0xff => Opcode::Error,
             _ => return None,
         })

@@ -74,3 +74,18 @@ impl Limits {
         }
     }
 }
+
+/// Members a CLUSTER_TABLE_RESULT may list (owner indices travel as u16).
+pub const MAX_CLUSTER_MEMBERS: usize = 4096;
+
+/// Slots a CLUSTER_TABLE_RESULT may carry.
+pub const MAX_CLUSTER_SLOTS: u32 = 65_536;
+
+/// Owners per slot a CLUSTER_TABLE_RESULT may carry.
+pub const MAX_CLUSTER_REPLICAS: u32 = 8;
+
+/// Bytes of a member's id, endpoint or zone in a CLUSTER_TABLE_RESULT.
+pub const MAX_CLUSTER_STRING_BYTES: usize = 255;
+
+/// Longest wait a CLUSTER_TABLE request gets, whatever it asks for.
+pub const MAX_CLUSTER_WAIT_MS: u32 = 60_000;

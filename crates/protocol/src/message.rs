@@ -10,6 +10,7 @@ use bytes::Bytes;
 use super::error::ErrorCode;
 use super::frame::{Features, Opcode};
 use super::limits::Limits;
+use super::placement::SlotTable;
 
 /// A block payload with its CRC-32C (Castagnoli).
 ///
@@ -114,6 +115,15 @@ pub enum Request {
     },
     Stats,
     Ping,
+    /// The cluster's membership and slot table. Answered at once when the
+    /// node's table is newer than `after_version`, else when it changes or
+    /// `wait_ms` (capped by the node) passes, with whatever is current then:
+    /// a client keeps one of these outstanding on a connection of its own
+    /// and so hears of every change without polling.
+    ClusterTable {
+        after_version: u64,
+        wait_ms: u32,
+    },
 }
 
 /// What a server answers. Per-key results are in request order.
@@ -143,6 +153,8 @@ pub enum Response {
         entries: Vec<StatEntry>,
     },
     Pong,
+    /// The membership and the owners of every slot, with their version.
+    ClusterTable(Box<SlotTable>),
     /// The request as a whole failed (or, with request id 0 and no request to
     /// blame, the connection is about to close).
     Error {
@@ -190,6 +202,7 @@ impl Message {
                 Request::MatchPrefix { .. } => Opcode::MatchPrefix,
                 Request::Stats => Opcode::Stats,
                 Request::Ping => Opcode::Ping,
+                Request::ClusterTable { .. } => Opcode::ClusterTable,
             },
             Message::Response(r) => match r {
                 Response::HelloAck(_) => Opcode::HelloAck,
@@ -200,6 +213,7 @@ impl Message {
                 Response::MatchPrefix { .. } => Opcode::MatchPrefixResult,
                 Response::Stats { .. } => Opcode::StatsResult,
                 Response::Pong => Opcode::Pong,
+                Response::ClusterTable(_) => Opcode::ClusterTableResult,
                 Response::Error { .. } => Opcode::Error,
             },
         }

@@ -6,6 +6,7 @@
 //! everything after `#` is a comment and the rest is bytes as two-digit hex.
 
 use bytes::Bytes;
+use kvplane_protocol::placement::{Member, SlotTable};
 use kvplane_protocol::{
     decode, encode, Block, ErrorCode, Features, Frame, Hello, HelloAck, Limits, Opcode, Request, Response, DEFAULT_MAX_BATCH_KEYS,
     DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_KEY_BYTES, DEFAULT_MAX_LEASE_MS, HEADER_LEN, MAX_ERROR_MESSAGE_BYTES, MAX_STATS_ENTRIES,
@@ -54,7 +55,15 @@ fn examples() -> Vec<(&'static str, Frame)> {
         ("get", Frame::request(1, Request::Get { keys: vec![key("k1")] })),
         ("get_result", Frame::response(1, Response::Get { results: vec![Ok(Block::new(key("hello")))] })),
         ("get_result_miss", Frame::response(1, Response::Get { results: vec![Err(ErrorCode::NotFound)] })),
+        ("cluster_table", Frame::request(2, Request::ClusterTable { after_version: 7, wait_ms: 30_000 })),
+        ("cluster_table_result", Frame::response(2, Response::ClusterTable(Box::new(two_member_table())))),
     ]
+}
+
+/// Two up members, two slots, one owner each, version 8.
+fn two_member_table() -> SlotTable {
+    let members = vec![Member::up("a", "10.0.0.1:9600"), Member::up("b", "10.0.0.2:9600")];
+    SlotTable::new(8, members, 2, 1, 1, vec![0, 1]).unwrap()
 }
 
 #[test]

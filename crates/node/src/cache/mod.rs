@@ -261,6 +261,17 @@ impl BlockCache {
         matched
     }
 
+    /// Every entry now (key, block, checksum), shard by shard: what a
+    /// draining node hands on. The blocks are shared, not copied; an entry
+    /// stored meanwhile may be missed, one removed meanwhile may be listed.
+    pub fn entries(&self) -> Vec<(Bytes, Block, u32)> {
+        let mut out = Vec::new();
+        for slot in self.shards.iter() {
+            lock(slot).entries(&mut out);
+        }
+        out
+    }
+
     pub fn stats(&self) -> CacheStats {
         let now = self.clock.now();
         let mut stats = CacheStats::default();

@@ -151,6 +151,11 @@ impl Shard {
         None
     }
 
+    /// Appends every entry (key, block, checksum) to `out`.
+    pub(super) fn entries(&self, out: &mut Vec<(Bytes, Block, u32)>) {
+        out.extend(self.nodes.iter().filter_map(|n| n.entry.as_ref()).map(|e| (e.key.clone(), e.block.clone(), e.crc)));
+    }
+
     /// Returns the removed block so it is dropped outside the lock.
     pub(super) fn remove(&mut self, hash: u64, key: &[u8]) -> Option<Block> {
         let idx = self.find(hash, key)?;

@@ -13,6 +13,7 @@ use kvplane_config::{NodeConfigFile, PluginKind};
 use kvplane_runtime::source::{self, Fetched, SourceError, SourceFailure};
 use kvplane_runtime::{PluginRuntime, World};
 
+use crate::cluster::ClusterSetup;
 use crate::tier::TierSetup;
 
 /// A plugin that passed verification and started.
@@ -54,6 +55,48 @@ pub fn read(path: &Path) -> anyhow::Result<NodeConfigFile> {
         }
     }
     Ok(file)
+}
+
+/// Cluster mode as the file asks for it, with the key-placement plugin it
+/// names (or the one declared). `None` without a `cluster` section.
+pub fn cluster_setup(file: &NodeConfigFile, plugins: &[VerifiedPlugin], token: Option<String>) -> anyhow::Result<Option<ClusterSetup>> {
+    let Some(c) = &file.cluster else { return Ok(None) };
+    let etcd = match &file.metadata {
+        Some(kvplane_config::MetadataEndpoints::Etcd(e)) if !e.is_empty() => e.clone(),
+        _ => anyhow::bail!("cluster: needs metadata.etcd endpoints"),
+    };
+    let id = match &c.node_id {
+        Some(id) => id.clone(),
+        None => std::env::var("POD_NAME")
+            .ok()
+            .filter(|s| !s.is_empty())
+            .or_else(|| std::fs::read_to_string("/etc/hostname").ok().map(|h| h.trim().to_string()).filter(|h| !h.is_empty()))
+            .context("cluster.nodeId: not set, and neither POD_NAME nor the host name gives one")?,
+    };
+    let placement = plugins
+        .iter()
+        .filter(|p| p.world == World::KeyPlacement && c.placement.as_ref().is_none_or(|n| &p.name == n))
+        .find_map(|p| match &p.loaded {
+            LoadedPlugin::KeyPlacement(k) => Some(Arc::clone(k)),
+            _ => None,
+        });
+    let member = kvplane_protocol::placement::Member {
+        id,
+        endpoint: c.advertise.clone().unwrap_or_default(),
+        zone: c.zone.clone().unwrap_or_default(),
+        weight: c.weight,
+        state: kvplane_protocol::placement::MemberState::Up,
+        labels: Vec::new(),
+    };
+    Ok(Some(ClusterSetup {
+        etcd,
+        name: c.name.clone(),
+        member,
+        lease_ttl: std::time::Duration::from_secs(c.lease_ttl_seconds),
+        replicas: c.replicas,
+        placement,
+        token,
+    }))
 }
 
 /// The second tier the file asks for, from the plugins it declared (already

@@ -14,7 +14,7 @@ use bytes::Bytes;
 use kvplane_protocol::io::{read_bytes, read_header, skip, write_frame};
 use kvplane_protocol::{
     checksum, decode_body, encode, Block, ErrorCode, Features, Frame, FrameHeader, HelloAck, Message, Meta, Opcode, PayloadSlot,
-    ProtocolError, Request, Response, StatEntry, MIN_VERSION, VERSION,
+    ProtocolError, Request, Response, StatEntry, MAX_CLUSTER_WAIT_MS, MIN_VERSION, VERSION,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, BufReader};
 use tokio::net::{TcpListener, UnixListener};
@@ -140,6 +140,8 @@ struct Conn<'a, R, W> {
     writer: W,
     state: &'a NodeState,
     features: Features,
+    /// Ends a CLUSTER_TABLE wait when the node shuts down.
+    shutdown: Shutdown,
 }
 
 async fn serve<R, W>(reader: R, writer: W, state: &NodeState, mut shutdown: Shutdown) -> Result<(), ConnectionEnd>
@@ -147,7 +149,13 @@ where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
-    let mut conn = Conn { reader: BufReader::with_capacity(READ_BUFFER_BYTES, reader), writer, state, features: Features::default() };
+    let mut conn = Conn {
+        reader: BufReader::with_capacity(READ_BUFFER_BYTES, reader),
+        writer,
+        state,
+        features: Features::default(),
+        shutdown: shutdown.clone(),
+    };
     let timeout = state.config.handshake_timeout;
     match tokio::time::timeout(timeout, conn.handshake()).await {
         Ok(result) => result?,
@@ -373,6 +381,17 @@ where
                 Response::Stats { entries: self.state.stats().into_iter().map(|(name, value)| StatEntry { name, value }).collect() }
             }
             Request::Ping => Response::Pong,
+            Request::ClusterTable { after_version, wait_ms } => match &self.state.cluster {
+                None => Response::Error { code: ErrorCode::Unsupported, message: "this node is not in a cluster".into() },
+                Some(cluster) => {
+                    let wait = Duration::from_millis(wait_ms.min(MAX_CLUSTER_WAIT_MS) as u64);
+                    let mut stop = self.shutdown.clone();
+                    match cluster.table_after(after_version, wait, &mut stop).await {
+                        Ok(router) => Response::ClusterTable(Box::new(router.table().clone())),
+                        Err(message) => Response::Error { code: ErrorCode::Unavailable, message },
+                    }
+                }
+            },
             Request::Hello(_) => Response::Error { code: ErrorCode::Invalid, message: "HELLO after the handshake".into() },
             Request::Put { .. } => Response::Error { code: ErrorCode::Internal, message: "PUT arrived without payload slots".into() },
         }

@@ -24,6 +24,7 @@ use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinSet;
 
 use crate::cache::{BlockCache, CacheConfig};
+use crate::cluster::{ClusterNode, ClusterSetup, HandOff};
 use crate::memory::{MemoryPool, PoolConfig};
 use crate::tier::{SecondTier, TierSetup};
 use metrics::Metrics;
@@ -55,6 +56,8 @@ pub struct NodeConfig {
     pub drain_timeout: Duration,
     /// The second tier (a backend plugin), if any.
     pub tier: Option<TierSetup>,
+    /// Cluster mode, if any.
+    pub cluster: Option<ClusterSetup>,
 }
 
 impl Default for NodeConfig {
@@ -72,6 +75,7 @@ impl Default for NodeConfig {
             write_timeout: Duration::from_secs(30),
             drain_timeout: Duration::from_secs(10),
             tier: None,
+            cluster: None,
         }
     }
 }
@@ -82,6 +86,7 @@ pub(crate) struct NodeState {
     pub(crate) metrics: Metrics,
     pub(crate) config: NodeConfig,
     pub(crate) tier: Option<SecondTier>,
+    pub(crate) cluster: Option<ClusterNode>,
     draining: AtomicBool,
 }
 
@@ -94,6 +99,9 @@ impl NodeState {
         let mut out = self.metrics.snapshot(&self.cache.stats(), &self.cache.pool().stats());
         if let Some(tier) = &self.tier {
             out.extend(tier.stats());
+        }
+        if let Some(cluster) = &self.cluster {
+            out.extend(cluster.stats());
         }
         out
     }
@@ -134,7 +142,12 @@ impl Node {
         let unix_path = config.unix.clone();
         let admin_at = config.admin;
         let tier = config.tier.clone().map(|t| SecondTier::start(t, cache.pool().capacity_bytes()));
-        let state = Arc::new(NodeState { cache, metrics: Metrics::default(), config, tier, draining: AtomicBool::new(false) });
+        // Registered once the listener is bound: the record names the port.
+        let cluster = match config.cluster.clone() {
+            Some(setup) => Some(ClusterNode::join(setup, tcp_addr).await.context("joining the cluster (cluster in the config file)")?),
+            None => None,
+        };
+        let state = Arc::new(NodeState { cache, metrics: Metrics::default(), config, tier, cluster, draining: AtomicBool::new(false) });
         state.metrics.register(&mut registry, Arc::downgrade(&state));
         let admin = match admin_at {
             Some(addr) => {
@@ -174,6 +187,21 @@ impl Node {
     /// The node's counters (what a STATS request answers).
     pub fn stats(&self) -> Vec<(String, u64)> {
         self.state.stats()
+    }
+
+    /// The slot table this node serves (cluster mode).
+    pub fn cluster_table(&self) -> Option<Arc<kvplane_protocol::placement::SlotTable>> {
+        self.state.cluster.as_ref().map(|c| Arc::new(c.table().table().clone()))
+    }
+
+    /// Leaves the cluster by handing every block on to the owners of its
+    /// key in the table without this node (which keeps serving meanwhile),
+    /// then revoking its registration. Call before [`Node::shutdown`].
+    pub async fn hand_off(&self) -> anyhow::Result<HandOff> {
+        let cluster = self.state.cluster.as_ref().context("this node is not in a cluster")?;
+        let handed = cluster.hand_off(&self.state.cache, self.state.config.drain_timeout).await?;
+        tracing::info!(moved = handed.moved, failed = handed.failed, "handed blocks on");
+        Ok(handed)
     }
 
     /// Stops accepting, lets in-flight requests finish and closes. Returns

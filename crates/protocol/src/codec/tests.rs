@@ -1,5 +1,6 @@
 use super::*;
 use crate::limits::Limits;
+use crate::placement::{Member, MemberState, SlotTable};
 
 fn key(s: &str) -> Bytes {
     Bytes::copy_from_slice(s.as_bytes())
@@ -37,7 +38,34 @@ fn all_frames() -> Vec<Frame> {
         Frame::response(8, Response::Stats { entries: vec![StatEntry { name: "hits".into(), value: 42 }] }),
         Frame::response(9, Response::Pong),
         Frame::response(10, Response::Error { code: ErrorCode::Other(999), message: "from a newer node".into() }),
+        Frame::request(11, Request::ClusterTable { after_version: 7, wait_ms: 30_000 }),
+        Frame::response(11, Response::ClusterTable(Box::new(small_table()))),
     ]
+}
+
+/// Three members (one draining), four slots, two owners each.
+fn small_table() -> SlotTable {
+    let mut members = vec![Member::up("a", "10.0.0.1:9600"), Member::up("b", "10.0.0.2:9600"), Member::up("c", "10.0.0.3:9600")];
+    members[1].zone = "zone-1".into();
+    members[2].state = MemberState::Draining;
+    members[2].weight = 0;
+    SlotTable::new(9, members, 4, 2, 2, vec![0, 1, 1, 0, 0, 2, 1, 0]).unwrap()
+}
+
+#[test]
+fn a_cluster_table_naming_a_member_that_is_not_listed_is_malformed() {
+    let encoded = encode(&Frame::response(1, Response::ClusterTable(Box::new(small_table())))).unwrap();
+    let mut wire = encoded.to_vec();
+    // The last owner index (u16 at the very end) → member #9 of 3.
+    let n = wire.len();
+    wire[n - 2] = 9;
+    match decode(&Bytes::from(wire), &Limits::default()) {
+        Err(DecodeError { error: ProtocolError::Malformed { field, reason }, .. }) => {
+            assert_eq!(field, "cluster_table.owners");
+            assert!(reason.contains("member #9"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
 }
 
 #[test]

@@ -1,0 +1,421 @@
+//! A client of a whole cluster: routes every key to its owners itself.
+//!
+//! Given any node of a cluster, [`ClusterClient`] fetches the slot table
+//! (`CLUSTER_TABLE`) and from then on keeps one `CLUSTER_TABLE` outstanding
+//! on a connection of its own, so a membership change reaches it as soon as
+//! the nodes know it — no polling, no etcd client, no plugin runtime: a key's
+//! owners are a CRC-32C, a modulo and a slice index
+//! ([`kvplane_protocol::placement`]).
+//!
+//! A batch is split by owner, sent to the owners in parallel and merged back
+//! into request order. A PUT is acknowledged once `write_quorum` owners
+//! stored it; a GET asks the next owner when one fails or lacks the key.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use kvplane_protocol::placement::{MemberState, SlotTable};
+use kvplane_protocol::{KvError, Request, Response};
+use tokio::sync::watch;
+use tokio::task::{JoinHandle, JoinSet};
+
+use crate::client::{Client, ClientConfig, PrefixMatch};
+use crate::endpoint::Endpoint;
+
+/// How long one CLUSTER_TABLE may wait for a change before it is asked again.
+const TABLE_WAIT: Duration = Duration::from_secs(30);
+
+/// How to reach a cluster.
+#[derive(Debug, Clone)]
+pub struct ClusterConfig {
+    /// Nodes to ask for the first table (any one that answers will do).
+    pub seeds: Vec<Endpoint>,
+    /// Bearer token the nodes require.
+    pub token: Option<String>,
+    /// Connections per node.
+    pub connections: usize,
+    /// Limit on connecting and on waiting for any one answer.
+    pub timeout: Duration,
+    /// Owners that must store a PUT before it is acknowledged; `None`: every
+    /// owner the table lists for the key.
+    pub write_quorum: Option<usize>,
+}
+
+impl ClusterConfig {
+    pub fn new(seeds: Vec<Endpoint>) -> ClusterConfig {
+        ClusterConfig { seeds, token: None, connections: 2, timeout: Duration::from_secs(10), write_quorum: None }
+    }
+}
+
+/// Connections to the members, opened on first use.
+struct Nodes {
+    config: ClusterConfig,
+    clients: Mutex<HashMap<String, Arc<Client>>>,
+}
+
+impl Nodes {
+    async fn client(&self, endpoint: &str) -> Result<Arc<Client>, KvError> {
+        if let Some(c) = self.clients.lock().unwrap_or_else(|p| p.into_inner()).get(endpoint) {
+            return Ok(Arc::clone(c));
+        }
+        let mut config = ClientConfig::new(Endpoint::Tcp(endpoint.to_string()));
+        config.token.clone_from(&self.config.token);
+        config.connections = self.config.connections;
+        config.timeout = self.config.timeout;
+        let client = Arc::new(Client::connect(config).await?);
+        let mut clients = self.clients.lock().unwrap_or_else(|p| p.into_inner());
+        Ok(Arc::clone(clients.entry(endpoint.to_string()).or_insert(client)))
+    }
+
+    /// Forgets a node whose connection failed, so the next use reconnects.
+    fn forget(&self, endpoint: &str) {
+        self.clients.lock().unwrap_or_else(|p| p.into_inner()).remove(endpoint);
+    }
+}
+
+/// A client of every node of a cluster.
+pub struct ClusterClient {
+    nodes: Arc<Nodes>,
+    table: watch::Receiver<Arc<SlotTable>>,
+    follower: JoinHandle<()>,
+}
+
+impl Drop for ClusterClient {
+    fn drop(&mut self) {
+        self.follower.abort();
+    }
+}
+
+/// Asks `endpoint` for a table newer than `after`, waiting up to `wait`.
+async fn fetch_table(config: &ClusterConfig, endpoint: &Endpoint, after: u64, wait: Duration) -> Result<SlotTable, KvError> {
+    let mut c = ClientConfig::new(endpoint.clone());
+    c.token.clone_from(&config.token);
+    c.connections = 1;
+    c.timeout = config.timeout + wait;
+    let client = Client::connect(c).await?;
+    fetch_on(&client, after, wait).await
+}
+
+async fn fetch_on(client: &Client, after: u64, wait: Duration) -> Result<SlotTable, KvError> {
+    let wait_ms = u32::try_from(wait.as_millis()).unwrap_or(u32::MAX);
+    match client.call(Request::ClusterTable { after_version: after, wait_ms }).await? {
+        Response::ClusterTable(t) => Ok(*t),
+        Response::Error { code, message } => Err(code.into_kv_error(message)),
+        other => Err(KvError::Internal(format!("node answered CLUSTER_TABLE with {other:?}"))),
+    }
+}
+
+impl ClusterClient {
+    /// Fetches the table from the first seed that answers and starts
+    /// following it.
+    pub async fn connect(config: ClusterConfig) -> Result<ClusterClient, KvError> {
+        let mut last = KvError::Invalid("no seed nodes given".into());
+        let mut first = None;
+        for seed in &config.seeds {
+            match fetch_table(&config, seed, 0, Duration::ZERO).await {
+                Ok(t) => {
+                    first = Some(t);
+                    break;
+                }
+                Err(e) => last = e,
+            }
+        }
+        let first = first.ok_or(last)?;
+        let (tx, table) = watch::channel(Arc::new(first));
+        let nodes = Arc::new(Nodes { config: config.clone(), clients: Mutex::new(HashMap::new()) });
+        let follower = tokio::spawn(follow(config, tx));
+        Ok(ClusterClient { nodes, table, follower })
+    }
+
+    /// The slot table in use.
+    pub fn table(&self) -> Arc<SlotTable> {
+        Arc::clone(&self.table.borrow())
+    }
+
+    /// Waits until the table's version is above `version` (for tests and
+    /// tools that act on a membership change).
+    pub async fn table_after(&self, version: u64) -> Arc<SlotTable> {
+        let mut rx = self.table.clone();
+        let t = rx.wait_for(|t| t.version > version).await.map(|t| Arc::clone(&t));
+        t.unwrap_or_else(|_| self.table())
+    }
+
+    /// Stores each block on the key's owners; `Ok` once `write_quorum` of
+    /// them stored it.
+    pub async fn put(&self, entries: Vec<(Bytes, Bytes)>) -> Result<Vec<Result<(), KvError>>, KvError> {
+        let table = self.table();
+        let n = entries.len();
+        let mut groups: HashMap<u32, Vec<usize>> = HashMap::new();
+        let mut needed = vec![0usize; n];
+        for (i, (key, _)) in entries.iter().enumerate() {
+            let owners: Vec<u32> = writable_owners(&table, key);
+            needed[i] = self.nodes.config.write_quorum.unwrap_or(owners.len()).max(1);
+            for o in owners {
+                groups.entry(o).or_default().push(i);
+            }
+        }
+        let mut stored = vec![0usize; n];
+        let mut errors: Vec<Option<KvError>> = vec![None; n];
+        let mut calls = JoinSet::new();
+        for (owner, indices) in groups {
+            let endpoint = table.members()[owner as usize].endpoint.clone();
+            let nodes = Arc::clone(&self.nodes);
+            let batch: Vec<(Bytes, Bytes)> = indices.iter().map(|&i| entries[i].clone()).collect();
+            calls.spawn(async move {
+                let result = match nodes.client(&endpoint).await {
+                    Ok(c) => c.put(batch).await,
+                    Err(e) => Err(e),
+                };
+                if result.is_err() {
+                    nodes.forget(&endpoint);
+                }
+                (indices, result)
+            });
+        }
+        while let Some(done) = calls.join_next().await {
+            let (indices, result) = done.map_err(|e| KvError::Internal(format!("a PUT task failed: {e}")))?;
+            match result {
+                Ok(results) => {
+                    for (i, r) in indices.into_iter().zip(results) {
+                        match r {
+                            Ok(()) => stored[i] += 1,
+                            Err(e) => {
+                                errors[i].get_or_insert(e);
+                            }
+                        }
+                    }
+                }
+                Err(e) => {
+                    for i in indices {
+                        errors[i].get_or_insert(e.clone());
+                    }
+                }
+            }
+        }
+        Ok((0..n)
+            .map(|i| {
+                if stored[i] >= needed[i] {
+                    Ok(())
+                } else {
+                    Err(errors[i].take().unwrap_or_else(|| {
+                        KvError::Unavailable(format!("{} of the {} owners needed stored the key", stored[i], needed[i]))
+                    }))
+                }
+            })
+            .collect())
+    }
+
+    /// Fetches each key from its first owner that has it.
+    pub async fn get(&self, keys: Vec<Bytes>) -> Result<Vec<Result<Bytes, KvError>>, KvError> {
+        let table = self.table();
+        let candidates: Vec<Vec<u32>> = keys.iter().map(|k| readable_owners(&table, k)).collect();
+        let mut out: Vec<Result<Bytes, KvError>> = (0..keys.len()).map(|_| Err(KvError::NotFound)).collect();
+        let mut failure: Vec<Option<KvError>> = vec![None; keys.len()];
+        let mut pending: Vec<usize> = (0..keys.len()).collect();
+        let mut round = 0;
+        while !pending.is_empty() {
+            let mut groups: HashMap<u32, Vec<usize>> = HashMap::new();
+            for &i in &pending {
+                if let Some(&o) = candidates[i].get(round) {
+                    groups.entry(o).or_default().push(i);
+                }
+            }
+            if groups.is_empty() {
+                break;
+            }
+            let mut calls = JoinSet::new();
+            for (owner, indices) in groups {
+                let endpoint = table.members()[owner as usize].endpoint.clone();
+                let nodes = Arc::clone(&self.nodes);
+                let batch: Vec<Bytes> = indices.iter().map(|&i| keys[i].clone()).collect();
+                calls.spawn(async move {
+                    let result = match nodes.client(&endpoint).await {
+                        Ok(c) => c.get(batch).await,
+                        Err(e) => Err(e),
+                    };
+                    if result.is_err() {
+                        nodes.forget(&endpoint);
+                    }
+                    (indices, result)
+                });
+            }
+            let mut next = Vec::new();
+            while let Some(done) = calls.join_next().await {
+                let (indices, result) = done.map_err(|e| KvError::Internal(format!("a GET task failed: {e}")))?;
+                let results: Vec<Result<Bytes, KvError>> = match result {
+                    Ok(r) => r,
+                    Err(e) => indices.iter().map(|_| Err(e.clone())).collect(),
+                };
+                for (i, r) in indices.into_iter().zip(results) {
+                    match r {
+                        Ok(b) => out[i] = Ok(b),
+                        Err(KvError::NotFound) => next.push(i),
+                        Err(e) => {
+                            failure[i].get_or_insert(e);
+                            next.push(i);
+                        }
+                    }
+                }
+            }
+            pending = next;
+            round += 1;
+        }
+        // Not found anywhere: not-found, unless no owner could say so.
+        for i in pending {
+            let answered_absent = candidates[i].len() > usize::from(failure[i].is_some());
+            if !answered_absent {
+                if let Some(e) = failure[i].take() {
+                    out[i] = Err(e);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Whether any owner holds each key.
+    pub async fn exists(&self, keys: Vec<Bytes>) -> Result<Vec<bool>, KvError> {
+        let table = self.table();
+        let mut found = vec![false; keys.len()];
+        let candidates: Vec<Vec<u32>> = keys.iter().map(|k| readable_owners(&table, k)).collect();
+        let most = candidates.iter().map(Vec::len).max().unwrap_or(0);
+        for round in 0..most {
+            let mut groups: HashMap<u32, Vec<usize>> = HashMap::new();
+            for (i, c) in candidates.iter().enumerate() {
+                if let (false, Some(&o)) = (found[i], c.get(round)) {
+                    groups.entry(o).or_default().push(i);
+                }
+            }
+            for (owner, indices) in groups {
+                let endpoint = &table.members()[owner as usize].endpoint;
+                let Ok(client) = self.nodes.client(endpoint).await else {
+                    self.nodes.forget(endpoint);
+                    continue;
+                };
+                if let Ok(results) = client.presence_each(indices.iter().map(|&i| keys[i].clone()).collect(), true).await {
+                    for (i, r) in indices.into_iter().zip(results) {
+                        found[i] |= matches!(r, Ok(true));
+                    }
+                }
+            }
+        }
+        Ok(found)
+    }
+
+    /// Deletes each key from every owner; `true` where an owner held it.
+    pub async fn delete(&self, keys: Vec<Bytes>) -> Result<Vec<bool>, KvError> {
+        let table = self.table();
+        let mut groups: HashMap<u32, Vec<usize>> = HashMap::new();
+        for (i, k) in keys.iter().enumerate() {
+            for o in writable_owners(&table, k) {
+                groups.entry(o).or_default().push(i);
+            }
+        }
+        let mut deleted = vec![false; keys.len()];
+        for (owner, indices) in groups {
+            let endpoint = &table.members()[owner as usize].endpoint;
+            let client = self.nodes.client(endpoint).await?;
+            let results = client.presence_each(indices.iter().map(|&i| keys[i].clone()).collect(), false).await?;
+            for (i, r) in indices.into_iter().zip(results) {
+                deleted[i] |= r?;
+            }
+        }
+        Ok(deleted)
+    }
+
+    /// How many leading blocks of a chain the cluster holds: each run of
+    /// consecutive keys with the same owner is matched (and pinned) on that
+    /// owner, until the first gap.
+    pub async fn match_prefix(&self, keys: Vec<Bytes>, lease: Duration) -> Result<PrefixMatch, KvError> {
+        let table = self.table();
+        let mut matched = 0;
+        let mut granted: Option<Duration> = None;
+        while matched < keys.len() {
+            let Some(&owner) = readable_owners(&table, &keys[matched]).first() else { break };
+            let run = keys[matched..].iter().take_while(|k| readable_owners(&table, k).first() == Some(&owner)).count();
+            let client = self.nodes.client(&table.members()[owner as usize].endpoint).await?;
+            let m = client.match_prefix(keys[matched..matched + run].to_vec(), lease).await?;
+            matched += m.matched;
+            if m.matched > 0 {
+                granted = Some(granted.map_or(m.lease, |g| g.min(m.lease)));
+            }
+            if m.matched < run {
+                break;
+            }
+        }
+        Ok(PrefixMatch { matched, lease: granted.unwrap_or_default() })
+    }
+}
+
+/// Owners a PUT or DELETE goes to: every listed owner not down.
+fn writable_owners(table: &SlotTable, key: &[u8]) -> Vec<u32> {
+    table.owners_of(key).iter().copied().filter(|&o| table.members()[o as usize].state != MemberState::Down).collect()
+}
+
+/// Owners to read from, in order: up ones first (primary first), then
+/// draining ones (they hold their keys until they have handed them on).
+fn readable_owners(table: &SlotTable, key: &[u8]) -> Vec<u32> {
+    let owners = table.owners_of(key);
+    let state = |o: u32| table.members()[o as usize].state;
+    let mut out: Vec<u32> = owners.iter().copied().filter(|&o| state(o) == MemberState::Up).collect();
+    out.extend(owners.iter().copied().filter(|&o| matches!(state(o), MemberState::Draining | MemberState::Joining)));
+    out
+}
+
+/// Keeps one CLUSTER_TABLE outstanding at a time, moving to another member
+/// when the one asked fails, and publishes every newer table.
+async fn follow(config: ClusterConfig, tx: watch::Sender<Arc<SlotTable>>) {
+    let mut turn = 0usize;
+    let mut client: Option<(String, Client)> = None;
+    loop {
+        let current = Arc::clone(&tx.borrow());
+        let (endpoint, c) = match client.take() {
+            Some(c) => c,
+            None => {
+                // Members of the last table, then the seeds.
+                let mut candidates: Vec<String> =
+                    current.members().iter().filter(|m| m.state != MemberState::Down).map(|m| m.endpoint.clone()).collect();
+                candidates.extend(config.seeds.iter().filter_map(|s| match s {
+                    Endpoint::Tcp(a) => Some(a.clone()),
+                    Endpoint::Unix(_) => None,
+                }));
+                if candidates.is_empty() {
+                    return;
+                }
+                let endpoint = candidates[turn % candidates.len()].clone();
+                turn += 1;
+                let mut c = ClientConfig::new(Endpoint::Tcp(endpoint.clone()));
+                c.token.clone_from(&config.token);
+                c.connections = 1;
+                // The answer may take the whole wait; a silent node is given
+                // up on once the timeout passes beyond it.
+                c.timeout = config.timeout + TABLE_WAIT;
+                match Client::connect(c).await {
+                    Ok(c) => (endpoint, c),
+                    Err(e) => {
+                        tracing::debug!(endpoint, error = %e, "cluster table: member unreachable; trying another");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    }
+                }
+            }
+        };
+        match fetch_on(&c, current.version, TABLE_WAIT).await {
+            Ok(t) => {
+                if t.version > current.version {
+                    tracing::debug!(version = t.version, endpoint, "cluster table changed");
+                    tx.send_replace(Arc::new(t));
+                }
+                client = Some((endpoint, c));
+            }
+            Err(e) => {
+                tracing::debug!(endpoint, error = %e, "cluster table: asking another member");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+        if tx.is_closed() {
+            return;
+        }
+    }
+}

@@ -1,0 +1,238 @@
+//! Cluster mode: this node as a member of a pool of nodes.
+//!
+//! A node registers in etcd under a lease ([`kvplane_cluster::Membership`]),
+//! follows the membership through a watch, and recomputes the slot table on
+//! every change — with the key-placement plugin when one is declared, else
+//! natively with the same ring. It serves that table to clients
+//! (`CLUSTER_TABLE`), which route each key to its owners themselves: nodes
+//! never forward requests, so a key costs one hop.
+//!
+//! Leaving is a hand-off: the node marks itself draining (the table then
+//! gives its slots to the others), copies every block it holds to the key's
+//! owners in that table, and only then revokes its lease. A node that dies
+//! instead drops out when its lease expires; its keys survive on their other
+//! owners when the pool keeps more than one copy.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use bytes::Bytes;
+use kvplane_client::{Client, ClientConfig, Endpoint};
+use kvplane_cluster::{Membership, Registration, Router, Routing};
+use kvplane_protocol::placement::{Member, MemberState, SlotTable, SLOTS};
+use kvplane_runtime::KeyPlacement;
+use tokio::sync::{watch, Mutex};
+
+use crate::cache::BlockCache;
+
+/// What a node needs to join a cluster. Built by whoever read the config
+/// (the `kvplane node` command).
+#[derive(Clone)]
+pub struct ClusterSetup {
+    /// etcd client URLs (`http://host:port`).
+    pub etcd: Vec<String>,
+    /// Nodes with the same name (and etcd) form one cluster.
+    pub name: String,
+    /// This node's record; an empty `endpoint` is filled with the TCP
+    /// address the node bound.
+    pub member: Member,
+    pub lease_ttl: Duration,
+    /// Owners per key.
+    pub replicas: u32,
+    /// The key-placement plugin, if one is declared.
+    pub placement: Option<Arc<KeyPlacement>>,
+    /// Bearer token the node's peers require (for the hand-off).
+    pub token: Option<String>,
+}
+
+impl std::fmt::Debug for ClusterSetup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterSetup")
+            .field("etcd", &self.etcd)
+            .field("name", &self.name)
+            .field("member", &self.member)
+            .field("lease_ttl", &self.lease_ttl)
+            .field("replicas", &self.replicas)
+            .field("placement", &self.placement.as_ref().map(|p| p.plugin.decl().name.clone()))
+            .finish()
+    }
+}
+
+/// What a hand-off moved.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HandOff {
+    /// Blocks stored by at least one new owner.
+    pub moved: u64,
+    /// Blocks no new owner took (no owner left, or every owner refused).
+    pub failed: u64,
+}
+
+/// A running member.
+pub(crate) struct ClusterNode {
+    id: String,
+    membership: Mutex<Option<Membership>>,
+    registration: watch::Receiver<Registration>,
+    routing: Routing,
+    token: Option<String>,
+}
+
+impl ClusterNode {
+    /// Registers `setup.member` (its endpoint defaulting to `bound`) and
+    /// computes the first table.
+    pub(crate) async fn join(mut setup: ClusterSetup, bound: Option<std::net::SocketAddr>) -> anyhow::Result<ClusterNode> {
+        if setup.member.endpoint.is_empty() {
+            let addr = bound.context("cluster mode needs a TCP listener (or cluster.advertise) for peers and clients to reach")?;
+            setup.member.endpoint = if addr.ip().is_unspecified() {
+                // Listening on every address: the pod's own is the one to tell.
+                let ip = std::env::var("POD_IP")
+                    .context("the node listens on an unspecified address; set cluster.advertise or POD_IP to the address peers reach")?;
+                format!("{ip}:{}", addr.port())
+            } else {
+                addr.to_string()
+            };
+        }
+        let id = setup.member.id.clone();
+        let membership = Membership::register(&setup.etcd, &setup.name, setup.member, setup.lease_ttl)
+            .await
+            .with_context(|| format!("registering member {id} of cluster {} in etcd {:?}", setup.name, setup.etcd))?;
+        let members = membership.watch().await.context("following the cluster's membership")?;
+        let (placement, replicas) = (setup.placement, setup.replicas);
+        let routing = Routing::follow(members, move |version, members| {
+            let placement = placement.clone();
+            async move {
+                match placement {
+                    Some(p) => p.compute(version, members, SLOTS, replicas).await.map_err(|e| e.to_string()),
+                    None => kvplane_runtime::worlds::native_slot_table(version, members, SLOTS, replicas).map_err(|e| e.to_string()),
+                }
+            }
+        })
+        .await
+        .map_err(|e| anyhow::anyhow!(e))?;
+        tracing::info!(id, version = routing.current().version(), "joined the cluster");
+        let registration = membership.subscribe();
+        Ok(ClusterNode { id, membership: Mutex::new(Some(membership)), registration, routing, token: setup.token })
+    }
+
+    pub(crate) fn table(&self) -> Arc<Router> {
+        self.routing.current()
+    }
+
+    /// The table once it is newer than `after`, or when `wait` passed (or
+    /// `stop` fired), whichever is first. `Err` once this node lost its
+    /// registration: its table no longer follows the cluster (it may be cut
+    /// off from etcd), so a client must ask another member.
+    pub(crate) async fn table_after(&self, after: u64, wait: Duration, stop: &mut watch::Receiver<bool>) -> Result<Arc<Router>, String> {
+        let mut tables = self.routing.subscribe();
+        let mut registration = self.registration.clone();
+        let lost = |r: &Registration| matches!(r, Registration::Lost { .. });
+        let newer = tables.wait_for(|r| r.version() > after);
+        tokio::select! {
+            _ = newer => {}
+            _ = registration.wait_for(lost) => {}
+            _ = tokio::time::sleep(wait) => {}
+            _ = stop.changed() => {}
+        }
+        match &*self.registration.borrow() {
+            Registration::Lost { reason } => Err(format!("member {} is no longer registered in the cluster: {reason}", self.id)),
+            Registration::Registered => Ok(self.table()),
+        }
+    }
+
+    /// The cluster's counters, as a STATS answer lists them.
+    pub(crate) fn stats(&self) -> Vec<(String, u64)> {
+        let router = self.table();
+        let registered = matches!(*self.registration.borrow(), Registration::Registered);
+        vec![
+            ("cluster_registered".to_string(), u64::from(registered)),
+            ("cluster_table_version".into(), router.version()),
+            ("cluster_members".into(), router.table().members().len() as u64),
+        ]
+    }
+
+    /// Marks this node draining, waits for the table without it, copies
+    /// every block of `cache` to the key's owners there, and leaves.
+    pub(crate) async fn hand_off(&self, cache: &BlockCache, deadline: Duration) -> anyhow::Result<HandOff> {
+        let started = tokio::time::Instant::now();
+        {
+            let membership = self.membership.lock().await;
+            let m = membership.as_ref().context("this node already left the cluster")?;
+            m.set_state(MemberState::Draining).await.context("announcing that this node drains")?;
+        }
+        let mut tables = self.routing.subscribe();
+        let id = self.id.clone();
+        let drained = tables.wait_for(move |r| r.table().members().iter().any(|m| m.id == id && m.state != MemberState::Up));
+        let router = match tokio::time::timeout(deadline, drained).await {
+            Ok(Ok(r)) => Arc::clone(&r),
+            _ => anyhow::bail!("no slot table without this node within {deadline:?}"),
+        };
+        let left = deadline.saturating_sub(started.elapsed());
+        let moved = tokio::time::timeout(left, self.copy_out(cache, router.table())).await.unwrap_or_else(|_| {
+            tracing::warn!(?deadline, "hand-off deadline passed");
+            HandOff { moved: 0, failed: cache.entries().len() as u64 }
+        });
+        if let Some(m) = self.membership.lock().await.take() {
+            m.leave().await.context("leaving the cluster")?;
+        }
+        Ok(moved)
+    }
+
+    /// PUTs every block to each of its owners in `table` other than this
+    /// node, one batch per owner at a time.
+    async fn copy_out(&self, cache: &BlockCache, table: &SlotTable) -> HandOff {
+        let entries = cache.entries();
+        // Per owner: indices of the entries it should receive.
+        let mut per_owner: Vec<Vec<usize>> = vec![Vec::new(); table.members().len()];
+        for (i, (key, _, _)) in entries.iter().enumerate() {
+            for &o in table.owners_of(key) {
+                if table.members()[o as usize].id != self.id {
+                    per_owner[o as usize].push(i);
+                }
+            }
+        }
+        let mut stored = vec![false; entries.len()];
+        for (o, indices) in per_owner.iter().enumerate() {
+            if indices.is_empty() {
+                continue;
+            }
+            let member = &table.members()[o];
+            let mut config = ClientConfig::new(Endpoint::Tcp(member.endpoint.clone()));
+            config.token.clone_from(&self.token);
+            config.connections = 1;
+            let client = match Client::connect(config).await {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(member = member.id, error = %e, "hand-off: owner unreachable");
+                    continue;
+                }
+            };
+            let limits = client.limits();
+            let max_keys = limits.max_batch_keys.max(1) as usize;
+            let max_bytes = (limits.max_frame_bytes as usize / 2).max(1);
+            let mut batch: Vec<usize> = Vec::new();
+            let mut bytes = 0usize;
+            for (n, &i) in indices.iter().enumerate() {
+                batch.push(i);
+                bytes += entries[i].1.len();
+                let last = n + 1 == indices.len();
+                let next_too_big = !last && bytes + entries[indices[n + 1]].1.len() > max_bytes;
+                if last || batch.len() == max_keys || next_too_big {
+                    let put: Vec<(Bytes, Bytes)> =
+                        batch.iter().map(|&i| (entries[i].0.clone(), entries[i].1.clone().into_bytes())).collect();
+                    match client.put(put).await {
+                        Ok(results) => {
+                            for (&i, r) in batch.iter().zip(results) {
+                                stored[i] |= r.is_ok();
+                            }
+                        }
+                        Err(e) => tracing::warn!(member = member.id, error = %e, "hand-off: a batch was refused"),
+                    }
+                    batch.clear();
+                    bytes = 0;
+                }
+            }
+        }
+        let moved = stored.iter().filter(|s| **s).count() as u64;
+        HandOff { moved, failed: entries.len() as u64 - moved }
+    }
+}
