@@ -271,3 +271,39 @@ fn the_config_rendered_for_the_redis_example_serves_with_that_second_tier() {
     let stats: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(stats["backend_hits"], 1, "{stats}");
 }
+
+/// The same for `examples/kvcache/vineyard-tier.yaml`: kvplane nodes with a
+/// real vineyardd (PyPI vineyard 0.24.2) as the second tier. vineyardd binds
+/// every address, so the test runs inside a private network namespace.
+#[test]
+fn the_config_rendered_for_the_vineyard_tier_example_serves_with_that_second_tier() {
+    use kvplane_tests::vineyard::{in_private_network, VineyardServer};
+    if !in_private_network("the_config_rendered_for_the_vineyard_tier_example_serves_with_that_second_tier") {
+        return;
+    }
+    let vineyardd = VineyardServer::start();
+    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/kvcache/vineyard-tier.yaml");
+    let yaml = std::fs::read_to_string(example).unwrap().replace("vineyard.cache.svc:9600", &vineyardd.endpoint());
+    let kv: kvplane_operator::KVCache = serde_yaml::from_str(&yaml).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("node.json");
+    std::fs::write(&config, kvplane_operator::rendered_node_config(&kv).unwrap()).unwrap();
+    let env = [("KVPLANE_CACHE_DIR", dir.path().join("cache"))];
+
+    let block = dir.path().join("block.bin");
+    let data: Vec<u8> = (0..65_536u32).map(|i| (i % 239) as u8).collect();
+    std::fs::write(&block, &data).unwrap();
+    let first = NodeProcess::start_with_env(&["--config", config.to_str().unwrap()], &env);
+    let out = run(&["put", "--endpoint", &first.endpoint, "layer0/block9", block.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(first.sigterm_and_wait().success());
+
+    let second = NodeProcess::start_with_env(&["--config", config.to_str().unwrap()], &env);
+    let back = dir.path().join("back.bin");
+    let out = run(&["get", "--endpoint", &second.endpoint, "layer0/block9", "-o", back.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(std::fs::read(&back).unwrap(), data, "the block read back from vineyardd differs");
+    let out = run(&["stats", "--endpoint", &second.endpoint, "--json"]);
+    let stats: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(stats["backend_hits"], 1, "{stats}");
+}

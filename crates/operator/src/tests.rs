@@ -254,6 +254,7 @@ fn every_example_resolves() {
         ("kvplane", include_str!("../../../examples/kvcache/kvplane.yaml")),
         ("redis", include_str!("../../../examples/kvcache/redis.yaml")),
         ("vineyard", include_str!("../../../examples/kvcache/vineyard.yaml")),
+        ("vineyard-tier", include_str!("../../../examples/kvcache/vineyard-tier.yaml")),
         ("eic", include_str!("../../../examples/kvcache/eic.yaml")),
     ] {
         resolve(&kv(yaml)).unwrap_or_else(|e| panic!("examples/kvcache/{name}.yaml: {e}"));
