@@ -2,6 +2,7 @@
 //! (`POST /v3/...` on the client port, keys and values in base64, 64-bit
 //! integers as strings), failing over between the cluster's endpoints.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
@@ -85,8 +86,8 @@ impl Etcd {
     /// request for seconds, while another member may answer at once, or
     /// after the election that the first one was waiting for. An etcd
     /// error other than "unavailable" is final: another member would say
-    /// the same.
-    async fn call(&self, path: &str, body: &Value, timeout: Duration) -> Result<Value, Error> {
+    /// the same. Also returns when the attempt that got the answer was sent.
+    async fn call(&self, path: &str, body: &Value, timeout: Duration) -> Result<(Value, Instant), Error> {
         let deadline = Instant::now() + timeout;
         let count = self.endpoints.len();
         let share = (timeout / count as u32).max(MIN_ATTEMPT);
@@ -105,6 +106,7 @@ impl Etcd {
             let index = (first + attempt) % count;
             let endpoint = &self.endpoints[index];
             let request = self.http.post(format!("{endpoint}{path}")).timeout(share.min(left)).body(body.to_string());
+            let sent = Instant::now();
             let result = async {
                 let response = request.send().await.map_err(|e| chain(&e))?;
                 let status = response.status();
@@ -128,7 +130,7 @@ impl Etcd {
             };
             if status.is_success() {
                 self.preferred.store(index, Ordering::Relaxed);
-                return Ok(value);
+                return Ok((value, sent));
             }
             let (code, message) = grpc_error(&value);
             if code == GRPC_UNAVAILABLE {
@@ -147,24 +149,25 @@ impl Etcd {
         Err(Error::Unreachable { path: path.to_owned(), timeout, failures })
     }
 
-    /// A new lease; its ID and the TTL etcd granted (which may be longer
-    /// than asked: etcd has a minimum).
-    pub async fn grant(&self, ttl: Duration, timeout: Duration) -> Result<(i64, Duration), Error> {
+    /// A new lease; its ID, the TTL etcd granted (which may be longer than
+    /// asked: etcd has a minimum) and when the granting request was sent.
+    pub async fn grant(&self, ttl: Duration, timeout: Duration) -> Result<(i64, Duration, Instant), Error> {
         let path = "/v3/lease/grant";
-        let answer = self.call(path, &json!({"TTL": ttl.as_secs().max(1)}), timeout).await?;
+        let (answer, sent) = self.call(path, &json!({"TTL": ttl.as_secs().max(1)}), timeout).await?;
         let id = int(&answer, "ID");
         if id == 0 {
             return Err(protocol(self.preferred_endpoint(), path, format!("no lease ID in {answer}")));
         }
-        Ok((id, Duration::from_secs(int(&answer, "TTL").max(0) as u64)))
+        Ok((id, Duration::from_secs(int(&answer, "TTL").max(0) as u64), sent))
     }
 
-    /// Renew lease `id`; its TTL from now, zero if etcd no longer has it.
-    pub async fn keep_alive(&self, id: i64, timeout: Duration) -> Result<Duration, Error> {
+    /// Renew lease `id`: its TTL (zero if etcd no longer has it) from some
+    /// moment after the returned instant, when the renewal was sent.
+    pub async fn keep_alive(&self, id: i64, timeout: Duration) -> Result<(Duration, Instant), Error> {
         // A stream in gRPC; one request and one answer through the gateway.
-        let answer = self.call("/v3/lease/keepalive", &json!({"ID": id.to_string()}), timeout).await?;
+        let (answer, sent) = self.call("/v3/lease/keepalive", &json!({"ID": id.to_string()}), timeout).await?;
         let result = answer.get("result").unwrap_or(&answer);
-        Ok(Duration::from_secs(int(result, "TTL").max(0) as u64))
+        Ok((Duration::from_secs(int(result, "TTL").max(0) as u64), sent))
     }
 
     pub async fn revoke(&self, id: i64, timeout: Duration) -> Result<(), Error> {
@@ -174,7 +177,7 @@ impl Etcd {
     /// Put `key` attached to lease `lease`; the revision of the change.
     pub async fn put(&self, key: &str, value: &[u8], lease: i64, timeout: Duration) -> Result<i64, Error> {
         let body = json!({"key": BASE64.encode(key), "value": BASE64.encode(value), "lease": lease.to_string()});
-        let answer = self.call("/v3/kv/put", &body, timeout).await?;
+        let (answer, _) = self.call("/v3/kv/put", &body, timeout).await?;
         Ok(int(&answer["header"], "revision"))
     }
 
@@ -182,7 +185,7 @@ impl Etcd {
     pub async fn range_prefix(&self, prefix: &str, timeout: Duration) -> Result<(i64, Vec<Kv>), Error> {
         let path = "/v3/kv/range";
         let body = json!({"key": BASE64.encode(prefix), "range_end": BASE64.encode(prefix_end(prefix))});
-        let answer = self.call(path, &body, timeout).await?;
+        let (answer, _) = self.call(path, &body, timeout).await?;
         let kvs = match answer.get("kvs") {
             None => Ok(Vec::new()),
             Some(Value::Array(kvs)) => kvs.iter().map(decode_kv).collect::<Result<_, _>>(),
@@ -217,7 +220,7 @@ impl Etcd {
             match tokio::time::timeout(timeout, request.send()).await {
                 Ok(Ok(response)) if response.status().is_success() => {
                     self.preferred.store(index, Ordering::Relaxed);
-                    return Ok(WatchStream { endpoint: endpoint.clone(), response, buffer: Vec::new(), pending: Vec::new() });
+                    return Ok(WatchStream { endpoint: endpoint.clone(), response, buffer: Vec::new(), pending: VecDeque::new() });
                 }
                 Ok(Ok(response)) => failures.push(format!("{endpoint}: HTTP {}", response.status())),
                 Ok(Err(e)) => failures.push(format!("{endpoint}: {}", chain(&e))),
@@ -238,7 +241,7 @@ pub(crate) struct WatchStream {
     endpoint: String,
     response: reqwest::Response,
     buffer: Vec<u8>,
-    pending: Vec<Value>,
+    pending: VecDeque<Value>,
 }
 
 impl WatchStream {
@@ -250,8 +253,7 @@ impl WatchStream {
     pub async fn next(&mut self) -> Result<WatchMessage, Error> {
         let path = "/v3/watch";
         loop {
-            if !self.pending.is_empty() {
-                let value = self.pending.remove(0);
+            if let Some(value) = self.pending.pop_front() {
                 return parse_watch_message(&value).map_err(|reason| protocol(&self.endpoint, path, reason));
             }
             let chunk = self.response.chunk().await.map_err(|e| Error::Transport {
@@ -269,7 +271,7 @@ impl WatchStream {
                 match values.next() {
                     Some(Ok(value)) => {
                         used = values.byte_offset();
-                        self.pending.push(value);
+                        self.pending.push_back(value);
                     }
                     Some(Err(e)) if e.is_eof() => break,
                     Some(Err(e)) => return Err(protocol(&self.endpoint, path, format!("not a JSON message: {e}"))),

@@ -14,6 +14,9 @@ use crate::record::{check_name, encode_member, member_key};
 use crate::watch::MembershipWatch;
 use crate::{Error, Options};
 
+/// gRPC status `NOT_FOUND`, as etcd answers for a lease it does not have.
+const GRPC_NOT_FOUND: i64 = 5;
+
 /// Whether this member is (still) in the cluster, as far as it can tell.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Registration {
@@ -40,7 +43,11 @@ pub struct Membership {
 
 impl Membership {
     /// Put `member` under `/kvplane/<cluster>/members/<id>`, attached to a
-    /// new lease of `lease_ttl` that a background task keeps alive.
+    /// new lease of `lease_ttl` that a background task keeps alive. A record
+    /// already there (this node's before a restart) is replaced; it is the
+    /// deployment's job to give each node its own id. `lease_ttl` is rounded
+    /// to whole seconds, and etcd may raise it to its minimum (about 2 s with
+    /// etcd's default election timeout).
     pub async fn register<S: AsRef<str>>(endpoints: &[S], cluster: &str, member: Member, lease_ttl: Duration) -> Result<Membership, Error> {
         Membership::register_with(endpoints, cluster, member, lease_ttl, Options::default()).await
     }
@@ -56,16 +63,30 @@ impl Membership {
         check_name("member id", &member.id)?;
         let etcd = Arc::new(Etcd::new(endpoints, options.connect_timeout)?);
         let key = member_key(cluster, &member.id);
-        let sent = Instant::now();
-        let (lease, ttl) = etcd.grant(lease_ttl, options.request_timeout).await?;
-        if let Err(e) = etcd.put(&key, &encode_member(&member), lease, options.request_timeout).await {
+        let (lease, ttl, sent) = etcd.grant(lease_ttl, options.request_timeout).await?;
+        let mut clock = LeaseClock::granted(sent, ttl);
+        // Renew once right after the put: when etcd was slow to take the put
+        // (an election), the lease may be near the end its grant gave it.
+        let registered = async {
+            etcd.put(&key, &encode_member(&member), lease, options.request_timeout).await?;
+            match etcd.keep_alive(lease, options.request_timeout).await? {
+                (ttl, _) if ttl.is_zero() => {
+                    Err(Error::Lost { key: key.clone(), reason: format!("lease {lease:x} expired while registering") })
+                }
+                (ttl, sent) => {
+                    clock.renewed(sent, ttl);
+                    Ok(())
+                }
+            }
+        };
+        if let Err(e) = registered.await {
             // Best effort: an unused lease would only expire later.
             let _ = etcd.revoke(lease, options.request_timeout).await;
             return Err(e);
         }
         tracing::info!(key, lease = format!("{lease:x}"), ?ttl, "registered in etcd");
         let (tx, status) = watch::channel(Registration::Registered);
-        let keeper = tokio::spawn(keep_alive(Arc::clone(&etcd), key.clone(), lease, LeaseClock::granted(sent, ttl), tx, options.clone()));
+        let keeper = tokio::spawn(keep_alive(Arc::clone(&etcd), key.clone(), lease, clock, tx, options.clone()));
         Ok(Membership { etcd, cluster: cluster.to_owned(), key, lease, record: Mutex::new(member), status, keeper, options })
     }
 
@@ -130,9 +151,14 @@ impl Membership {
     }
 
     /// Leave the cluster now: revoke the lease, which deletes the record.
+    /// A lease etcd no longer has (it lapsed) counts as revoked.
     pub async fn leave(self) -> Result<(), Error> {
         self.keeper.abort();
-        self.etcd.revoke(self.lease, self.options.request_timeout).await?;
+        match self.etcd.revoke(self.lease, self.options.request_timeout).await {
+            Ok(()) => {}
+            Err(Error::Etcd { code: GRPC_NOT_FOUND, .. }) => {}
+            Err(e) => return Err(e),
+        }
         tracing::info!(key = self.key, "left the cluster");
         Ok(())
     }
@@ -157,15 +183,15 @@ async fn keep_alive(
     let mut last_error: Option<Error> = None;
     let reason = loop {
         tokio::time::sleep_until(clock.next_wakeup()).await;
-        let sent = Instant::now();
-        if clock.expired(sent) {
+        let now = Instant::now();
+        if clock.expired(now) {
             let why = last_error.as_ref().map(|e| format!("; last error: {e}")).unwrap_or_default();
             break format!("no keep-alive of lease {lease:x} was confirmed within its TTL of {:?}{why}", clock.ttl());
         }
-        let budget = clock.expires().saturating_duration_since(sent).min(options.request_timeout);
+        let budget = clock.expires().saturating_duration_since(now).min(options.request_timeout);
         match etcd.keep_alive(lease, budget).await {
-            Ok(ttl) if ttl.is_zero() => break format!("etcd no longer has lease {lease:x} (it expired or was revoked)"),
-            Ok(ttl) => {
+            Ok((ttl, _)) if ttl.is_zero() => break format!("etcd no longer has lease {lease:x} (it expired or was revoked)"),
+            Ok((ttl, sent)) => {
                 if let Some(e) = last_error.take() {
                     tracing::info!(key, "keep-alive works again after: {e}");
                 }

@@ -7,8 +7,8 @@ mod support;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvplane_cluster::{MemberView, Membership, MembershipWatch, Options, Registration};
-use kvplane_protocol::placement::{Member, MemberState};
+use kvplane_cluster::{MemberView, Membership, MembershipWatch, Options, Registration, Router, Routing};
+use kvplane_protocol::placement::{Member, MemberState, SlotTable};
 use support::{EtcdCluster, Proxy};
 
 /// Deadline for anything the tests wait for; generous for a loaded machine.
@@ -45,6 +45,7 @@ async fn wait_view(watch: &mut MembershipWatch, what: &str, ok: impl Fn(&MemberV
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn members_see_each_other_join_and_drain_with_growing_versions() {
+    support::log_to_test_output();
     let etcd = EtcdCluster::start();
     let endpoints = etcd.endpoints();
     // An observer that is no member, as a client would be: record every view.
@@ -94,6 +95,7 @@ async fn members_see_each_other_join_and_drain_with_growing_versions() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_that_leaves_goes_at_once_and_one_that_stops_renewing_goes_when_its_lease_expires() {
+    support::log_to_test_output();
     let etcd = EtcdCluster::start();
     let endpoints = etcd.endpoints();
     let stays = Membership::register(&endpoints, "leaves", member(0), TTL).await.unwrap();
@@ -119,6 +121,7 @@ async fn a_member_that_leaves_goes_at_once_and_one_that_stops_renewing_goes_when
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_watch_and_keep_alives_survive_an_etcd_member_being_killed() {
+    support::log_to_test_output();
     let mut etcd = EtcdCluster::start();
     let endpoints = etcd.endpoints();
     let mut members = Vec::new();
@@ -154,6 +157,7 @@ async fn the_watch_and_keep_alives_survive_an_etcd_member_being_killed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_partitioned_from_etcd_lapses_and_knows_it() {
+    support::log_to_test_output();
     let etcd = EtcdCluster::start();
     let endpoints = etcd.endpoints();
     let proxy = Proxy::start(etcd.client_addr(0)).await;
@@ -180,4 +184,68 @@ async fn a_member_partitioned_from_etcd_lapses_and_knows_it() {
     let err = victim.set_state(MemberState::Draining).await.unwrap_err().to_string();
     assert!(err.contains(victim.key()), "{err}");
     assert_eq!(other.registration(), Registration::Registered);
+}
+
+/// A stand-in for a key-placement plugin: slot `s` is owned by the up or
+/// joining members `s mod n` and `s + 1 mod n`.
+fn round_robin(version: u64, members: Vec<Member>) -> Result<SlotTable, String> {
+    const SLOTS: u32 = 64;
+    let owners: Vec<u32> =
+        (0..members.len() as u32).filter(|&i| matches!(members[i as usize].state, MemberState::Up | MemberState::Joining)).collect();
+    if owners.is_empty() {
+        return Err("no member can own keys".into());
+    }
+    let r = owners.len().min(2);
+    let table = (0..SLOTS as usize).flat_map(|s| (0..r).map(|j| owners[(s + j) % owners.len()]).collect::<Vec<_>>()).collect();
+    SlotTable::new(version, members, SLOTS, 2, r as u32, table).map_err(|e| e.to_string())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_route_by_the_slot_table_of_the_current_membership() {
+    support::log_to_test_output();
+    let etcd = EtcdCluster::start();
+    let endpoints = etcd.endpoints();
+    let mut members = Vec::new();
+    for i in 0..3 {
+        members.push(Membership::register(&endpoints, "routing", member(i), TTL).await.unwrap());
+    }
+    let watch = MembershipWatch::start(&endpoints, "routing").await.unwrap();
+    let routing = Routing::follow(watch, |version, members| async move { round_robin(version, members) }).await.unwrap();
+    let mut routers = routing.subscribe();
+    let keys: Vec<String> = (0..200).map(|i| format!("block-{i}")).collect();
+    let wait = |what: &'static str, ok: fn(&Router) -> bool| {
+        let mut routers = routers.clone();
+        async move {
+            let router = tokio::time::timeout(PATIENCE, routers.wait_for(|r| ok(r))).await;
+            Arc::clone(&router.unwrap_or_else(|_| panic!("{what}: not within {PATIENCE:?}")).unwrap())
+        }
+    };
+    let all = wait("a table of three members", |r| r.table().members().len() == 3).await;
+    let groups = all.group_reads(&keys);
+    assert_eq!(groups.len(), 3, "reads spread over every member");
+    assert_eq!(groups.iter().map(|(_, i)| i.len()).sum::<usize>(), keys.len());
+
+    members[0].set_state(MemberState::Draining).await.unwrap();
+    let drained = wait("a table with n0 draining", |r| r.table().members()[0].state == MemberState::Draining).await;
+    assert!(drained.version() > all.version());
+    assert!(keys.iter().all(|k| drained.read_from(k.as_bytes()).is_some_and(|m| m.id != "n0")), "reads avoid the draining member");
+
+    members.remove(0).leave().await.unwrap();
+    let left = wait("a table without n0", |r| r.table().members().iter().all(|m| m.id != "n0")).await;
+    assert!(left.version() > drained.version());
+    assert_eq!(routing.current().version(), routers.borrow_and_update().version());
+}
+
+#[tokio::test]
+async fn errors_name_the_endpoint_that_failed() {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
+    let options = Options { request_timeout: Duration::from_millis(300), ..Options::default() };
+    let err = Membership::register_with(&[closed.as_str()], "errors", member(0), TTL, options.clone()).await.err().unwrap().to_string();
+    assert!(err.contains(&closed) && err.contains("/v3/lease/grant"), "{err}");
+    let err = MembershipWatch::start_with(&[closed.as_str()], "errors", options).await.err().unwrap().to_string();
+    assert!(err.contains(&closed) && err.contains("/v3/kv/range"), "{err}");
+    let err = Membership::register(&["https://etcd:2379"], "errors", member(0), TTL).await.err().unwrap().to_string();
+    assert!(err.contains("https://etcd:2379"), "{err}");
+    let err = MembershipWatch::start(&[closed.as_str()], "a/b").await.err().unwrap().to_string();
+    assert!(err.contains("\"a/b\""), "{err}");
 }

@@ -267,3 +267,10 @@ pub async fn eventually<T>(what: &str, timeout: Duration, mut check: impl FnMut(
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// Show the crate's log (`RUST_LOG`, default warnings) in a failing test's
+/// output.
+pub fn log_to_test_output() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "kvplane_cluster=info".into());
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_test_writer().try_init();
+}
