@@ -375,3 +375,26 @@ async fn a_backend_answering_garbage_gets_a_typed_error_and_stores_nothing() {
     assert_eq!(stat(&n, "backend_hits"), 0);
     n.shutdown().await;
 }
+
+#[tokio::test]
+async fn second_tier_failures_go_through_the_declared_retry_policy() {
+    let mut redis = RedisServer::start(&[]);
+    let runtime = PluginRuntime::new(None).unwrap();
+    let mut d = PluginDecl::new("backoff", World::RetryPolicy, PluginSource::Builtin("backoff".into()));
+    d.config.insert("base-ms".into(), "5".into());
+    let retry = Arc::new(runtime.load_retry_policy(d).expect("loading builtin:backoff"));
+    let tier = TierSetup {
+        name: "resp".into(),
+        backend: backend(&runtime, resp(&redis.endpoint(), FailurePolicy::FailClosed)),
+        retry: Some(Arc::clone(&retry)),
+        settings: TieringConfig { deadline_ms: 3_000, ..TieringConfig::default() },
+    };
+    let n = node(64 * MIB, tier).await;
+    let c = client(&n).await;
+    redis.kill();
+    let got = c.get(vec![Bytes::from_static(b"gone")]).await.unwrap();
+    assert!(matches!(got[0], Err(KvError::Unavailable(_))), "{:?}", got[0]);
+    assert!(stat(&n, "backend_retries") >= 1, "the policy asked for at least one retry");
+    assert!(retry.plugin.instantiations() >= 1, "the declared retry plugin decided");
+    n.shutdown().await;
+}

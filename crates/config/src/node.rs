@@ -143,9 +143,8 @@ pub struct TieringConfig {
     /// `hot` mode: reads from the memory tier before a block is copied.
     #[serde(default = "default_hot_reads")]
     pub hot_reads: u32,
-    /// Bytes on their way to the second tier at most (`on-evict`: at most
-    /// an eighth of the memory tier too, since evicted blocks keep their
-    /// memory until written).
+    /// Bytes on their way to the second tier at most (and at most an eighth
+    /// of the memory tier: queued blocks keep their memory until written).
     #[serde(default = "default_max_in_flight")]
     pub max_in_flight: ByteSize,
     /// What a PUT does at that bound.

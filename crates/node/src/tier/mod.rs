@@ -159,15 +159,14 @@ pub(crate) struct SecondTier {
 
 impl SecondTier {
     /// Starts the writer tasks (needs a Tokio runtime). `pool_bytes` is the
-    /// memory tier's size: in `on-evict` mode evicted blocks keep their pool
-    /// memory until written, so at most an eighth of the pool may wait (else
-    /// a burst of PUTs would evict the whole memory tier into the queue).
+    /// memory tier's size: a queued block keeps its pool memory until it is
+    /// written (an evicted one has nothing else holding it; a cached one
+    /// cannot be evicted while queued), so at most an eighth of the pool may
+    /// wait, whatever `maxInFlight` says — else a slow store would leave the
+    /// memory tier no room for new blocks.
     pub(crate) fn start(setup: TierSetup, pool_bytes: usize) -> SecondTier {
         let fail_open = setup.backend.plugin.decl().failure_policy == FailurePolicy::FailOpen;
-        let mut bound = setup.settings.max_in_flight.bytes();
-        if setup.settings.mode == IngestMode::OnEvict {
-            bound = bound.min(pool_bytes as u64 / 8).max(1);
-        }
+        let bound = setup.settings.max_in_flight.bytes().min(pool_bytes as u64 / 8).max(1);
         let shared = Arc::new(TierShared {
             retrier: Retrier { policy: setup.retry, target: setup.name, deadline: Duration::from_millis(setup.settings.deadline_ms) },
             budget: Budget::new(bound),
