@@ -61,8 +61,12 @@ impl MembershipWatch {
     /// Wait for a membership newer than the last one this handle returned
     /// (from `current` or `changed`); changes in between are merged.
     pub async fn changed(&mut self) -> Arc<MemberView> {
-        // The sender lives in the task, which runs until this handle drops.
-        let _ = self.view.changed().await;
+        if self.view.changed().await.is_err() {
+            // The task runs until this handle drops; should it ever stop,
+            // no change can come, and answering at once would make every
+            // caller's loop spin.
+            std::future::pending::<()>().await;
+        }
         Arc::clone(&self.view.borrow_and_update())
     }
 
