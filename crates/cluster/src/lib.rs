@@ -80,4 +80,13 @@ pub enum Error {
     BadRecord { key: String, reason: String },
     #[error("the registration under {key} is lost: {reason}")]
     Lost { key: String, reason: String },
+    /// `source` while doing `what`, which names the key or lease.
+    #[error("{what}: {source}")]
+    During { what: String, source: Box<Error> },
+}
+
+impl Error {
+    fn during(what: impl FnOnce() -> String) -> impl FnOnce(Error) -> Error {
+        move |source| Error::During { what: what(), source: Box::new(source) }
+    }
 }

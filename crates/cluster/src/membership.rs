@@ -63,7 +63,8 @@ impl Membership {
         check_name("member id", &member.id)?;
         let etcd = Arc::new(Etcd::new(endpoints, options.connect_timeout)?);
         let key = member_key(cluster, &member.id);
-        let (lease, ttl, sent) = etcd.grant(lease_ttl, options.request_timeout).await?;
+        let during = || format!("registering {key}");
+        let (lease, ttl, sent) = etcd.grant(lease_ttl, options.request_timeout).await.map_err(Error::during(during))?;
         let mut clock = LeaseClock::granted(sent, ttl);
         // Renew once right after the put: when etcd was slow to take the put
         // (an election), the lease may be near the end its grant gave it.
@@ -82,7 +83,7 @@ impl Membership {
         if let Err(e) = registered.await {
             // Best effort: an unused lease would only expire later.
             let _ = etcd.revoke(lease, options.request_timeout).await;
-            return Err(e);
+            return Err(Error::during(during)(e));
         }
         tracing::info!(key, lease = format!("{lease:x}"), ?ttl, "registered in etcd");
         let (tx, status) = watch::channel(Registration::Registered);
@@ -140,7 +141,10 @@ impl Membership {
         let mut next = record.clone();
         change(&mut next);
         next.id.clone_from(&record.id);
-        self.etcd.put(&self.key, &encode_member(&next), self.lease, self.options.request_timeout).await?;
+        self.etcd
+            .put(&self.key, &encode_member(&next), self.lease, self.options.request_timeout)
+            .await
+            .map_err(Error::during(|| format!("updating {}", self.key)))?;
         *record = next;
         Ok(())
     }
@@ -157,7 +161,7 @@ impl Membership {
         match self.etcd.revoke(self.lease, self.options.request_timeout).await {
             Ok(()) => {}
             Err(Error::Etcd { code: GRPC_NOT_FOUND, .. }) => {}
-            Err(e) => return Err(e),
+            Err(e) => return Err(Error::during(|| format!("revoking lease {:x} of {}", self.lease, self.key))(e)),
         }
         tracing::info!(key = self.key, "left the cluster");
         Ok(())

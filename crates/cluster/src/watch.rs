@@ -46,7 +46,8 @@ impl MembershipWatch {
     pub(crate) async fn start_on(etcd: Arc<Etcd>, cluster: &str, options: Options) -> Result<MembershipWatch, Error> {
         check_name("cluster name", cluster)?;
         let prefix = members_prefix(cluster);
-        let (revision, kvs) = etcd.range_prefix(&prefix, options.request_timeout).await?;
+        let (revision, kvs) =
+            etcd.range_prefix(&prefix, options.request_timeout).await.map_err(Error::during(|| format!("listing {prefix}")))?;
         let members = decode_all(&kvs);
         let (tx, view) = watch::channel(Arc::new(MemberView { version: revision as u64, members: members.values().cloned().collect() }));
         let task = tokio::spawn(follow(etcd, prefix, revision, members, tx, options));

@@ -241,9 +241,9 @@ async fn errors_name_the_endpoint_that_failed() {
     let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
     let options = Options { request_timeout: Duration::from_millis(300), ..Options::default() };
     let err = Membership::register_with(&[closed.as_str()], "errors", member(0), TTL, options.clone()).await.err().unwrap().to_string();
-    assert!(err.contains(&closed) && err.contains("/v3/lease/grant"), "{err}");
+    assert!(err.contains(&closed) && err.contains("/v3/lease/grant") && err.contains("/kvplane/errors/members/n0"), "{err}");
     let err = MembershipWatch::start_with(&[closed.as_str()], "errors", options).await.err().unwrap().to_string();
-    assert!(err.contains(&closed) && err.contains("/v3/kv/range"), "{err}");
+    assert!(err.contains(&closed) && err.contains("/v3/kv/range") && err.contains("/kvplane/errors/members/"), "{err}");
     let err = Membership::register(&["https://etcd:2379"], "errors", member(0), TTL).await.err().unwrap().to_string();
     assert!(err.contains("https://etcd:2379"), "{err}");
     let err = MembershipWatch::start(&[closed.as_str()], "a/b").await.err().unwrap().to_string();
