@@ -3,6 +3,8 @@
 //! stopped with SIGTERM. Also the bench drivers against their real baselines
 //! (the raw socket server and Debian's redis-server).
 
+#[path = "../../cluster/tests/support/mod.rs"]
+mod etcd;
 mod support;
 
 use std::os::unix::process::CommandExt;
@@ -237,6 +239,18 @@ fn a_plugin_config_the_plugin_refuses_stops_the_node_naming_plugin_and_key() {
     assert!(!t.contains("kvplane node serving"), "the node served before its plugins started: {t}");
 }
 
+/// The `node.json` the operator renders for `kv`, with the address of the
+/// etcd it would run swapped for a real one (the pool forms a cluster in
+/// it), written into `dir`.
+fn rendered_with_etcd(kv: &kvplane_operator::KVCache, etcd: &etcd::EtcdCluster, dir: &std::path::Path) -> std::path::PathBuf {
+    let mut config: serde_json::Value = serde_json::from_str(&kvplane_operator::rendered_node_config(kv).unwrap()).unwrap();
+    assert!(config["cluster"].is_object(), "the pool's nodes form a cluster: {config}");
+    config["metadata"]["etcd"] = serde_json::json!(etcd.endpoints());
+    let path = dir.join("node.json");
+    std::fs::write(&path, config.to_string()).unwrap();
+    path
+}
+
 /// The ConfigMap the operator renders for `examples/kvcache/redis.yaml`
 /// (the store's address swapped for a real redis-server with a password,
 /// which the pods get from the Secret through `KVPLANE_BACKEND_SECRET`),
@@ -249,9 +263,10 @@ fn the_config_rendered_for_the_redis_example_serves_with_that_second_tier() {
     let yaml = std::fs::read_to_string(example).unwrap().replace("redis.cache.svc:6379", &redis.endpoint());
     let kv: kvplane_operator::KVCache = serde_yaml::from_str(&yaml).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("node.json");
-    std::fs::write(&config, kvplane_operator::rendered_node_config(&kv).unwrap()).unwrap();
-    let env = [("KVPLANE_BACKEND_SECRET", "s3cret".into()), ("KVPLANE_CACHE_DIR", dir.path().join("cache"))];
+    let etcd = etcd::EtcdCluster::start();
+    let config = rendered_with_etcd(&kv, &etcd, dir.path());
+    let env =
+        [("KVPLANE_BACKEND_SECRET", "s3cret".into()), ("KVPLANE_CACHE_DIR", dir.path().join("cache")), ("POD_NAME", "redis-kv-0".into())];
 
     let block = dir.path().join("block.bin");
     let data: Vec<u8> = (0..65_536u32).map(|i| (i % 241) as u8).collect();
@@ -286,9 +301,9 @@ fn the_config_rendered_for_the_vineyard_tier_example_serves_with_that_second_tie
     let yaml = std::fs::read_to_string(example).unwrap().replace("vineyard.cache.svc:9600", &vineyardd.endpoint());
     let kv: kvplane_operator::KVCache = serde_yaml::from_str(&yaml).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("node.json");
-    std::fs::write(&config, kvplane_operator::rendered_node_config(&kv).unwrap()).unwrap();
-    let env = [("KVPLANE_CACHE_DIR", dir.path().join("cache"))];
+    let etcd = etcd::EtcdCluster::start();
+    let config = rendered_with_etcd(&kv, &etcd, dir.path());
+    let env = [("KVPLANE_CACHE_DIR", dir.path().join("cache")), ("POD_NAME", "vineyard-tier-0".into())];
 
     let block = dir.path().join("block.bin");
     let data: Vec<u8> = (0..65_536u32).map(|i| (i % 239) as u8).collect();

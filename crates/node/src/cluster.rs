@@ -154,6 +154,17 @@ impl ClusterNode {
     /// every block of `cache` to the key's owners there, and leaves.
     pub(crate) async fn hand_off(&self, cache: &BlockCache, deadline: Duration) -> anyhow::Result<HandOff> {
         let started = tokio::time::Instant::now();
+        let others =
+            self.table().table().members().iter().any(|m| m.id != self.id && matches!(m.state, MemberState::Up | MemberState::Joining));
+        if !others {
+            // The last member: no table can exist without it, and there is
+            // nobody to hand blocks to (a second tier keeps what it took).
+            tracing::info!("no other member to hand blocks to");
+            if let Some(m) = self.membership.lock().await.take() {
+                m.leave().await.context("leaving the cluster")?;
+            }
+            return Ok(HandOff { moved: 0, failed: cache.entries().len() as u64 });
+        }
         {
             let membership = self.membership.lock().await;
             let m = membership.as_ref().context("this node already left the cluster")?;

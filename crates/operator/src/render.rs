@@ -17,6 +17,7 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use sha2::{Digest, Sha256};
 
 use super::resolve::{EtcdPlan, Metadata, Resolved, ADMIN_PORT, DEFAULT_PORT};
+use kvplane_config::ClusterConfig;
 use kvplane_config::{BackendType, ByteSize, MetadataEndpoints, NodeConfigFile};
 
 /// Pod roles, as the placement-rule world names them.
@@ -175,8 +176,18 @@ pub fn node_config(r: &Resolved, etcd_endpoints: &[String]) -> NodeConfigFile {
         memory: node_memory(r),
         plugins: r.plugins.clone(),
         tiering: None,
-        cluster: None,
+        cluster: node_cluster(r),
     }
+}
+
+/// kvplane pods of one KVCache form one cluster in its etcd (each pod
+/// registers under its name, at its pod IP); vineyardd pods, and a pool
+/// whose metadata is a Redis, have no kvplane cluster.
+fn node_cluster(r: &Resolved) -> Option<ClusterConfig> {
+    if r.backend == BackendType::Vineyard || matches!(r.metadata, Metadata::ExternalRedis(_)) {
+        return None;
+    }
+    Some(ClusterConfig { name: format!("{}.{}", r.namespace, r.name), ..ClusterConfig::default() })
 }
 
 /// The etcd client URLs of the cluster the operator runs.
