@@ -37,6 +37,8 @@ pub struct Membership {
     lease: i64,
     record: Mutex<Member>,
     status: watch::Receiver<Registration>,
+    /// Until when the lease is surely alive, as the keeper last learned.
+    until: Arc<std::sync::Mutex<Instant>>,
     keeper: JoinHandle<()>,
     options: Options,
 }
@@ -87,8 +89,9 @@ impl Membership {
         }
         tracing::info!(key, lease = format!("{lease:x}"), ?ttl, "registered in etcd");
         let (tx, status) = watch::channel(Registration::Registered);
-        let keeper = tokio::spawn(keep_alive(Arc::clone(&etcd), key.clone(), lease, clock, tx, options.clone()));
-        Ok(Membership { etcd, cluster: cluster.to_owned(), key, lease, record: Mutex::new(member), status, keeper, options })
+        let until = Arc::new(std::sync::Mutex::new(clock.expires()));
+        let keeper = tokio::spawn(keep_alive(Arc::clone(&etcd), key.clone(), lease, clock, tx, Arc::clone(&until), options.clone()));
+        Ok(Membership { etcd, cluster: cluster.to_owned(), key, lease, record: Mutex::new(member), status, until, keeper, options })
     }
 
     /// The etcd key of this member's record.
@@ -109,6 +112,12 @@ impl Membership {
     /// Where the registration stands now.
     pub fn registration(&self) -> Registration {
         self.status.borrow().clone()
+    }
+
+    /// Until when the lease is surely alive: the send time of the last
+    /// confirmed renewal plus the TTL. Past it, the registration is lost.
+    pub fn registered_until(&self) -> Instant {
+        *self.until.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Changes of [`Membership::registration`].
@@ -182,6 +191,7 @@ async fn keep_alive(
     lease: i64,
     mut clock: LeaseClock,
     status: watch::Sender<Registration>,
+    until: Arc<std::sync::Mutex<Instant>>,
     options: Options,
 ) {
     let mut last_error: Option<Error> = None;
@@ -200,6 +210,7 @@ async fn keep_alive(
                     tracing::info!(key, "keep-alive works again after: {e}");
                 }
                 clock.renewed(sent, ttl);
+                *until.lock().unwrap_or_else(|e| e.into_inner()) = clock.expires();
             }
             Err(e) => {
                 tracing::warn!(key, "keep-alive of lease {lease:x} failed: {e}");
