@@ -68,6 +68,17 @@ fn no_data_plane_crate_depends_on_the_operator_or_kubernetes() {
     assert!(!reachable(&graph, "kvplane-runtime").contains("kvplane-node"));
 }
 
+/// A cluster client looks owners up natively from the table a node hands
+/// it: it embeds no Wasm runtime and no etcd (HTTP) client.
+#[test]
+fn the_client_embeds_no_wasm_runtime_and_no_etcd_client() {
+    let graph = normal_graph();
+    let deps = reachable(&graph, "kvplane-client");
+    for forbidden in ["wasmtime", "kvplane-runtime", "kvplane-cluster", "reqwest", "hyper"] {
+        assert!(!deps.contains(forbidden), "kvplane-client depends on {forbidden}");
+    }
+}
+
 #[test]
 fn crates_without_unsafe_code_forbid_it() {
     for (krate, attribute) in [
@@ -81,6 +92,7 @@ fn crates_without_unsafe_code_forbid_it() {
         ("plugin-kit", "#![forbid(unsafe_code)]"),
         ("bench", "#![forbid(unsafe_code)]"),
         ("cli", "#![forbid(unsafe_code)]"),
+        ("cluster", "#![forbid(unsafe_code)]"),
         ("node", "#![deny(unsafe_code)]"),
         ("tests", "#![deny(unsafe_code)]"),
     ] {

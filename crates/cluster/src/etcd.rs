@@ -68,6 +68,11 @@ impl Etcd {
             return Err(Error::NoEndpoints);
         }
         let endpoints = endpoints.iter().map(|e| normalize(e.as_ref())).collect::<Result<Vec<_>, _>>()?;
+        // etcd is spoken over plain HTTP, but in a build where another crate
+        // turns on reqwest's rustls (the runtime's OCI client does) building
+        // a client needs a process-wide crypto provider: the same one the
+        // kvplane binary installs. Already installed is fine.
+        let _ = rustls::crypto::ring::default_provider().install_default();
         let http = reqwest::Client::builder()
             .connect_timeout(connect_timeout)
             // A watch is quiet while membership is; TCP keep-alive is what
