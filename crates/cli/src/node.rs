@@ -58,6 +58,13 @@ pub struct NodeArgs {
     /// Largest frame accepted.
     #[arg(long, default_value = "128MiB", value_parser = parse_size)]
     max_frame: usize,
+    /// Memory shared with each local client on the Unix socket, through
+    /// which block bytes move instead of the socket (0 turns it off).
+    #[arg(long, default_value = "64MiB", value_parser = parse_size)]
+    shm_region: usize,
+    /// Local clients holding shared memory at once (later ones use the socket).
+    #[arg(long, default_value_t = 64)]
+    shm_max: usize,
 }
 
 fn addr(flag: &str, value: &str) -> anyhow::Result<Option<SocketAddr>> {
@@ -126,6 +133,8 @@ pub async fn run(args: NodeArgs) -> anyhow::Result<ExitCode> {
     config.cache = CacheConfig { policy: args.eviction, ..CacheConfig::default() };
     config.max_connections = args.max_connections;
     config.tier = tier;
+    config.shm_region_bytes = args.shm_region;
+    config.shm_max_regions = args.shm_max;
     config.limits.max_frame_bytes = u32::try_from(args.max_frame).context("--max-frame must be below 4GiB")?;
     if let Some(path) = &args.token_file {
         let token = std::fs::read_to_string(path).with_context(|| format!("reading --token-file {}", path.display()))?;

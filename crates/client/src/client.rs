@@ -5,10 +5,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use kvplane_protocol::{Block, ErrorCode, KvError, Limits, PutEntry, Request, Response, HEADER_LEN};
+use kvplane_protocol::{Block, ErrorCode, KvError, Limits, PutEntry, Request, Response, ShmGet, ShmPut, HEADER_LEN};
 
 use crate::connection::Connection;
 use crate::endpoint::Endpoint;
+use crate::shm::SharedMemory;
 
 /// How to reach a node.
 #[derive(Debug, Clone)]
@@ -43,6 +44,8 @@ pub struct Client {
     slots: Vec<tokio::sync::Mutex<Option<Arc<Connection>>>>,
     next: AtomicUsize,
     limits: Limits,
+    /// Largest block seen: how much shared memory a GET reserves per key.
+    largest_block: AtomicUsize,
 }
 
 impl Client {
@@ -53,7 +56,7 @@ impl Client {
         let limits = first.hello_ack().limits;
         let slots: Vec<_> = (0..config.connections.max(1)).map(|_| tokio::sync::Mutex::new(None)).collect();
         *slots[0].lock().await = Some(Arc::new(first));
-        Ok(Client { config, slots, next: AtomicUsize::new(0), limits })
+        Ok(Client { config, slots, next: AtomicUsize::new(0), limits, largest_block: AtomicUsize::new(0) })
     }
 
     /// The node's limits, as announced in the handshake.
@@ -65,7 +68,9 @@ impl Client {
         &self.config.endpoint
     }
 
-    async fn connection(&self) -> Result<Arc<Connection>, KvError> {
+    /// A connection of the pool, opened if needed (for callers that use
+    /// its shared memory directly: [`Connection::shared_memory`]).
+    pub async fn connection(&self) -> Result<Arc<Connection>, KvError> {
         let i = self.next.fetch_add(1, Ordering::Relaxed) % self.slots.len();
         let mut slot = self.slots[i].lock().await;
         if let Some(c) = slot.as_ref().filter(|c| c.is_open()) {
@@ -82,12 +87,23 @@ impl Client {
     }
 
     /// Stores blocks. Per-key results in input order; the outer error means
-    /// the batch could not be sent or answered at all.
+    /// the batch could not be sent or answered at all. On a connection with
+    /// shared memory the bytes go through it (one copy in, no socket copy).
     pub async fn put(&self, entries: Vec<(Bytes, Bytes)>) -> Result<Vec<Result<(), KvError>>, KvError> {
         let mut results = Vec::with_capacity(entries.len());
+        for (_, data) in &entries {
+            self.largest_block.fetch_max(data.len(), Ordering::Relaxed);
+        }
         for chunk in self.split_put(entries) {
             let n = chunk.len();
-            match self.call(Request::Put { entries: chunk }).await? {
+            let conn = self.connection().await?;
+            if let Some(memory) = conn.shared_memory() {
+                if let Some(r) = put_shared(&conn, memory, &chunk).await? {
+                    results.extend(r);
+                    continue;
+                }
+            }
+            match conn.call(Request::Put { entries: chunk }).await? {
                 Response::Put { results: r } if r.len() == n => results.extend(r.into_iter().map(per_key)),
                 other => return Err(unexpected("PUT", n, &other)),
             }
@@ -96,11 +112,48 @@ impl Client {
     }
 
     /// Fetches blocks; a missing key is `Err(KvError::NotFound)` in its slot.
+    /// On a connection with shared memory the bytes come through it.
     pub async fn get(&self, keys: Vec<Bytes>) -> Result<Vec<Result<Bytes, KvError>>, KvError> {
         let mut results = Vec::with_capacity(keys.len());
         for chunk in self.split_keys(keys) {
             let n = chunk.len();
-            match self.call(Request::Get { keys: chunk }).await? {
+            let conn = self.connection().await?;
+            // Through shared memory once the block size is known (from a PUT
+            // or an earlier GET): each key needs room reserved up front.
+            let largest = self.largest_block.load(Ordering::Relaxed);
+            if let (Some(memory), true) = (conn.shared_memory(), largest > 0) {
+                if let Some(r) = get_shared(&conn, memory, &chunk, largest).await? {
+                    // Blocks longer than the guess: once more over the socket.
+                    let again: Vec<usize> = (0..n).filter(|&i| matches!(r[i], Err(KvError::Capacity(_)))).collect();
+                    let mut r = r;
+                    if !again.is_empty() {
+                        let keys: Vec<Bytes> = again.iter().map(|&i| chunk[i].clone()).collect();
+                        let retried = self.get_over_socket(&conn, keys).await?;
+                        for (i, got) in again.into_iter().zip(retried) {
+                            r[i] = got;
+                        }
+                    }
+                    for b in r.iter().flatten() {
+                        self.largest_block.fetch_max(b.len(), Ordering::Relaxed);
+                    }
+                    results.extend(r);
+                    continue;
+                }
+            }
+            let r = self.get_over_socket(&conn, chunk).await?;
+            for b in r.iter().flatten() {
+                self.largest_block.fetch_max(b.len(), Ordering::Relaxed);
+            }
+            results.extend(r);
+        }
+        Ok(results)
+    }
+
+    async fn get_over_socket(&self, conn: &Connection, chunk: Vec<Bytes>) -> Result<Vec<Result<Bytes, KvError>>, KvError> {
+        let mut results = Vec::with_capacity(chunk.len());
+        {
+            let n = chunk.len();
+            match conn.call(Request::Get { keys: chunk }).await? {
                 Response::Get { results: r } if r.len() == n => {
                     results.extend(r.into_iter().map(|r| r.map(|b| b.data).map_err(|c| c.into_kv_error(""))))
                 }
@@ -212,6 +265,66 @@ impl Client {
         }
         keys.chunks(max_keys).map(<[Bytes]>::to_vec).collect()
     }
+}
+
+/// PUT through shared memory: each block copied into a reserved range, then
+/// PUT_SHM. `None` when the memory has no room for the batch (the caller
+/// uses the socket).
+async fn put_shared(conn: &Connection, memory: &SharedMemory, chunk: &[PutEntry]) -> Result<Option<Vec<Result<(), KvError>>>, KvError> {
+    let mut ranges = Vec::with_capacity(chunk.len());
+    for e in chunk {
+        match memory.reserve(e.block.data.len()) {
+            Some(r) => ranges.push(r),
+            None => return Ok(None),
+        }
+    }
+    let mut entries = Vec::with_capacity(chunk.len());
+    for (e, r) in chunk.iter().zip(&ranges) {
+        memory.write_at(r.offset, &e.block.data)?;
+        entries.push(ShmPut { key: e.key.clone(), offset: r.offset as u64, len: e.block.data.len() as u32, crc: e.block.crc });
+    }
+    let n = entries.len();
+    match conn.call(Request::PutShm { entries }).await? {
+        Response::PutShm { results } if results.len() == n => Ok(Some(results.into_iter().map(per_key).collect())),
+        other => Err(unexpected("PUT_SHM", n, &other)),
+    }
+}
+
+/// GET through shared memory: `capacity` bytes reserved per key, GET_SHM,
+/// then each block copied out. `None` when the memory has no room.
+async fn get_shared(
+    conn: &Connection,
+    memory: &SharedMemory,
+    keys: &[Bytes],
+    capacity: usize,
+) -> Result<Option<Vec<Result<Bytes, KvError>>>, KvError> {
+    let capacity = capacity.min(u32::MAX as usize);
+    let mut ranges = Vec::with_capacity(keys.len());
+    for _ in keys {
+        match memory.reserve(capacity) {
+            Some(r) => ranges.push(r),
+            None => return Ok(None),
+        }
+    }
+    let entries: Vec<ShmGet> =
+        keys.iter().zip(&ranges).map(|(k, r)| ShmGet { key: k.clone(), offset: r.offset as u64, capacity: capacity as u32 }).collect();
+    let n = entries.len();
+    let results = match conn.call(Request::GetShm { entries }).await? {
+        Response::GetShm { results } if results.len() == n => results,
+        other => return Err(unexpected("GET_SHM", n, &other)),
+    };
+    let mut out = Vec::with_capacity(n);
+    for (r, range) in results.into_iter().zip(&ranges) {
+        out.push(match r {
+            Ok(b) => {
+                let mut data = vec![0u8; b.len as usize];
+                memory.read_at(range.offset, &mut data)?;
+                Ok(Bytes::from(data))
+            }
+            Err(code) => Err(code.into_kv_error("")),
+        });
+    }
+    Ok(Some(out))
 }
 
 fn per_key(r: Result<(), ErrorCode>) -> Result<(), KvError> {

@@ -10,12 +10,17 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kvplane_protocol::{encode, Features, Frame, Hello, HelloAck, KvError, Limits, Message, Request, Response, VERSION};
+use kvplane_protocol::{
+    decode_body, encode, Features, Frame, FrameHeader, Hello, HelloAck, KvError, Limits, Message, Meta, Request, Response, ShmGet, ShmPut,
+    HEADER_LEN, VERSION,
+};
 use tokio::io::{AsyncRead, AsyncWrite, BufReader};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 use crate::endpoint::Endpoint;
+use crate::shm::SharedMemory;
+use bytes::Bytes;
 use kvplane_protocol::io::{read_frame, write_frame, ReadError};
 
 type Writer = Box<dyn AsyncWrite + Send + Unpin>;
@@ -61,6 +66,7 @@ pub struct Connection {
     ack: HelloAck,
     timeout: Duration,
     reader: JoinHandle<()>,
+    shm: Option<Arc<SharedMemory>>,
 }
 
 impl Drop for Connection {
@@ -72,46 +78,50 @@ impl Drop for Connection {
 impl Connection {
     /// Connects, sends `Hello` and waits for `HelloAck`. A node that refuses
     /// the token answers `unauthorized`, reported as [`KvError::Invalid`].
+    /// Over a Unix socket it also asks for the node's shared memory (see
+    /// [`Connection::shared_memory`]); a node that offers none is used
+    /// through the socket alone.
     pub async fn open(endpoint: &Endpoint, token: Option<&str>, timeout: Duration) -> Result<Connection, KvError> {
         let unavailable = |e: std::io::Error| KvError::Unavailable(format!("connect to {endpoint}: {e}"));
-        let (reader, writer): (Box<dyn AsyncRead + Send + Unpin>, Writer) = match endpoint {
+        let too_slow = || KvError::Timeout(format!("connect to {endpoint}: no answer in {timeout:?}"));
+        let (reader, writer, ack, shm): (Box<dyn AsyncRead + Send + Unpin>, Writer, HelloAck, Option<Arc<SharedMemory>>) = match endpoint {
             Endpoint::Tcp(addr) => {
                 let stream = tokio::time::timeout(timeout, tokio::net::TcpStream::connect(addr))
                     .await
-                    .map_err(|_| KvError::Timeout(format!("connect to {endpoint}: no answer in {timeout:?}")))?
+                    .map_err(|_| too_slow())?
                     .map_err(unavailable)?;
                 stream.set_nodelay(true).map_err(unavailable)?;
-                let (r, w) = stream.into_split();
-                (Box::new(r), Box::new(w))
+                let (r, mut w) = stream.into_split();
+                let mut r = BufReader::with_capacity(READ_BUFFER_BYTES, r);
+                let ack = with_timeout(timeout, endpoint, handshake(&mut r, &mut w, endpoint, token, Features::ALL)).await?;
+                (Box::new(r), Box::new(w), ack, None)
             }
             Endpoint::Unix(path) => {
-                let stream = tokio::time::timeout(timeout, tokio::net::UnixStream::connect(path))
+                let mut stream = tokio::time::timeout(timeout, tokio::net::UnixStream::connect(path))
                     .await
-                    .map_err(|_| KvError::Timeout(format!("connect to {endpoint}: no answer in {timeout:?}")))?
+                    .map_err(|_| too_slow())?
                     .map_err(unavailable)?;
+                let wanted = Features(Features::ALL.0 | Features::SHARED_MEMORY.0);
+                let ack = {
+                    let (r, mut w) = stream.split();
+                    let mut r = BufReader::new(r);
+                    let ack = with_timeout(timeout, endpoint, handshake(&mut r, &mut w, endpoint, token, wanted)).await?;
+                    // The node sends nothing more until asked, so nothing
+                    // past the HELLO_ACK can have been read ahead.
+                    if !r.buffer().is_empty() {
+                        return Err(KvError::Internal(format!("{endpoint} sent bytes after HELLO_ACK unasked")));
+                    }
+                    ack
+                };
+                let shm = if ack.features.contains(Features::SHARED_MEMORY) {
+                    with_timeout(timeout, endpoint, attach_shared_memory(&mut stream, endpoint)).await?
+                } else {
+                    None
+                };
                 let (r, w) = stream.into_split();
-                (Box::new(r), Box::new(w))
+                (Box::new(BufReader::with_capacity(READ_BUFFER_BYTES, r)), Box::new(w), ack, shm)
             }
         };
-        let mut reader = BufReader::with_capacity(READ_BUFFER_BYTES, reader);
-        let mut writer = writer;
-        let hello = Frame::request(0, Request::Hello(Hello { version: VERSION, features: Features::ALL, token: token.map(str::to_owned) }));
-        let encoded = encode(&hello).map_err(|e| KvError::Invalid(format!("hello: {e}")))?;
-        let handshake = async {
-            write_frame(&mut writer, &encoded).await.map_err(unavailable)?;
-            match read_frame(&mut reader, &answer_limits()).await {
-                Ok(Some(Frame { message: Message::Response(Response::HelloAck(ack)), .. })) => Ok(ack),
-                Ok(Some(Frame { message: Message::Response(Response::Error { code, message }), .. })) => {
-                    Err(code.into_kv_error(format!("{endpoint} refused the handshake: {message}")))
-                }
-                Ok(Some(other)) => Err(KvError::Internal(format!("{endpoint} answered the handshake with {:?}", other.message.opcode()))),
-                Ok(None) => Err(KvError::Unavailable(format!("{endpoint} closed the connection during the handshake"))),
-                Err(e) => Err(read_error(endpoint, e)),
-            }
-        };
-        let ack = tokio::time::timeout(timeout, handshake)
-            .await
-            .map_err(|_| KvError::Timeout(format!("handshake with {endpoint}: no answer in {timeout:?}")))??;
         let shared =
             Arc::new(Shared { waiters: Mutex::new(HashMap::new()), closed: AtomicBool::new(false), close_reason: Mutex::new(None) });
         let reader = tokio::spawn(read_loop(reader, Arc::clone(&shared), endpoint.clone()));
@@ -123,7 +133,58 @@ impl Connection {
             ack,
             timeout,
             reader,
+            shm,
         })
+    }
+
+    /// Stores blocks the caller wrote into this connection's shared memory:
+    /// each entry is (key, offset, length). The node copies each block out
+    /// and checks it against the checksum computed here.
+    pub async fn put_from_shared(&self, entries: &[(Bytes, usize, usize)]) -> Result<Vec<Result<(), KvError>>, KvError> {
+        let memory =
+            self.shared_memory().ok_or_else(|| KvError::Unsupported(format!("{} shares no memory with this connection", self.endpoint)))?;
+        let mut puts = Vec::with_capacity(entries.len());
+        for (key, offset, len) in entries {
+            let crc = memory.checksum(*offset, *len)?;
+            let len = u32::try_from(*len).map_err(|_| KvError::Invalid(format!("a block of {len} bytes")))?;
+            puts.push(ShmPut { key: key.clone(), offset: *offset as u64, len, crc });
+        }
+        let n = puts.len();
+        match self.call(Request::PutShm { entries: puts }).await? {
+            Response::PutShm { results } if results.len() == n => {
+                Ok(results.into_iter().map(|r| r.map_err(|c| c.into_kv_error(""))).collect())
+            }
+            other => Err(KvError::Internal(format!("{} answered PUT_SHM with {:?}", self.endpoint, other))),
+        }
+    }
+
+    /// Fetches blocks into this connection's shared memory: each entry is
+    /// (key, offset, capacity); answers each block's length (its bytes are
+    /// at the offset) or the key's error.
+    pub async fn get_into_shared(&self, entries: &[(Bytes, usize, usize)]) -> Result<Vec<Result<usize, KvError>>, KvError> {
+        self.shared_memory().ok_or_else(|| KvError::Unsupported(format!("{} shares no memory with this connection", self.endpoint)))?;
+        let gets: Vec<ShmGet> = entries
+            .iter()
+            .map(|(key, offset, capacity)| ShmGet {
+                key: key.clone(),
+                offset: *offset as u64,
+                capacity: (*capacity).min(u32::MAX as usize) as u32,
+            })
+            .collect();
+        let n = gets.len();
+        match self.call(Request::GetShm { entries: gets }).await? {
+            Response::GetShm { results } if results.len() == n => {
+                Ok(results.into_iter().map(|r| r.map(|b| b.len as usize).map_err(|c| c.into_kv_error(""))).collect())
+            }
+            other => Err(KvError::Internal(format!("{} answered GET_SHM with {:?}", self.endpoint, other))),
+        }
+    }
+
+    /// The memory the node shares with this connection (a Unix-socket
+    /// connection to a node that offers it): PUT_SHM and GET_SHM move block
+    /// bytes through it instead of through the socket.
+    pub fn shared_memory(&self) -> Option<&Arc<SharedMemory>> {
+        self.shm.as_ref()
     }
 
     /// What the node announced in the handshake.
@@ -170,6 +231,86 @@ impl Connection {
             Response::Error { code, message } => Err(code.into_kv_error(message)),
             other => Ok(other),
         }
+    }
+}
+
+async fn with_timeout<T>(
+    timeout: Duration,
+    endpoint: &Endpoint,
+    f: impl std::future::Future<Output = Result<T, KvError>>,
+) -> Result<T, KvError> {
+    tokio::time::timeout(timeout, f).await.map_err(|_| KvError::Timeout(format!("handshake with {endpoint}: no answer in {timeout:?}")))?
+}
+
+/// HELLO → HELLO_ACK.
+async fn handshake<R, W>(
+    reader: &mut R,
+    writer: &mut W,
+    endpoint: &Endpoint,
+    token: Option<&str>,
+    features: Features,
+) -> Result<HelloAck, KvError>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let unavailable = |e: std::io::Error| KvError::Unavailable(format!("connect to {endpoint}: {e}"));
+    let hello = Frame::request(0, Request::Hello(Hello { version: VERSION, features, token: token.map(str::to_owned) }));
+    let encoded = encode(&hello).map_err(|e| KvError::Invalid(format!("hello: {e}")))?;
+    write_frame(writer, &encoded).await.map_err(unavailable)?;
+    match read_frame(reader, &answer_limits()).await {
+        Ok(Some(Frame { message: Message::Response(Response::HelloAck(ack)), .. })) => Ok(ack),
+        Ok(Some(Frame { message: Message::Response(Response::Error { code, message }), .. })) => {
+            Err(code.into_kv_error(format!("{endpoint} refused the handshake: {message}")))
+        }
+        Ok(Some(other)) => Err(KvError::Internal(format!("{endpoint} answered the handshake with {:?}", other.message.opcode()))),
+        Ok(None) => Err(KvError::Unavailable(format!("{endpoint} closed the connection during the handshake"))),
+        Err(e) => Err(read_error(endpoint, e)),
+    }
+}
+
+/// SHM_ATTACH → SHM_ATTACH_RESULT, whose first bytes carry the memfd. A
+/// node that refuses leaves the connection on the socket path (`Ok(None)`).
+async fn attach_shared_memory(stream: &mut tokio::net::UnixStream, endpoint: &Endpoint) -> Result<Option<Arc<SharedMemory>>, KvError> {
+    use std::os::fd::AsRawFd;
+    use tokio::io::AsyncReadExt;
+    let io = |e: std::io::Error| KvError::Unavailable(format!("shared memory with {endpoint}: {e}"));
+    let encoded = encode(&Frame::request(0, Request::ShmAttach)).map_err(|e| KvError::Invalid(e.to_string()))?;
+    write_frame(stream, &encoded).await.map_err(io)?;
+    // The header, with the descriptor on its first bytes.
+    let mut header = [0u8; HEADER_LEN];
+    let mut got = 0;
+    let mut file = None;
+    while got < HEADER_LEN {
+        let fd = stream.as_raw_fd();
+        let (n, passed) =
+            stream.async_io(tokio::io::Interest::READABLE, || crate::shm::recv_with_fd(fd, &mut header[got..])).await.map_err(io)?;
+        if n == 0 {
+            return Err(KvError::Unavailable(format!("{endpoint} closed the connection during SHM_ATTACH")));
+        }
+        got += n;
+        file = file.or(passed);
+    }
+    let parsed = FrameHeader::parse(&header).map_err(|e| KvError::Internal(format!("SHM_ATTACH answer from {endpoint}: {e}")))?;
+    let mut body = vec![0u8; parsed.body_len as usize];
+    if body.len() > 64 << 10 {
+        return Err(KvError::Internal(format!("SHM_ATTACH answer from {endpoint} declares {} bytes", body.len())));
+    }
+    stream.read_exact(&mut body).await.map_err(io)?;
+    let meta = bytes::Bytes::from(body).slice(..parsed.meta_len as usize);
+    match decode_body(&parsed, meta, &answer_limits()) {
+        Ok(Meta::Complete(Message::Response(Response::ShmAttach { size }))) => {
+            let file = file.ok_or_else(|| KvError::Internal(format!("{endpoint} answered SHM_ATTACH without a descriptor")))?;
+            let len = usize::try_from(size).map_err(|_| KvError::Internal(format!("{endpoint} offered {size} bytes")))?;
+            let memory = SharedMemory::map(file, len).map_err(io)?;
+            Ok(Some(Arc::new(memory)))
+        }
+        Ok(Meta::Complete(Message::Response(Response::Error { code, message }))) => {
+            tracing::debug!(%endpoint, %code, message, "no shared memory; using the socket");
+            Ok(None)
+        }
+        Ok(_) => Err(KvError::Internal(format!("{endpoint} answered SHM_ATTACH with another message"))),
+        Err(e) => Err(KvError::Internal(format!("SHM_ATTACH answer from {endpoint}: {e}"))),
     }
 }
 

@@ -14,15 +14,18 @@
 //! # Ok(()) }
 //! ```
 
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
 
 mod client;
 mod cluster;
 mod connection;
 mod endpoint;
+#[allow(unsafe_code)] // recvmsg and mmap of the node's memfd; see the module docs.
+mod shm;
 
 pub use client::{Client, ClientConfig, PrefixMatch};
 pub use cluster::{ClusterClient, ClusterConfig};
 pub use connection::Connection;
 pub use endpoint::Endpoint;
 pub use kvplane_protocol::{ErrorKind, KvError, Limits};
+pub use shm::SharedMemory;

@@ -1,12 +1,13 @@
 //! The kvplane cache node: the memory tier ([`memory`], a slab pool of
 //! preallocated blocks), the block cache over it ([`cache`], sharded index,
 //! S3-FIFO or LRU eviction, pin leases) and the server that speaks the wire
-//! protocol to clients ([`server`]), and the second tier behind the memory
-//! tier ([`tier`], a backend plugin).
+//! protocol to clients ([`server`]), the second tier behind the memory tier
+//! ([`tier`], a backend plugin), cluster membership ([`cluster`]) and the
+//! memory shared with local clients (`shm`).
 //!
 //! Data flows one way: a request enters [`server`], which asks [`cache`],
 //! which takes blocks from [`memory`]. Unsafe code is denied everywhere but
-//! in [`memory`], whose module docs justify each use.
+//! in [`memory`] and `shm`, whose module docs justify each use.
 
 #![deny(unsafe_code)]
 
@@ -15,6 +16,8 @@ pub mod cluster;
 #[allow(unsafe_code)] // The pool maps and hands out raw memory; see the module docs.
 pub mod memory;
 pub mod server;
+#[allow(unsafe_code)] // memfd, mmap and SCM_RIGHTS; see the module docs.
+mod shm;
 pub mod tier;
 
 pub use server::{Node, NodeConfig};

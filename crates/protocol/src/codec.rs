@@ -32,6 +32,7 @@ use crate::limits::{
     MAX_STATS_ENTRIES, MAX_TOKEN_BYTES,
 };
 use crate::message::{Block, Frame, Hello, HelloAck, Message, PutEntry, Request, Response, StatEntry};
+use crate::message::{ShmBlock, ShmGet, ShmPut};
 use crate::placement::{Member, MemberState, SlotTable};
 
 /// A frame ready to write: header and meta in one buffer, payloads as the
@@ -164,6 +165,24 @@ fn encode_request(req: &Request, out: &mut Vec<u8>, payloads: &mut Vec<Bytes>) -
             out.put_u64_le(*after_version);
             out.put_u32_le(*wait_ms);
         }
+        Request::ShmAttach => {}
+        Request::PutShm { entries } => {
+            put_count(out, entries.len(), "count")?;
+            for (i, e) in entries.iter().enumerate() {
+                put_key(out, &e.key, i)?;
+                out.put_u64_le(e.offset);
+                out.put_u32_le(e.len);
+                out.put_u32_le(e.crc);
+            }
+        }
+        Request::GetShm { entries } => {
+            put_count(out, entries.len(), "count")?;
+            for (i, e) in entries.iter().enumerate() {
+                put_key(out, &e.key, i)?;
+                out.put_u64_le(e.offset);
+                out.put_u32_le(e.capacity);
+            }
+        }
     }
     Ok(())
 }
@@ -229,7 +248,22 @@ fn encode_response(resp: &Response, out: &mut Vec<u8>, payloads: &mut Vec<Bytes>
             out.put_u32_le(a.limits.max_batch_keys);
             out.put_u32_le(a.limits.max_lease_ms);
         }
-        Response::Put { results } | Response::Exists { results } | Response::Delete { results } => put_statuses(out, results)?,
+        Response::Put { results } | Response::Exists { results } | Response::Delete { results } | Response::PutShm { results } => {
+            put_statuses(out, results)?
+        }
+        Response::ShmAttach { size } => out.put_u64_le(*size),
+        Response::GetShm { results } => {
+            put_count(out, results.len(), "count")?;
+            for r in results {
+                out.put_u16_le(status_of(r));
+                let (len, crc) = match r {
+                    Ok(b) => (b.len, b.crc),
+                    Err(_) => (0, 0),
+                };
+                out.put_u32_le(len);
+                out.put_u32_le(crc);
+            }
+        }
         Response::Get { results } => {
             put_count(out, results.len(), "count")?;
             for (i, r) in results.iter().enumerate() {
@@ -410,6 +444,77 @@ pub fn decode_body(header: &FrameHeader, meta: Bytes, limits: &Limits) -> Result
             let after_version = r.u64("cluster_table.after_version")?;
             let wait_ms = r.u32("cluster_table.wait_ms")?;
             Meta::Complete(Message::Request(Request::ClusterTable { after_version, wait_ms }))
+        }
+        Opcode::ShmAttach => {
+            no_payload("shm_attach")?;
+            Meta::Complete(Message::Request(Request::ShmAttach))
+        }
+        Opcode::ShmAttachResult => {
+            no_payload("shm_attach_result")?;
+            let size = r.u64("shm_attach_result.size")?;
+            Meta::Complete(Message::Response(Response::ShmAttach { size }))
+        }
+        Opcode::PutShm => {
+            no_payload("put_shm")?;
+            let count = r.count(limits, "put_shm.count", 19)?;
+            let mut entries = Vec::with_capacity(count);
+            for i in 0..count {
+                let key = r.key(i, limits)?;
+                let offset = r.u64("put_shm.offset")?;
+                let len = r.u32("put_shm.len")?;
+                let crc = r.u32("put_shm.crc")?;
+                entries.push(ShmPut { key, offset, len, crc });
+            }
+            check_unique(entries.iter().map(|e| &e.key[..]))?;
+            Meta::Complete(Message::Request(Request::PutShm { entries }))
+        }
+        Opcode::GetShm => {
+            no_payload("get_shm")?;
+            let count = r.count(limits, "get_shm.count", 15)?;
+            let mut entries = Vec::with_capacity(count);
+            for i in 0..count {
+                let key = r.key(i, limits)?;
+                let offset = r.u64("get_shm.offset")?;
+                let capacity = r.u32("get_shm.capacity")?;
+                entries.push(ShmGet { key, offset, capacity });
+            }
+            check_unique(entries.iter().map(|e| &e.key[..]))?;
+            Meta::Complete(Message::Request(Request::GetShm { entries }))
+        }
+        Opcode::PutShmResult => {
+            no_payload("put_shm_result")?;
+            let count = r.count(limits, "put_shm_result.count", 2)?;
+            let mut results = Vec::with_capacity(count);
+            for _ in 0..count {
+                results.push(match ErrorCode::from_u16(r.u16("put_shm_result.status")?) {
+                    None => Ok(()),
+                    Some(code) => Err(code),
+                });
+            }
+            Meta::Complete(Message::Response(Response::PutShm { results }))
+        }
+        Opcode::GetShmResult => {
+            no_payload("get_shm_result")?;
+            let count = r.count(limits, "get_shm_result.count", 10)?;
+            let mut results = Vec::with_capacity(count);
+            for _ in 0..count {
+                let status = r.u16("get_shm_result.status")?;
+                let len = r.u32("get_shm_result.len")?;
+                let crc = r.u32("get_shm_result.crc")?;
+                results.push(match ErrorCode::from_u16(status) {
+                    None => Ok(ShmBlock { len, crc }),
+                    Some(code) => {
+                        if len != 0 || crc != 0 {
+                            return Err(ProtocolError::malformed(
+                                "get_shm_result.len",
+                                format!("a length or checksum for a key answered {code}"),
+                            ));
+                        }
+                        Err(code)
+                    }
+                });
+            }
+            Meta::Complete(Message::Response(Response::GetShm { results }))
         }
         Opcode::ClusterTableResult => {
             no_payload("cluster_table_result")?;

@@ -32,6 +32,9 @@ pub enum Opcode {
     Stats = 0x07,
     Ping = 0x08,
     ClusterTable = 0x09,
+    ShmAttach = 0x0a,
+    PutShm = 0x0b,
+    GetShm = 0x0c,
     HelloAck = 0x81,
     PutResult = 0x82,
     GetResult = 0x83,
@@ -41,6 +44,9 @@ pub enum Opcode {
     StatsResult = 0x87,
     Pong = 0x88,
     ClusterTableResult = 0x89,
+    ShmAttachResult = 0x8a,
+    PutShmResult = 0x8b,
+    GetShmResult = 0x8c,
     Error = 0xff,
 }
 
@@ -56,6 +62,9 @@ impl Opcode {
             0x07 => Opcode::Stats,
             0x08 => Opcode::Ping,
             0x09 => Opcode::ClusterTable,
+            0x0a => Opcode::ShmAttach,
+            0x0b => Opcode::PutShm,
+            0x0c => Opcode::GetShm,
             0x81 => Opcode::HelloAck,
             0x82 => Opcode::PutResult,
             0x83 => Opcode::GetResult,
@@ -65,6 +74,9 @@ impl Opcode {
             0x87 => Opcode::StatsResult,
             0x88 => Opcode::Pong,
             0x89 => Opcode::ClusterTableResult,
+            0x8a => Opcode::ShmAttachResult,
+            0x8b => Opcode::PutShmResult,
+            0x8c => Opcode::GetShmResult,
             0xff => Opcode::Error,
             _ => return None,
         })
@@ -87,8 +99,12 @@ impl Features {
     /// The client accepts responses in a different order than its requests
     /// (matched by request id). Without it a server answers in order.
     pub const OUT_OF_ORDER: Features = Features(1 << 1);
-    /// Everything this build implements.
+    /// Everything this build implements on any connection.
     pub const ALL: Features = Features(Self::PIN_LEASE.0 | Self::OUT_OF_ORDER.0);
+    /// Block bytes may move through memory the node shares with the client
+    /// (`SHM_ATTACH`, `PUT_SHM`, `GET_SHM`): Unix-socket connections only,
+    /// since the memory is handed over as a file descriptor.
+    pub const SHARED_MEMORY: Features = Features(1 << 2);
 
     pub fn contains(self, other: Features) -> bool {
         self.0 & other.0 == other.0

@@ -31,4 +31,4 @@ pub use error::{DecodeError, ErrorCode, ProtocolError};
 pub use frame::{Features, FrameHeader, Opcode, HEADER_LEN, MAGIC, MIN_VERSION, VERSION};
 pub use kv_error::{ErrorKind, KvError};
 pub use limits::*;
-pub use message::{checksum, Block, Frame, Hello, HelloAck, Message, PutEntry, Request, Response, StatEntry};
+pub use message::{checksum, Block, Frame, Hello, HelloAck, Message, PutEntry, Request, Response, ShmBlock, ShmGet, ShmPut, StatEntry};

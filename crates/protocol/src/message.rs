@@ -86,6 +86,32 @@ pub struct StatEntry {
     pub value: u64,
 }
 
+/// One block of a PUT_SHM: its bytes are at `offset..offset + len` of the
+/// connection's shared memory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShmPut {
+    pub key: Bytes,
+    pub offset: u64,
+    pub len: u32,
+    pub crc: u32,
+}
+
+/// One key of a GET_SHM: its block is to be written at `offset` of the
+/// connection's shared memory, if it fits in `capacity` bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShmGet {
+    pub key: Bytes,
+    pub offset: u64,
+    pub capacity: u32,
+}
+
+/// Where a GET_SHM put one block: `len` bytes at the requested offset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShmBlock {
+    pub len: u32,
+    pub crc: u32,
+}
+
 /// What a client asks.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Request {
@@ -124,6 +150,19 @@ pub enum Request {
         after_version: u64,
         wait_ms: u32,
     },
+    /// Asks for the connection's shared memory (Unix sockets, feature
+    /// `SHARED_MEMORY`): answered with its size and, as ancillary data on
+    /// the same message, its file descriptor.
+    ShmAttach,
+    /// Stores blocks whose bytes are in the shared memory; answered per key.
+    PutShm {
+        entries: Vec<ShmPut>,
+    },
+    /// Writes blocks into the shared memory; answered per key with length
+    /// and checksum, or a status.
+    GetShm {
+        entries: Vec<ShmGet>,
+    },
 }
 
 /// What a server answers. Per-key results are in request order.
@@ -155,6 +194,16 @@ pub enum Response {
     Pong,
     /// The membership and the owners of every slot, with their version.
     ClusterTable(Box<SlotTable>),
+    /// The shared memory's size in bytes (its descriptor travels beside).
+    ShmAttach {
+        size: u64,
+    },
+    PutShm {
+        results: Vec<Result<(), ErrorCode>>,
+    },
+    GetShm {
+        results: Vec<Result<ShmBlock, ErrorCode>>,
+    },
     /// The request as a whole failed (or, with request id 0 and no request to
     /// blame, the connection is about to close).
     Error {
@@ -203,6 +252,9 @@ impl Message {
                 Request::Stats => Opcode::Stats,
                 Request::Ping => Opcode::Ping,
                 Request::ClusterTable { .. } => Opcode::ClusterTable,
+                Request::ShmAttach => Opcode::ShmAttach,
+                Request::PutShm { .. } => Opcode::PutShm,
+                Request::GetShm { .. } => Opcode::GetShm,
             },
             Message::Response(r) => match r {
                 Response::HelloAck(_) => Opcode::HelloAck,
@@ -214,6 +266,9 @@ impl Message {
                 Response::Stats { .. } => Opcode::StatsResult,
                 Response::Pong => Opcode::Pong,
                 Response::ClusterTable(_) => Opcode::ClusterTableResult,
+                Response::ShmAttach { .. } => Opcode::ShmAttachResult,
+                Response::PutShm { .. } => Opcode::PutShmResult,
+                Response::GetShm { .. } => Opcode::GetShmResult,
                 Response::Error { .. } => Opcode::Error,
             },
         }

@@ -14,15 +14,18 @@ use bytes::Bytes;
 use kvplane_protocol::io::{read_bytes, read_header, skip, write_frame};
 use kvplane_protocol::{
     checksum, decode_body, encode, Block, ErrorCode, Features, Frame, FrameHeader, HelloAck, Message, Meta, Opcode, PayloadSlot,
-    ProtocolError, Request, Response, StatEntry, MAX_CLUSTER_WAIT_MS, MIN_VERSION, VERSION,
+    ProtocolError, Request, Response, ShmBlock, ShmGet, ShmPut, StatEntry, MAX_CLUSTER_WAIT_MS, MIN_VERSION, VERSION,
 };
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, BufReader};
+use std::os::fd::AsRawFd;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 
 use super::metrics::Op;
 use super::NodeState;
+use crate::shm::SharedRegion;
 
 /// Receive buffer per connection: many small frames per system call, while
 /// block payloads larger than it are read straight into block memory.
@@ -40,7 +43,7 @@ pub(super) async fn accept_tcp(listener: TcpListener, state: Arc<NodeState>, slo
                         tracing::debug!(%peer, error = %e, "TCP_NODELAY refused");
                     }
                     let (r, w) = stream.into_split();
-                    admit(&mut conns, r, w, &state, &slots, &shutdown, peer.to_string());
+                    admit(&mut conns, r, w, None, &state, &slots, &shutdown, peer.to_string());
                 }
                 Err(e) => accept_failed(e).await,
             },
@@ -57,8 +60,17 @@ pub(super) async fn accept_unix(listener: UnixListener, state: Arc<NodeState>, s
         tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => {
+                    // A second handle on the same socket, for the one message
+                    // that carries a descriptor (SHM_ATTACH_RESULT).
+                    let local = match dup_unix(&stream) {
+                        Ok(s) => Some(s),
+                        Err(e) => {
+                            tracing::debug!(error = %e, "no descriptor passing on this connection");
+                            None
+                        }
+                    };
                     let (r, w) = stream.into_split();
-                    admit(&mut conns, r, w, &state, &slots, &shutdown, "unix".to_string());
+                    admit(&mut conns, r, w, local, &state, &slots, &shutdown, "unix".to_string());
                 }
                 Err(e) => accept_failed(e).await,
             },
@@ -69,6 +81,15 @@ pub(super) async fn accept_unix(listener: UnixListener, state: Arc<NodeState>, s
     while conns.join_next().await.is_some() {}
 }
 
+/// Another handle on `stream`'s socket (a `dup`).
+fn dup_unix(stream: &tokio::net::UnixStream) -> std::io::Result<tokio::net::UnixStream> {
+    use std::os::fd::AsFd;
+    let fd = stream.as_fd().try_clone_to_owned()?;
+    let std = std::os::unix::net::UnixStream::from(fd);
+    std.set_nonblocking(true)?;
+    tokio::net::UnixStream::from_std(std)
+}
+
 /// Running out of file descriptors must not turn the accept loop into a
 /// busy loop; back off and let connections close.
 async fn accept_failed(e: std::io::Error) {
@@ -76,10 +97,12 @@ async fn accept_failed(e: std::io::Error) {
     tokio::time::sleep(Duration::from_millis(50)).await;
 }
 
+#[allow(clippy::too_many_arguments)]
 fn admit<R, W>(
     conns: &mut JoinSet<()>,
     reader: R,
     writer: W,
+    local: Option<tokio::net::UnixStream>,
     state: &Arc<NodeState>,
     slots: &Arc<Semaphore>,
     shutdown: &Shutdown,
@@ -97,7 +120,7 @@ fn admit<R, W>(
             conns.spawn(async move {
                 state.metrics.connections_total.inc_by(1);
                 state.metrics.connections_open.inc();
-                let result = serve(reader, writer, &state, shutdown).await;
+                let result = serve(reader, writer, local, &state, shutdown).await;
                 state.metrics.connections_open.dec();
                 if let Err(e) = result {
                     tracing::debug!(%peer, error = %e, "connection closed");
@@ -142,9 +165,19 @@ struct Conn<'a, R, W> {
     features: Features,
     /// Ends a CLUSTER_TABLE wait when the node shuts down.
     shutdown: Shutdown,
+    /// A Unix-socket connection's second handle, to pass a descriptor.
+    local: Option<tokio::net::UnixStream>,
+    /// The memory shared with this client, once it asked (SHM_ATTACH).
+    shm: Option<SharedRegion>,
 }
 
-async fn serve<R, W>(reader: R, writer: W, state: &NodeState, mut shutdown: Shutdown) -> Result<(), ConnectionEnd>
+async fn serve<R, W>(
+    reader: R,
+    writer: W,
+    local: Option<tokio::net::UnixStream>,
+    state: &NodeState,
+    mut shutdown: Shutdown,
+) -> Result<(), ConnectionEnd>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
@@ -155,6 +188,8 @@ where
         state,
         features: Features::default(),
         shutdown: shutdown.clone(),
+        local,
+        shm: None,
     };
     let timeout = state.config.handshake_timeout;
     match tokio::time::timeout(timeout, conn.handshake()).await {
@@ -176,6 +211,14 @@ where
         };
         if !conn.serve_frame(header).await? {
             return Ok(());
+        }
+    }
+}
+
+impl<R, W> Drop for Conn<'_, R, W> {
+    fn drop(&mut self) {
+        if self.shm.take().is_some() {
+            self.state.shm_regions.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
         }
     }
 }
@@ -229,7 +272,11 @@ where
                 return Err(ConnectionEnd::Refused(msg.into()));
             }
         }
-        self.features = hello.features.intersect(Features::ALL);
+        let mut offered = Features::ALL;
+        if self.local.is_some() && self.state.config.shm_region_bytes > 0 {
+            offered = Features(offered.0 | Features::SHARED_MEMORY.0);
+        }
+        self.features = hello.features.intersect(offered);
         let ack = HelloAck { version: hello.version.min(VERSION), features: self.features, limits: self.state.config.limits };
         self.send(header.request_id, Response::HelloAck(ack)).await?;
         Ok(())
@@ -265,6 +312,11 @@ where
                 self.state.metrics.record(Op::Put, n, started.elapsed());
                 Response::Put { results }
             }
+            Meta::Complete(Message::Request(Request::ShmAttach)) => match self.attach_shm(header.request_id).await? {
+                // Sent, with the descriptor.
+                None => return Ok(true),
+                Some(refusal) => refusal,
+            },
             Meta::Complete(Message::Request(request)) => self.answer(request, started).await,
             Meta::Complete(Message::Response(_)) | Meta::Get(_) => {
                 // Skip whatever payload the answer frame carries, so the
@@ -381,6 +433,19 @@ where
                 Response::Stats { entries: self.state.stats().into_iter().map(|(name, value)| StatEntry { name, value }).collect() }
             }
             Request::Ping => Response::Pong,
+            Request::ShmAttach => Response::Error { code: ErrorCode::Internal, message: "SHM_ATTACH is answered apart".into() },
+            Request::PutShm { entries } => {
+                let n = entries.len();
+                let results = self.put_shm(entries).await;
+                metrics.record(Op::Put, n, started.elapsed());
+                results
+            }
+            Request::GetShm { entries } => {
+                let n = entries.len();
+                let results = self.get_shm(entries).await;
+                metrics.record(Op::Get, n, started.elapsed());
+                results
+            }
             Request::ClusterTable { after_version, wait_ms } => match &self.state.cluster {
                 None => Response::Error { code: ErrorCode::Unsupported, message: "this node is not in a cluster".into() },
                 Some(cluster) => {
@@ -395,6 +460,116 @@ where
             Request::Hello(_) => Response::Error { code: ErrorCode::Invalid, message: "HELLO after the handshake".into() },
             Request::Put { .. } => Response::Error { code: ErrorCode::Internal, message: "PUT arrived without payload slots".into() },
         }
+    }
+
+    /// Creates this connection's shared memory (once) and sends its
+    /// descriptor with the answer. `Ok(None)`: sent; `Ok(Some(error))`: the
+    /// answer to send instead.
+    async fn attach_shm(&mut self, request_id: u64) -> Result<Option<Response>, ConnectionEnd> {
+        let size = self.state.config.shm_region_bytes;
+        let Some(local) = self.local.as_ref().filter(|_| self.features.contains(Features::SHARED_MEMORY)) else {
+            return Ok(Some(Response::Error {
+                code: ErrorCode::Unsupported,
+                message:
+                    "shared memory needs a Unix-socket connection whose HELLO asked for SHARED_MEMORY, on a node with --shm-region above 0"
+                        .into(),
+            }));
+        };
+        if self.shm.is_none() {
+            let limit = self.state.config.shm_max_regions;
+            let taken = self.state.shm_regions.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+            if taken >= limit {
+                self.state.shm_regions.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+                return Ok(Some(Response::Error {
+                    code: ErrorCode::Capacity,
+                    message: format!("{limit} connections already hold shared memory (--shm-max); use the socket"),
+                }));
+            }
+            match SharedRegion::create(size) {
+                Ok(r) => self.shm = Some(r),
+                Err(e) => {
+                    self.state.shm_regions.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+                    return Ok(Some(Response::Error {
+                        code: ErrorCode::Capacity,
+                        message: format!("creating {size} bytes of shared memory: {e}"),
+                    }));
+                }
+            }
+        }
+        let region = self.shm.as_ref().expect("created above");
+        let frame = encode(&Frame::response(request_id, Response::ShmAttach { size: region.len() as u64 }))
+            .map_err(|e| ConnectionEnd::Refused(e.to_string()))?
+            .to_vec();
+        let (sock, pass) = (local.as_raw_fd(), region.fd());
+        let sent = local.async_io(tokio::io::Interest::WRITABLE, || crate::shm::send_with_fd(sock, &frame, pass)).await?;
+        // The rest (if the socket took only part) follows on the same socket.
+        self.writer.write_all(&frame[sent..]).await?;
+        self.writer.flush().await?;
+        self.state.metrics.bytes_sent.inc_by(frame.len() as u64);
+        Ok(None)
+    }
+
+    /// PUT_SHM: each block copied out of the shared memory into a pool
+    /// block, checked against its checksum on that copy, then stored.
+    async fn put_shm(&self, entries: Vec<ShmPut>) -> Response {
+        let Some(region) = &self.shm else {
+            return Response::Error { code: ErrorCode::Invalid, message: "PUT_SHM before SHM_ATTACH".into() };
+        };
+        let mut results = Vec::with_capacity(entries.len());
+        for e in entries {
+            let allocated = match &self.state.tier {
+                Some(tier) => tier.allocate(&self.state.cache, e.len as usize).await,
+                None => self.state.cache.allocate(e.len as usize),
+            };
+            let mut block = match allocated {
+                Ok(b) => b,
+                Err(err) => {
+                    results.push(Err(ErrorCode::from(&err)));
+                    continue;
+                }
+            };
+            if region.copy_out(e.offset, block.as_mut_slice()).is_err() {
+                results.push(Err(ErrorCode::Invalid));
+                continue;
+            }
+            if checksum(&block) != e.crc {
+                self.state.metrics.checksum_failures.inc_by(1);
+                results.push(Err(ErrorCode::BadChecksum));
+                continue;
+            }
+            let key = Bytes::copy_from_slice(&e.key);
+            let block = block.freeze();
+            if let Some(tier) = &self.state.tier {
+                tier.stored(&key, &block).await;
+            }
+            self.state.cache.insert(key, block, e.crc);
+            results.push(Ok(()));
+        }
+        Response::PutShm { results }
+    }
+
+    /// GET_SHM: each block (from either tier) copied into the shared memory.
+    async fn get_shm(&self, entries: Vec<ShmGet>) -> Response {
+        let Some(region) = &self.shm else {
+            return Response::Error { code: ErrorCode::Invalid, message: "GET_SHM before SHM_ATTACH".into() };
+        };
+        let keys: Vec<Bytes> = entries.iter().map(|e| e.key.clone()).collect();
+        let found = self.get(&keys).await;
+        let results = entries
+            .iter()
+            .zip(found)
+            .map(|(e, r)| {
+                // The block is held by reference until this copy ends: its
+                // memory cannot be reused under it.
+                let block = r?;
+                if block.data.len() > e.capacity as usize {
+                    return Err(ErrorCode::Capacity);
+                }
+                region.copy_in(e.offset, &block.data).map_err(|_| ErrorCode::Invalid)?;
+                Ok(ShmBlock { len: block.data.len() as u32, crc: block.crc })
+            })
+            .collect();
+        Response::GetShm { results }
     }
 
     /// Each key from the memory tier, else from the second tier (read into

@@ -58,6 +58,12 @@ pub struct NodeConfig {
     pub tier: Option<TierSetup>,
     /// Cluster mode, if any.
     pub cluster: Option<ClusterSetup>,
+    /// Bytes of memory shared with each local client that asks (Unix-socket
+    /// connections; 0: none).
+    pub shm_region_bytes: usize,
+    /// Connections with shared memory at once; later ones use the socket.
+    /// With `shm_region_bytes`, it bounds what clients can make the node map.
+    pub shm_max_regions: usize,
 }
 
 impl Default for NodeConfig {
@@ -76,6 +82,8 @@ impl Default for NodeConfig {
             drain_timeout: Duration::from_secs(10),
             tier: None,
             cluster: None,
+            shm_region_bytes: 64 << 20,
+            shm_max_regions: 64,
         }
     }
 }
@@ -87,6 +95,8 @@ pub(crate) struct NodeState {
     pub(crate) config: NodeConfig,
     pub(crate) tier: Option<SecondTier>,
     pub(crate) cluster: Option<ClusterNode>,
+    /// Connections holding shared memory now.
+    pub(crate) shm_regions: std::sync::atomic::AtomicUsize,
     draining: AtomicBool,
 }
 
@@ -147,7 +157,15 @@ impl Node {
             Some(setup) => Some(ClusterNode::join(setup, tcp_addr).await.context("joining the cluster (cluster in the config file)")?),
             None => None,
         };
-        let state = Arc::new(NodeState { cache, metrics: Metrics::default(), config, tier, cluster, draining: AtomicBool::new(false) });
+        let state = Arc::new(NodeState {
+            cache,
+            metrics: Metrics::default(),
+            config,
+            tier,
+            cluster,
+            shm_regions: Default::default(),
+            draining: AtomicBool::new(false),
+        });
         state.metrics.register(&mut registry, Arc::downgrade(&state));
         let admin = match admin_at {
             Some(addr) => {

@@ -40,6 +40,12 @@ fn all_frames() -> Vec<Frame> {
         Frame::response(10, Response::Error { code: ErrorCode::Other(999), message: "from a newer node".into() }),
         Frame::request(11, Request::ClusterTable { after_version: 7, wait_ms: 30_000 }),
         Frame::response(11, Response::ClusterTable(Box::new(small_table()))),
+        Frame::request(12, Request::ShmAttach),
+        Frame::response(12, Response::ShmAttach { size: 64 << 20 }),
+        Frame::request(13, Request::PutShm { entries: vec![ShmPut { key: key("a"), offset: 4096, len: 5, crc: 7 }] }),
+        Frame::response(13, Response::PutShm { results: vec![Ok(()), Err(ErrorCode::BadChecksum)] }),
+        Frame::request(14, Request::GetShm { entries: vec![ShmGet { key: key("a"), offset: 0, capacity: 65536 }] }),
+        Frame::response(14, Response::GetShm { results: vec![Ok(ShmBlock { len: 5, crc: 9 }), Err(ErrorCode::NotFound)] }),
     ]
 }
 

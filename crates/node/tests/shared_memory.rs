@@ -1,0 +1,245 @@
+//! The local shared-memory path end to end: a real node on a Unix socket,
+//! the real client (which picks the path by itself), and hand-made hostile
+//! clients that test the trust boundary docs/protocol.md draws: a client's
+//! memory is its own, a stored block cannot be changed through it, resizing
+//! it is refused and abandoning it mid-transfer changes nothing for the node,
+//! and a block being read is never reused under the reader.
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use kvplane_client::{Client, ClientConfig, Connection, Endpoint, KvError};
+use kvplane_node::memory::PoolConfig;
+use kvplane_node::server::{Node, NodeConfig};
+use kvplane_protocol::{encode, Features, Frame, Hello, Request, HEADER_LEN};
+
+const KIB: usize = 1 << 10;
+const MIB: usize = 1 << 20;
+const PATIENCE: Duration = Duration::from_secs(30);
+
+async fn node(dir: &tempfile::TempDir, memory: usize, shm: usize) -> Node {
+    let config = NodeConfig {
+        listen: Some("127.0.0.1:0".parse().unwrap()),
+        admin: None,
+        unix: Some(dir.path().join("node.sock")),
+        pool: PoolConfig::new(memory),
+        shm_region_bytes: shm,
+        ..NodeConfig::default()
+    };
+    Node::start(config).await.expect("node starts")
+}
+
+fn unix(node: &Node) -> Endpoint {
+    Endpoint::Unix(node.unix_path().unwrap().to_path_buf())
+}
+
+fn stat(node: &Node, name: &str) -> u64 {
+    node.stats().into_iter().find(|(n, _)| n == name).map(|(_, v)| v).unwrap()
+}
+
+fn block(seed: u8, len: usize) -> Bytes {
+    Bytes::from((0..len).map(|i| seed.wrapping_add((i % 251) as u8)).collect::<Vec<u8>>())
+}
+
+#[tokio::test]
+async fn the_client_moves_blocks_through_shared_memory_on_a_unix_socket_by_itself() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = node(&dir, 256 * MIB, 64 * MIB).await;
+    let c = Client::connect(ClientConfig::new(unix(&n))).await.unwrap();
+    assert!(c.connection().await.unwrap().shared_memory().is_some(), "a Unix-socket connection got shared memory");
+    let entries: Vec<(Bytes, Bytes)> = (0..8).map(|i| (Bytes::from(format!("k{i}")), block(i, 2 * MIB))).collect();
+    let received = stat(&n, "bytes_received");
+    assert!(c.put(entries.clone()).await.unwrap().iter().all(Result::is_ok));
+    let got = c.get(entries.iter().map(|(k, _)| k.clone()).collect()).await.unwrap();
+    for ((k, v), r) in entries.iter().zip(got) {
+        assert_eq!(&r.unwrap(), v, "{k:?}");
+    }
+    // 16 MiB went in and came out; only keys, offsets and statuses crossed the socket.
+    assert!(stat(&n, "bytes_received") - received < 64 * KIB as u64, "block bytes crossed the socket");
+    assert!(stat(&n, "bytes_sent") < 64 * KIB as u64);
+
+    // Over TCP, or from a node that shares no memory, the same calls use the socket.
+    let tcp = Client::connect(ClientConfig::new(Endpoint::Tcp(n.tcp_addr().unwrap().to_string()))).await.unwrap();
+    assert!(tcp.connection().await.unwrap().shared_memory().is_none());
+    assert_eq!(tcp.get(vec![Bytes::from_static(b"k3")]).await.unwrap()[0].as_ref().unwrap(), &entries[3].1);
+    let dir2 = tempfile::tempdir().unwrap();
+    let plain = node(&dir2, 64 * MIB, 0).await;
+    let c2 = Client::connect(ClientConfig::new(unix(&plain))).await.unwrap();
+    assert!(c2.connection().await.unwrap().shared_memory().is_none(), "--shm-region 0 offers none");
+    assert!(c2.put(vec![(Bytes::from_static(b"a"), block(1, 4 * KIB))]).await.unwrap()[0].is_ok());
+    assert_eq!(c2.get(vec![Bytes::from_static(b"a")]).await.unwrap()[0].as_ref().unwrap(), &block(1, 4 * KIB));
+}
+
+#[tokio::test]
+async fn writing_shared_memory_after_a_put_does_not_change_the_stored_block() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = node(&dir, 64 * MIB, 4 * MIB).await;
+    let conn = Connection::open(&unix(&n), None, PATIENCE).await.unwrap();
+    let memory = Arc::clone(conn.shared_memory().unwrap());
+    memory.write_at(0, &block(7, 64 * KIB)).unwrap();
+    let r = conn.put_from_shared(&[(Bytes::from_static(b"kept"), 0, 64 * KIB)]).await.unwrap();
+    assert!(r[0].is_ok(), "{r:?}");
+    memory.write_at(0, &[0xAA; 64 * KIB]).unwrap();
+    let lens = conn.get_into_shared(&[(Bytes::from_static(b"kept"), MIB, 64 * KIB)]).await.unwrap();
+    assert_eq!(lens[0].as_ref().unwrap(), &(64 * KIB));
+    let mut back = vec![0u8; 64 * KIB];
+    memory.read_at(MIB, &mut back).unwrap();
+    assert_eq!(Bytes::from(back), block(7, 64 * KIB), "the node stored a copy, not the client's memory");
+
+    // Ranges outside the memory, and a destination too small, are answered
+    // per key and write nothing; the connection keeps serving.
+    let r = conn.put_from_shared(&[(Bytes::from_static(b"x"), 4 * MIB - 10, 100)]).await;
+    assert!(matches!(r, Err(KvError::Invalid(_))), "the client refuses a range past the end: {r:?}");
+    memory.write_at(2 * MIB, &[0x55; 64]).unwrap();
+    let lens = conn.get_into_shared(&[(Bytes::from_static(b"kept"), 2 * MIB, 100)]).await.unwrap();
+    assert!(matches!(lens[0], Err(KvError::Capacity(_))), "{lens:?}");
+    let mut guard = [0u8; 64];
+    memory.read_at(2 * MIB, &mut guard).unwrap();
+    assert_eq!(guard, [0x55; 64], "nothing written for a block that does not fit");
+    assert!(conn.get_into_shared(&[(Bytes::from_static(b"kept"), 4 * MIB - 100, 64 * KIB)]).await.unwrap()[0].is_err());
+}
+
+/// A hand-made client: handshake asking for shared memory, SHM_ATTACH, and
+/// the raw memfd the node passes — what a hostile client holds.
+struct RawLocal {
+    sock: std::os::unix::net::UnixStream,
+    memfd: OwnedFd,
+}
+
+fn recv_fd(sock: RawFd, buf: &mut [u8]) -> (usize, Option<OwnedFd>) {
+    let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
+    let mut control = [0u8; 64];
+    // SAFETY: a zeroed msghdr with pointers to live buffers of the stated
+    // sizes; a passed descriptor is owned exactly once.
+    unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = control.len() as _;
+        let n = libc::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC);
+        assert!(n >= 0, "recvmsg: {}", std::io::Error::last_os_error());
+        let cmsg = libc::CMSG_FIRSTHDR(&msg);
+        let fd =
+            if cmsg.is_null() { None } else { Some(OwnedFd::from_raw_fd(std::ptr::read_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>()))) };
+        (n as usize, fd)
+    }
+}
+
+impl RawLocal {
+    fn attach(path: &std::path::Path) -> RawLocal {
+        use std::io::{Read, Write};
+        let mut sock = std::os::unix::net::UnixStream::connect(path).unwrap();
+        sock.set_read_timeout(Some(PATIENCE)).unwrap();
+        let hello = Request::Hello(Hello { version: 1, features: Features(Features::ALL.0 | Features::SHARED_MEMORY.0), token: None });
+        sock.write_all(&encode(&Frame::request(1, hello)).unwrap().to_vec()).unwrap();
+        let mut ack = [0u8; HEADER_LEN + 26];
+        sock.read_exact(&mut ack).unwrap();
+        sock.write_all(&encode(&Frame::request(2, Request::ShmAttach)).unwrap().to_vec()).unwrap();
+        let mut answer = [0u8; HEADER_LEN + 8];
+        let (n, memfd) = recv_fd(sock.as_raw_fd(), &mut answer);
+        sock.read_exact(&mut answer[n..]).unwrap();
+        RawLocal { sock, memfd: memfd.expect("the node passed its memfd") }
+    }
+}
+
+#[tokio::test]
+async fn a_client_cannot_resize_the_shared_memory_and_abandoning_it_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = node(&dir, 64 * MIB, 4 * MIB).await;
+    let path = n.unix_path().unwrap().to_path_buf();
+    let raw = tokio::task::spawn_blocking(move || RawLocal::attach(&path)).await.unwrap();
+    // SAFETY: ftruncate on a descriptor this test owns: the hostile move.
+    let shrink = unsafe { libc::ftruncate(raw.memfd.as_raw_fd(), 0) };
+    assert_eq!(shrink, -1, "the node's memory could be shrunk under it");
+    // SAFETY: as above.
+    let grow = unsafe { libc::ftruncate(raw.memfd.as_raw_fd(), 1 << 40) };
+    assert_eq!(grow, -1);
+    // Half a PUT_SHM, then the client vanishes with its memory.
+    {
+        use std::io::Write;
+        let put =
+            Request::PutShm { entries: vec![kvplane_protocol::ShmPut { key: Bytes::from_static(b"half"), offset: 0, len: 4096, crc: 0 }] };
+        let bytes = encode(&Frame::request(3, put)).unwrap().to_vec();
+        let mut sock = raw.sock.try_clone().unwrap();
+        sock.write_all(&bytes[..bytes.len() / 2]).unwrap();
+    }
+    drop(raw);
+    // The node closes that connection and drops its memory...
+    let start = Instant::now();
+    while stat(&n, "connections_open") > 0 {
+        assert!(start.elapsed() < PATIENCE, "the abandoned connection was never closed");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // ...and serves every other client as before; the half PUT stored nothing.
+    let c = Client::connect(ClientConfig::new(unix(&n))).await.unwrap();
+    assert!(c.put(vec![(Bytes::from_static(b"after"), block(3, 8 * KIB))]).await.unwrap()[0].is_ok());
+    assert_eq!(c.get(vec![Bytes::from_static(b"after")]).await.unwrap()[0].as_ref().unwrap(), &block(3, 8 * KIB));
+    assert_eq!(c.exists(vec![Bytes::from_static(b"half")]).await.unwrap(), vec![false]);
+}
+
+#[tokio::test]
+async fn each_client_has_its_own_memory_and_sees_only_what_it_asked_for() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = node(&dir, 64 * MIB, 2 * MIB).await;
+    let a = Connection::open(&unix(&n), None, PATIENCE).await.unwrap();
+    let b = Connection::open(&unix(&n), None, PATIENCE).await.unwrap();
+    let (ma, mb) = (Arc::clone(a.shared_memory().unwrap()), Arc::clone(b.shared_memory().unwrap()));
+    ma.write_at(0, &block(9, 64 * KIB)).unwrap();
+    assert!(a.put_from_shared(&[(Bytes::from_static(b"secret"), 0, 64 * KIB)]).await.unwrap()[0].is_ok());
+    assert!(a.get_into_shared(&[(Bytes::from_static(b"secret"), 512 * KIB, 64 * KIB)]).await.unwrap()[0].is_ok());
+    // B's memory is untouched by everything A did.
+    let mut all = vec![0u8; 2 * MIB];
+    mb.read_at(0, &mut all).unwrap();
+    assert!(all.iter().all(|&x| x == 0), "another client's bytes appeared in this client's memory");
+    // Writing its own memory does not reach A's.
+    mb.write_at(0, &[0xFF; 64 * KIB]).unwrap();
+    let mut first = vec![0u8; 64 * KIB];
+    ma.read_at(0, &mut first).unwrap();
+    assert_eq!(Bytes::from(first), block(9, 64 * KIB));
+}
+
+#[tokio::test]
+async fn a_block_read_under_eviction_pressure_is_never_torn() {
+    let dir = tempfile::tempdir().unwrap();
+    // 8 MiB of pool for 256 keys of 64 KiB: a writer evicts constantly.
+    let n = node(&dir, 8 * MIB, 4 * MIB).await;
+    let reader = Connection::open(&unix(&n), None, PATIENCE).await.unwrap();
+    let writer = Client::connect(ClientConfig::new(unix(&n))).await.unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let flood = {
+        let stop = Arc::clone(&stop);
+        tokio::spawn(async move {
+            let mut i = 0u32;
+            while !stop.load(Ordering::Relaxed) {
+                // Every key holds the block of its own seed: a torn or
+                // reused block shows as bytes of another seed.
+                let key = format!("k{}", i % 256);
+                let _ = writer.put(vec![(Bytes::from(key), block((i % 256) as u8, 64 * KIB))]).await;
+                i += 1;
+            }
+            i
+        })
+    };
+    let memory = Arc::clone(reader.shared_memory().unwrap());
+    let (mut found, mut reads) = (0, 0);
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(2) || found < 20 {
+        assert!(start.elapsed() < PATIENCE, "no reads found their block");
+        let k = reads % 256;
+        let lens = reader.get_into_shared(&[(Bytes::from(format!("k{k}")), 0, 64 * KIB)]).await.unwrap();
+        reads += 1;
+        if let Ok(len) = lens[0] {
+            let mut back = vec![0u8; len];
+            memory.read_at(0, &mut back).unwrap();
+            assert_eq!(Bytes::from(back), block(k as u8, 64 * KIB), "block k{k} was torn or reused under the reader");
+            found += 1;
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    let written = flood.await.unwrap();
+    assert!(stat(&n, "evictions") > 0, "the pool was meant to be under pressure ({written} writes)");
+}
