@@ -1,0 +1,61 @@
+"""Python client of kvplane nodes and clusters.
+
+Made for inference engines that keep their KV cache in one large tensor and
+move blocks of it by batch::
+
+    import kvplane
+
+    with kvplane.Client("127.0.0.1:9600") as kv:
+        view = memoryview(kv_tensor_as_uint8_numpy)          # or a bytearray
+        blocks = [view[i * BLOCK:(i + 1) * BLOCK] for i in range(n)]
+        kv.put_from(keys, blocks)                            # sends from the tensor's memory
+        matched, lease_ms = kv.match_prefix(keys, lease_ms=5000)
+        lengths = kv.get_into(keys[:matched], blocks[:matched])  # bytes written, or None
+
+A buffer is anything with the buffer protocol: ``bytearray``, ``memoryview``,
+numpy arrays; a torch CPU tensor through ``t.view(torch.uint8).numpy()`` (or
+``memoryview`` of that). Calls release the GIL while they wait for the
+network. ``Client(seeds, cluster=True)`` routes keys over a cluster's slot
+table.
+
+Errors are ``kvplane.Error`` subclasses (see ``kvplane._errors``).
+"""
+
+from __future__ import annotations
+
+from ._errors import (
+    BadBuffer,
+    BufferTooSmall,
+    Busy,
+    Capacity,
+    Denied,
+    Error,
+    Internal,
+    Invalid,
+    NonContiguousBuffer,
+    NotFound,
+    ReadOnlyBuffer,
+    Timeout,
+    Unavailable,
+    Unsupported,
+)
+from ._native import Client, __version__
+
+__all__ = [
+    "Client",
+    "__version__",
+    "Error",
+    "NotFound",
+    "Timeout",
+    "Unavailable",
+    "Invalid",
+    "Capacity",
+    "Internal",
+    "Unsupported",
+    "Busy",
+    "Denied",
+    "BadBuffer",
+    "ReadOnlyBuffer",
+    "NonContiguousBuffer",
+    "BufferTooSmall",
+]

@@ -1,0 +1,620 @@
+//! `kvplane._native`: the Python package's client, [`kvplane_client`] behind
+//! PyO3.
+//!
+//! Engines (vLLM, LMCache) keep their KV cache in one large tensor and move
+//! blocks of it by batch, so every data call takes a list of keys and a list
+//! of buffers (memoryviews of slices of that tensor, numpy arrays, bytearrays:
+//! anything with the buffer protocol) and the GIL is released for the whole
+//! network round trip, so the engine's other Python threads keep running.
+//!
+//! Copies:
+//! - `put_from` sends straight from the caller's memory: each buffer is
+//!   exported (the object cannot be resized or freed meanwhile) and wrapped
+//!   in a [`Bytes`] that borrows it, and the client writes those slices to the
+//!   socket with vectored writes. The export is released when the last such
+//!   `Bytes` is dropped, so no reference outlives the memory.
+//! - `get_into` copies once: the client crate reads each payload into a
+//!   `Bytes` of its own and this module copies it into the caller's buffer
+//!   (with the GIL released). Reading payloads straight into caller memory
+//!   needs a GET in `kvplane-client` that takes destination buffers to its
+//!   reader task; until then this copy stays.
+//!
+//! Buffers are checked before any I/O: a buffer that `get_into` would write
+//! must be writable and C-contiguous, and every answer must fit its buffer
+//! before any of them is written, so a failed call writes nothing at all, and
+//! a successful one writes only the first `len(value)` bytes of each buffer.
+
+#![deny(unsafe_code)]
+
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use bytes::Bytes;
+use kvplane_client::{Client as NodeClient, ClientConfig, ClusterClient, ClusterConfig, Endpoint, ErrorKind, KvError, PrefixMatch};
+use pyo3::buffer::PyUntypedBuffer;
+use pyo3::exceptions::PyTypeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyString};
+use tokio::runtime::Runtime;
+
+/// The module that defines the exception classes (they subclass both
+/// `kvplane.Error` and the matching builtin, which is simpler in Python).
+const ERRORS_MODULE: &str = "kvplane._errors";
+
+/// Worker threads of the I/O runtime: enough to keep a few sockets busy
+/// without competing with the engine for cores.
+const IO_THREADS: usize = 2;
+
+/// The process's I/O runtime, tagged with the process id that built it: a
+/// runtime's threads do not survive `fork` (engines fork workers), so a
+/// child builds its own and leaks the parent's copy instead of joining
+/// threads that do not exist there.
+static RUNTIME: Mutex<Option<(u32, Arc<Runtime>)>> = Mutex::new(None);
+
+fn runtime() -> PyResult<Arc<Runtime>> {
+    let mut slot = RUNTIME.lock().unwrap_or_else(|p| p.into_inner());
+    let pid = std::process::id();
+    match slot.take() {
+        Some((p, rt)) if p == pid => {
+            *slot = Some((p, Arc::clone(&rt)));
+            return Ok(rt);
+        }
+        Some(inherited) => std::mem::forget(inherited),
+        None => {}
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(IO_THREADS)
+        .thread_name("kvplane-io")
+        .enable_all()
+        .build()
+        .map_err(|e| raise("Internal", format!("starting the I/O runtime: {e}"), None, None))?;
+    let rt = Arc::new(rt);
+    *slot = Some((pid, Arc::clone(&rt)));
+    Ok(rt)
+}
+
+// --- errors ------------------------------------------------------------------------
+
+/// Builds an instance of `kvplane._errors.CLASS(message, key=..., index=...)`.
+fn raise(class: &str, message: String, key: Option<&[u8]>, index: Option<usize>) -> PyErr {
+    Python::attach(|py| {
+        let build = || -> PyResult<PyErr> {
+            let cls = py.import(ERRORS_MODULE)?.getattr(class)?;
+            let kwargs = PyDict::new(py);
+            kwargs.set_item("key", key.map(|k| PyBytes::new(py, k)))?;
+            kwargs.set_item("index", index)?;
+            Ok(PyErr::from_value(cls.call((message,), Some(&kwargs))?))
+        };
+        build().unwrap_or_else(|e| e)
+    })
+}
+
+/// The exception class for a client error.
+fn class_of(e: &KvError) -> &'static str {
+    match e.kind() {
+        ErrorKind::NotFound => "NotFound",
+        ErrorKind::Timeout => "Timeout",
+        ErrorKind::Unavailable => "Unavailable",
+        ErrorKind::Invalid => "Invalid",
+        ErrorKind::Capacity => "Capacity",
+        ErrorKind::Internal => "Internal",
+        ErrorKind::Unsupported => "Unsupported",
+        ErrorKind::Busy => "Busy",
+        ErrorKind::Denied => "Denied",
+    }
+}
+
+/// A client error as its typed exception; `Busy` also carries
+/// `retry_after_ms` so that a caller can back off as the node asked.
+fn kv_error(e: &KvError, context: String, key: Option<&[u8]>, index: Option<usize>) -> PyErr {
+    let err = raise(class_of(e), format!("{context}: {e}"), key, index);
+    if let KvError::Busy { retry_after_ms, .. } = e {
+        Python::attach(|py| {
+            let _ = err.value(py).setattr("retry_after_ms", *retry_after_ms);
+        });
+    }
+    err
+}
+
+/// A key for messages: printable ASCII as is, other bytes escaped.
+fn show(key: &[u8]) -> String {
+    key.escape_ascii().to_string()
+}
+
+// --- keys and buffers -------------------------------------------------------------
+
+/// A key: `str` (its UTF-8 bytes) or `bytes`.
+fn key_of(obj: &Bound<'_, PyAny>, index: usize) -> PyResult<Bytes> {
+    if let Ok(b) = obj.cast::<PyBytes>() {
+        return Ok(Bytes::copy_from_slice(b.as_bytes()));
+    }
+    if let Ok(s) = obj.cast::<PyString>() {
+        return Ok(Bytes::copy_from_slice(s.to_str()?.as_bytes()));
+    }
+    Err(PyTypeError::new_err(format!("keys[{index}]: a key is str or bytes, not {}", obj.get_type().name()?)))
+}
+
+fn keys_of(keys: &[Bound<'_, PyAny>]) -> PyResult<Vec<Bytes>> {
+    keys.iter().enumerate().map(|(i, k)| key_of(k, i)).collect()
+}
+
+fn same_length(op: &str, keys: usize, buffers: usize) -> PyResult<()> {
+    if keys == buffers {
+        return Ok(());
+    }
+    Err(raise("Invalid", format!("{op}: {keys} keys but {buffers} buffers; they pair up one to one"), None, None))
+}
+
+/// Exports one buffer, checking what the call needs of it: C-contiguous
+/// always (the bytes are moved as one run), writable when `write`.
+fn export(obj: &Bound<'_, PyAny>, index: usize, key: &[u8], write: bool) -> PyResult<PyUntypedBuffer> {
+    let at = || format!("buffers[{index}] (for key '{}')", show(key));
+    let buffer = PyUntypedBuffer::get(obj)
+        .map_err(|e| raise("BadBuffer", format!("{}: a {} does not export a buffer: {e}", at(), type_name(obj)), Some(key), Some(index)))?;
+    if write && buffer.readonly() {
+        return Err(raise("ReadOnlyBuffer", format!("{}: the {} is read-only", at(), type_name(obj)), Some(key), Some(index)));
+    }
+    if !buffer.is_c_contiguous() {
+        return Err(raise(
+            "NonContiguousBuffer",
+            format!("{}: the {} is not C-contiguous (shape {:?}, strides {:?})", at(), type_name(obj), buffer.shape(), buffer.strides()),
+            Some(key),
+            Some(index),
+        ));
+    }
+    Ok(buffer)
+}
+
+fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "object".into())
+}
+
+/// The exported buffers of one `put_from`, shared by the [`Bytes`] that
+/// borrow them: the exports are released (with the GIL, by pyo3) when the
+/// last of those is dropped, wherever that happens.
+struct Exports(Vec<PyUntypedBuffer>);
+
+/// One exported buffer as the bytes of a PUT.
+struct Borrowed {
+    exports: Arc<Exports>,
+    index: usize,
+}
+
+impl AsRef<[u8]> for Borrowed {
+    #[allow(unsafe_code)]
+    fn as_ref(&self) -> &[u8] {
+        let b = &self.exports.0[self.index];
+        let len = b.len_bytes();
+        if len == 0 {
+            return &[];
+        }
+        // SAFETY: the buffer is exported for as long as `self.exports` lives
+        // (the exporter may neither free nor move it meanwhile), it is
+        // C-contiguous (checked by `export`), so `len_bytes` bytes from
+        // `buf_ptr` are its memory, and it is non-empty, so the pointer is
+        // not null. The caller is told not to modify it during the call.
+        unsafe { std::slice::from_raw_parts(b.buf_ptr().cast::<u8>(), len) }
+    }
+}
+
+// --- the client ---------------------------------------------------------------------
+
+enum Target {
+    Node(NodeClient),
+    Cluster(ClusterClient),
+}
+
+impl Target {
+    async fn put(&self, entries: Vec<(Bytes, Bytes)>) -> Result<Vec<Result<(), KvError>>, KvError> {
+        match self {
+            Target::Node(c) => c.put(entries).await,
+            Target::Cluster(c) => c.put(entries).await,
+        }
+    }
+
+    async fn get(&self, keys: Vec<Bytes>) -> Result<Vec<Result<Bytes, KvError>>, KvError> {
+        match self {
+            Target::Node(c) => c.get(keys).await,
+            Target::Cluster(c) => c.get(keys).await,
+        }
+    }
+
+    async fn exists(&self, keys: Vec<Bytes>) -> Result<Vec<bool>, KvError> {
+        match self {
+            Target::Node(c) => c.exists(keys).await,
+            Target::Cluster(c) => c.exists(keys).await,
+        }
+    }
+
+    async fn delete(&self, keys: Vec<Bytes>) -> Result<Vec<bool>, KvError> {
+        match self {
+            Target::Node(c) => c.delete(keys).await,
+            Target::Cluster(c) => c.delete(keys).await,
+        }
+    }
+
+    async fn match_prefix(&self, keys: Vec<Bytes>, lease: Duration) -> Result<PrefixMatch, KvError> {
+        match self {
+            Target::Node(c) => c.match_prefix(keys, lease).await,
+            Target::Cluster(c) => c.match_prefix(keys, lease).await,
+        }
+    }
+}
+
+/// A connected client and the runtime its connections live on.
+struct Inner {
+    rt: std::mem::ManuallyDrop<Arc<Runtime>>,
+    target: std::mem::ManuallyDrop<Target>,
+    pid: u32,
+}
+
+impl Inner {
+    fn block_on<F: std::future::Future>(&self, f: F) -> F::Output {
+        self.rt.block_on(f)
+    }
+}
+
+impl Drop for Inner {
+    #[allow(unsafe_code)]
+    fn drop(&mut self) {
+        if self.pid != std::process::id() {
+            // A forked child: the connections' tasks live on the parent's
+            // runtime, whose threads are not here. Leak both rather than
+            // touch them.
+            return;
+        }
+        {
+            let _context = self.rt.enter();
+            // SAFETY: dropped once, here, and never used again.
+            unsafe { std::mem::ManuallyDrop::drop(&mut self.target) };
+        }
+        // SAFETY: as above; the target that used it is gone.
+        unsafe { std::mem::ManuallyDrop::drop(&mut self.rt) };
+    }
+}
+
+/// A member of a slot table as Python sees it: `(id, endpoint, state)`.
+type MemberRow = (String, String, String);
+
+/// Why a `get_into` wrote nothing.
+enum GetFailure {
+    Call(KvError),
+    Key(usize, KvError),
+    TooSmall { index: usize, need: usize, have: usize },
+}
+
+/// A client of one kvplane node, or of a whole cluster.
+///
+/// `Client("127.0.0.1:9600")` keeps a pool of `connections` connections to
+/// one node (calls are spread over them and pipelined).
+/// `Client(["10.0.0.1:9600", "10.0.0.2:9600"], cluster=True)` asks any of
+/// those nodes for the cluster's slot table, follows its changes, and sends
+/// each key to its owners itself.
+///
+/// Every call releases the GIL while it waits for the network. The client
+/// may be shared by threads. It belongs to the process that made it: after
+/// `fork`, make a new one in the child.
+#[pyclass(name = "Client", module = "kvplane", frozen)]
+struct Client {
+    inner: RwLock<Option<Arc<Inner>>>,
+    endpoints: Vec<String>,
+    cluster: bool,
+}
+
+impl Client {
+    fn inner(&self) -> PyResult<Arc<Inner>> {
+        let inner = self.inner.read().unwrap_or_else(|p| p.into_inner()).clone();
+        let inner = inner.ok_or_else(|| raise("Error", format!("the client of {} is closed", self.endpoints.join(", ")), None, None))?;
+        if inner.pid != std::process::id() {
+            return Err(raise(
+                "Error",
+                format!("this client was made in process {}, before a fork; make a new one in process {}", inner.pid, std::process::id()),
+                None,
+                None,
+            ));
+        }
+        Ok(inner)
+    }
+}
+
+#[pymethods]
+impl Client {
+    #[new]
+    #[pyo3(signature = (endpoints, *, cluster = false, connections = None, token = None, timeout = 30.0, write_quorum = None))]
+    fn new(
+        py: Python<'_>,
+        endpoints: &Bound<'_, PyAny>,
+        cluster: bool,
+        connections: Option<usize>,
+        token: Option<String>,
+        timeout: f64,
+        write_quorum: Option<usize>,
+    ) -> PyResult<Client> {
+        let endpoints: Vec<String> =
+            if let Ok(s) = endpoints.cast::<PyString>() { vec![s.to_str()?.to_owned()] } else { endpoints.extract()? };
+        let parsed = endpoints
+            .iter()
+            .map(|e| e.parse::<Endpoint>().map_err(|err| kv_error(&err, "Client".into(), None, None)))
+            .collect::<PyResult<Vec<_>>>()?;
+        if !(timeout.is_finite() && timeout > 0.0) {
+            return Err(raise("Invalid", format!("Client: timeout must be a positive number of seconds, not {timeout}"), None, None));
+        }
+        let timeout = Duration::from_secs_f64(timeout);
+        if connections == Some(0) {
+            return Err(raise("Invalid", "Client: connections must be at least 1".into(), None, None));
+        }
+        if !cluster && parsed.len() != 1 {
+            return Err(raise(
+                "Invalid",
+                format!("Client: a node client takes one endpoint, not {}; pass cluster=True to route over several", parsed.len()),
+                None,
+                None,
+            ));
+        }
+        if !cluster && write_quorum.is_some() {
+            return Err(raise("Invalid", "Client: write_quorum applies to a cluster client (cluster=True)".into(), None, None));
+        }
+        let rt = runtime()?;
+        let what = endpoints.join(", ");
+        let target = if cluster {
+            let mut config = ClusterConfig::new(parsed);
+            config.token = token;
+            config.timeout = timeout;
+            config.write_quorum = write_quorum;
+            if let Some(n) = connections {
+                config.connections = n;
+            }
+            py.detach(|| rt.block_on(ClusterClient::connect(config)))
+                .map(Target::Cluster)
+                .map_err(|e| kv_error(&e, format!("connect to the cluster of {what}"), None, None))?
+        } else {
+            let mut config = ClientConfig::new(parsed.into_iter().next().expect("one endpoint"));
+            config.token = token;
+            config.timeout = timeout;
+            if let Some(n) = connections {
+                config.connections = n;
+            }
+            py.detach(|| rt.block_on(NodeClient::connect(config)))
+                .map(Target::Node)
+                .map_err(|e| kv_error(&e, format!("connect to {what}"), None, None))?
+        };
+        let inner = Inner { rt: std::mem::ManuallyDrop::new(rt), target: std::mem::ManuallyDrop::new(target), pid: std::process::id() };
+        Ok(Client { inner: RwLock::new(Some(Arc::new(inner))), endpoints, cluster })
+    }
+
+    /// Stores `buffers[i]` under `keys[i]`, sending straight from the
+    /// buffers' memory. Keys are `str` or `bytes`; buffers are any
+    /// C-contiguous object with the buffer protocol (read-only is fine).
+    /// Do not modify the buffers until the call returns.
+    ///
+    /// Raises the typed exception of the first key that was not stored, with
+    /// `key` and `index` set; the other keys of the batch may have been.
+    fn put_from(&self, py: Python<'_>, keys: Vec<Bound<'_, PyAny>>, buffers: Vec<Bound<'_, PyAny>>) -> PyResult<()> {
+        same_length("put_from", keys.len(), buffers.len())?;
+        let inner = self.inner()?;
+        let keys = keys_of(&keys)?;
+        if keys.is_empty() {
+            return Ok(());
+        }
+        let exports = keys.iter().zip(&buffers).enumerate().map(|(i, (k, b))| export(b, i, k, false)).collect::<PyResult<Vec<_>>>()?;
+        let exports = Arc::new(Exports(exports));
+        let entries: Vec<(Bytes, Bytes)> = keys
+            .iter()
+            .enumerate()
+            .map(|(index, k)| (k.clone(), Bytes::from_owner(Borrowed { exports: Arc::clone(&exports), index })))
+            .collect();
+        let n = entries.len();
+        let results = py.detach(|| inner.block_on(inner.target.put(entries)));
+        // Released here, with the GIL, unless a task still holds a slice.
+        drop(exports);
+        let results = results.map_err(|e| kv_error(&e, format!("put_from of {n} keys"), None, None))?;
+        let failed: Vec<(usize, &KvError)> = results.iter().enumerate().filter_map(|(i, r)| r.as_ref().err().map(|e| (i, e))).collect();
+        if let Some(&(i, e)) = failed.first() {
+            let others = match failed.len() - 1 {
+                0 => String::new(),
+                1 => ", and 1 other key failed".into(),
+                m => format!(", and {m} other keys failed"),
+            };
+            return Err(kv_error(
+                e,
+                format!("put_from: key '{}' (keys[{i}]) was not stored{others}", show(&keys[i])),
+                Some(&keys[i]),
+                Some(i),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Reads the value of `keys[i]` into `buffers[i]` and answers, per key,
+    /// how many bytes were written (from the buffer's start), or `None` when
+    /// the key is absent. Buffers must be writable and C-contiguous
+    /// (`ReadOnlyBuffer`, `NonContiguousBuffer` otherwise, before any I/O);
+    /// a value larger than its buffer raises `BufferTooSmall`. On any error
+    /// nothing is written to any buffer.
+    #[allow(unsafe_code)]
+    fn get_into(&self, py: Python<'_>, keys: Vec<Bound<'_, PyAny>>, buffers: Vec<Bound<'_, PyAny>>) -> PyResult<Vec<Option<usize>>> {
+        same_length("get_into", keys.len(), buffers.len())?;
+        let inner = self.inner()?;
+        let keys = keys_of(&keys)?;
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let exports = keys.iter().zip(&buffers).enumerate().map(|(i, (k, b))| export(b, i, k, true)).collect::<PyResult<Vec<_>>>()?;
+        // Addresses as integers: the closure runs without the GIL and raw
+        // pointers are not Send; the exports outlive it.
+        let dests: Vec<(usize, usize)> = exports.iter().map(|b| (b.buf_ptr() as usize, b.len_bytes())).collect();
+        let request = keys.clone();
+        let outcome = py.detach(|| -> Result<Vec<Option<usize>>, GetFailure> {
+            let values = inner.block_on(inner.target.get(request)).map_err(GetFailure::Call)?;
+            // Every check before the first write: a failed call writes nothing.
+            for (index, (value, &(_, have))) in values.iter().zip(&dests).enumerate() {
+                match value {
+                    Ok(v) if v.len() > have => return Err(GetFailure::TooSmall { index, need: v.len(), have }),
+                    Ok(_) | Err(KvError::NotFound) => {}
+                    Err(e) => return Err(GetFailure::Key(index, e.clone())),
+                }
+            }
+            Ok(values
+                .iter()
+                .zip(&dests)
+                .map(|(value, &(addr, _))| {
+                    let v = value.as_ref().ok()?;
+                    // SAFETY: `addr` is the start of a writable, C-contiguous
+                    // exported buffer of at least `v.len()` bytes (checked
+                    // above), which stays exported until after this closure.
+                    // The source is the client's own memory, so they do not
+                    // overlap.
+                    unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), addr as *mut u8, v.len()) };
+                    Some(v.len())
+                })
+                .collect())
+        });
+        drop(exports);
+        outcome.map_err(|f| match f {
+            GetFailure::Call(e) => kv_error(&e, format!("get_into of {} keys", keys.len()), None, None),
+            GetFailure::Key(i, e) => kv_error(&e, format!("get_into: key '{}' (keys[{i}])", show(&keys[i])), Some(&keys[i]), Some(i)),
+            GetFailure::TooSmall { index, need, have } => raise(
+                "BufferTooSmall",
+                format!(
+                    "get_into: buffers[{index}] holds {have} bytes but the value of key '{}' is {need} bytes; nothing was written",
+                    show(&keys[index])
+                ),
+                Some(&keys[index]),
+                Some(index),
+            ),
+        })
+    }
+
+    /// The values of `keys` as new `bytes` objects (`None` where absent).
+    /// A convenience that copies; engines use `get_into`.
+    fn get<'py>(&self, py: Python<'py>, keys: Vec<Bound<'py, PyAny>>) -> PyResult<Vec<Option<Bound<'py, PyBytes>>>> {
+        let inner = self.inner()?;
+        let keys = keys_of(&keys)?;
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let request = keys.clone();
+        let values = py
+            .detach(|| inner.block_on(inner.target.get(request)))
+            .map_err(|e| kv_error(&e, format!("get of {} keys", keys.len()), None, None))?;
+        values
+            .into_iter()
+            .enumerate()
+            .map(|(i, v)| match v {
+                Ok(v) => Ok(Some(PyBytes::new(py, &v))),
+                Err(KvError::NotFound) => Ok(None),
+                Err(e) => Err(kv_error(&e, format!("get: key '{}' (keys[{i}])", show(&keys[i])), Some(&keys[i]), Some(i))),
+            })
+            .collect()
+    }
+
+    /// Which of `keys` are stored, in order.
+    fn exists(&self, py: Python<'_>, keys: Vec<Bound<'_, PyAny>>) -> PyResult<Vec<bool>> {
+        let inner = self.inner()?;
+        let keys = keys_of(&keys)?;
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let n = keys.len();
+        py.detach(|| inner.block_on(inner.target.exists(keys))).map_err(|e| kv_error(&e, format!("exists of {n} keys"), None, None))
+    }
+
+    /// Removes `keys`; per key, whether it was stored.
+    fn delete(&self, py: Python<'_>, keys: Vec<Bound<'_, PyAny>>) -> PyResult<Vec<bool>> {
+        let inner = self.inner()?;
+        let keys = keys_of(&keys)?;
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let n = keys.len();
+        py.detach(|| inner.block_on(inner.target.delete(keys))).map_err(|e| kv_error(&e, format!("delete of {n} keys"), None, None))
+    }
+
+    /// How many leading keys of a chain (a prompt's blocks, in order) are
+    /// stored, and for how long they are pinned: with `lease_ms > 0` the
+    /// node keeps the matched blocks from eviction for the granted lease
+    /// (capped by the node), so the `get_into` that follows finds them.
+    /// Answers `(matched, granted_lease_ms)`; the lease is 0 when nothing
+    /// matched or no pin was asked.
+    #[pyo3(signature = (keys, lease_ms = 0))]
+    fn match_prefix(&self, py: Python<'_>, keys: Vec<Bound<'_, PyAny>>, lease_ms: u64) -> PyResult<(usize, u64)> {
+        let inner = self.inner()?;
+        let keys = keys_of(&keys)?;
+        if keys.is_empty() {
+            return Ok((0, 0));
+        }
+        let n = keys.len();
+        let m = py
+            .detach(|| inner.block_on(inner.target.match_prefix(keys, Duration::from_millis(lease_ms))))
+            .map_err(|e| kv_error(&e, format!("match_prefix of {n} keys"), None, None))?;
+        Ok((m.matched, u64::try_from(m.lease.as_millis()).unwrap_or(u64::MAX)))
+    }
+
+    /// The slot table a cluster client routes by: `(version, members)`, each
+    /// member `(id, endpoint, state)` with state `"up"`, `"joining"`,
+    /// `"draining"` or `"down"`. The client follows the nodes' table by
+    /// itself; this is for tools, tests and logs. `Invalid` on a node client.
+    fn cluster_table(&self) -> PyResult<(u64, Vec<MemberRow>)> {
+        let inner = self.inner()?;
+        let Target::Cluster(c) = &*inner.target else {
+            return Err(raise(
+                "Invalid",
+                format!("cluster_table: {} is a node client, not a cluster client", self.endpoints.join(", ")),
+                None,
+                None,
+            ));
+        };
+        let table = c.table();
+        let members = table.members().iter().map(|m| (m.id.clone(), m.endpoint.clone(), format!("{:?}", m.state).to_lowercase())).collect();
+        Ok((table.version, members))
+    }
+
+    /// Closes the connections; later calls raise `kvplane.Error`. Calls in
+    /// flight on other threads finish first.
+    fn close(&self, py: Python<'_>) {
+        let inner = self.inner.write().unwrap_or_else(|p| p.into_inner()).take();
+        // Dropping the last reference closes sockets: not worth the GIL.
+        py.detach(move || drop(inner));
+    }
+
+    /// True once `close` was called.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.inner.read().unwrap_or_else(|p| p.into_inner()).is_none()
+    }
+
+    /// The endpoints given (for a cluster: the seeds).
+    #[getter]
+    fn endpoints(&self) -> Vec<String> {
+        self.endpoints.clone()
+    }
+
+    /// Whether this is a cluster client.
+    #[getter]
+    fn cluster(&self) -> bool {
+        self.cluster
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> bool {
+        self.close(py);
+        false
+    }
+
+    fn __repr__(&self) -> String {
+        let state = if self.closed() { ", closed" } else { "" };
+        format!("kvplane.Client({:?}, cluster={}{state})", self.endpoints, if self.cluster { "True" } else { "False" })
+    }
+}
+
+/// The native half of the `kvplane` package; import `kvplane` instead.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Client>()?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -1,0 +1,226 @@
+"""The kvplane package against a real node: round trips from and into
+caller buffers, presence, prefix match with a pin lease, buffer checks that
+write nothing outside a buffer, typed errors, the GIL released during I/O."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import kvplane
+from conftest import Node
+
+GUARD = 0xA5
+
+
+def guarded(size: int, pad: int = 64) -> tuple[bytearray, memoryview]:
+    """A bytearray of `size` zero bytes between `pad` guard bytes on each side,
+    and a view of just the middle."""
+    raw = bytearray([GUARD]) * pad + bytearray(size) + bytearray([GUARD]) * pad
+    return raw, memoryview(raw)[pad : pad + size]
+
+
+def guards_intact(raw: bytearray, pad: int = 64) -> bool:
+    return raw[:pad] == bytearray([GUARD]) * pad and raw[-pad:] == bytearray([GUARD]) * pad
+
+
+def test_round_trip_from_and_into_bytearrays(client: kvplane.Client, unique: str) -> None:
+    values = [bytes([i]) * (1000 + i) for i in range(8)]
+    keys = [f"{unique}block{i}" for i in range(8)]
+    client.put_from(keys, [bytearray(v) for v in values])
+
+    raws, views = zip(*(guarded(2048) for _ in keys))
+    absent = f"{unique}absent"
+    lengths = client.get_into([*keys, absent], [*views, bytearray(16)])
+    assert lengths == [len(v) for v in values] + [None]
+    for raw, view, value in zip(raws, views, values):
+        assert bytes(view[: len(value)]) == value
+        # Only the value's bytes were written; the rest of the buffer and the
+        # guards around it are as they were.
+        assert bytes(view[len(value) :]) == bytes(2048 - len(value))
+        assert guards_intact(raw)
+    # str and bytes keys name the same key.
+    assert client.get([keys[0].encode()]) == [values[0]]
+
+
+def test_round_trip_from_and_into_numpy(client: kvplane.Client, unique: str) -> None:
+    # A KV cache as one tensor; blocks are its rows (views, no copies).
+    cache = np.arange(16 * 4096, dtype=np.uint16).reshape(16, 4096).view(np.float16)
+    keys = [f"{unique}layer0/{i}" for i in range(16)]
+    client.put_from(keys, list(cache))
+
+    back = np.zeros_like(cache)
+    lengths = client.get_into(keys, list(back))
+    assert lengths == [cache[0].nbytes] * 16
+    assert np.array_equal(back.view(np.uint16), cache.view(np.uint16))
+
+    # memoryviews of one big uint8 array, as an engine's connector passes them.
+    flat = np.zeros(16 * cache[0].nbytes, dtype=np.uint8)
+    view = memoryview(flat)
+    blocks = [view[i * cache[0].nbytes : (i + 1) * cache[0].nbytes] for i in range(16)]
+    assert client.get_into(keys, blocks) == lengths
+    assert flat.tobytes() == cache.tobytes()
+
+
+def test_exists_and_delete(client: kvplane.Client, unique: str) -> None:
+    keys = [f"{unique}{i}" for i in range(4)]
+    client.put_from(keys[:2], [b"a", b"bb"])
+    assert client.exists(keys) == [True, True, False, False]
+    assert client.delete([keys[0], keys[2]]) == [True, False]
+    assert client.exists(keys) == [False, True, False, False]
+    assert client.get(keys) == [None, b"bb", None, None]
+    assert client.exists([]) == [] and client.delete([]) == []
+
+
+def test_match_prefix_pins_the_matched_blocks_for_the_lease(client: kvplane.Client, unique: str) -> None:
+    chain = [f"{unique}chain/{i}" for i in range(8)]
+    # Blocks 0..4 stored, 5 missing, 6..7 stored: the prefix stops at the gap.
+    stored = chain[:5] + chain[6:]
+    client.put_from(stored, [bytes([i]) * 512 for i in range(len(stored))])
+
+    matched, lease_ms = client.match_prefix(chain, lease_ms=2000)
+    assert matched == 5
+    assert 0 < lease_ms <= 2000
+    assert client.match_prefix(chain, lease_ms=0) == (5, 0)
+    assert client.match_prefix([f"{unique}nothing", *chain]) == (0, 0)
+
+    # What was matched is there to read.
+    buffers = [bytearray(512) for _ in range(matched)]
+    assert client.get_into(chain[:matched], buffers) == [512] * matched
+
+
+def test_too_small_buffer_raises_and_nothing_is_written(client: kvplane.Client, unique: str) -> None:
+    keys = [f"{unique}small", f"{unique}big"]
+    client.put_from(keys, [b"x" * 10, b"y" * 100])
+    raw_ok, ok = guarded(64)
+    raw_small, small = guarded(99)
+    with pytest.raises(kvplane.BufferTooSmall) as e:
+        client.get_into(keys, [ok, small])
+    assert e.value.index == 1 and e.value.key == keys[1].encode()
+    assert "buffers[1]" in str(e.value) and keys[1] in str(e.value) and "100" in str(e.value)
+    assert isinstance(e.value, kvplane.BadBuffer) and isinstance(e.value, ValueError)
+    # Nothing written at all: not in the small buffer, not in the good one
+    # before it, not around either.
+    assert bytes(ok) == bytes(64) and bytes(small) == bytes(99)
+    assert guards_intact(raw_ok) and guards_intact(raw_small)
+
+
+def test_read_only_and_non_contiguous_buffers_raise_before_any_io(client: kvplane.Client, unique: str) -> None:
+    key = f"{unique}v"
+    client.put_from([key], [b"z" * 32])
+    raw, first = guarded(32)
+
+    for readonly in (bytes(32), memoryview(bytearray(32)).toreadonly(), np.zeros(32, dtype=np.uint8)[:]):
+        if isinstance(readonly, np.ndarray):
+            readonly.flags.writeable = False
+        with pytest.raises(kvplane.ReadOnlyBuffer) as e:
+            client.get_into([key, key], [first, readonly])
+        assert e.value.index == 1 and "buffers[1]" in str(e.value) and "read-only" in str(e.value)
+
+    strided_raw = bytearray(64)
+    for strided in (memoryview(strided_raw)[::2], np.zeros((8, 8), dtype=np.uint8)[:, 1], np.zeros((8, 8), dtype=np.uint8).T):
+        with pytest.raises(kvplane.NonContiguousBuffer) as e:
+            client.get_into([key, key], [first, strided])
+        assert e.value.index == 1 and "not C-contiguous" in str(e.value)
+        # A PUT needs one contiguous run too.
+        with pytest.raises(kvplane.NonContiguousBuffer):
+            client.put_from([key], [strided])
+    assert strided_raw == bytearray(64)
+    assert bytes(first) == bytes(32) and guards_intact(raw)
+
+    with pytest.raises(kvplane.BadBuffer) as e:
+        client.get_into([key], [[0] * 32])
+    assert "does not export a buffer" in str(e.value)
+
+
+def test_bad_arguments_are_typed(client: kvplane.Client, unique: str) -> None:
+    with pytest.raises(kvplane.Invalid) as e:
+        client.get_into([f"{unique}a", f"{unique}b"], [bytearray(1)])
+    assert isinstance(e.value, ValueError) and "2 keys but 1 buffers" in str(e.value)
+    with pytest.raises(TypeError, match=r"keys\[1\]"):
+        client.exists([f"{unique}a", 7])
+
+
+def test_errors_name_the_key_at_fault(node: Node, unique: str) -> None:
+    # A block over the node's largest (16 MiB by default, less for a small
+    # pool) is refused for that key alone.
+    with kvplane.Client(node.endpoint) as c:
+        keys = [f"{unique}fine", f"{unique}huge"]
+        with pytest.raises(kvplane.Error) as e:
+            c.put_from(keys, [b"ok", bytearray(32 << 20)])
+        assert e.value.index == 1 and e.value.key == keys[1].encode() and keys[1] in str(e.value)
+        assert c.get([keys[0]]) == [b"ok"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_node_that_is_down_raises_unavailable() -> None:
+    with pytest.raises(kvplane.Unavailable) as e:
+        kvplane.Client(f"127.0.0.1:{free_port()}", timeout=5)
+    assert isinstance(e.value, ConnectionError) and "127.0.0.1" in str(e.value)
+
+    n = Node()
+    c = kvplane.Client(n.endpoint, connections=1, timeout=5)
+    c.put_from(["k"], [b"v"])
+    n.stop()
+    with pytest.raises(kvplane.Unavailable):
+        c.get_into(["k"], [bytearray(8)])
+    c.close()
+    assert c.closed
+    with pytest.raises(kvplane.Error, match="closed"):
+        c.exists(["k"])
+
+
+def test_invalid_settings_are_typed() -> None:
+    with pytest.raises(kvplane.Invalid, match="HOST:PORT"):
+        kvplane.Client("no-port-here")
+    with pytest.raises(kvplane.Invalid, match="cluster=True"):
+        kvplane.Client(["127.0.0.1:1", "127.0.0.1:2"])
+    with pytest.raises(kvplane.Invalid, match="timeout"):
+        kvplane.Client("127.0.0.1:1", timeout=0)
+
+
+def test_the_gil_is_released_during_a_large_get(client: kvplane.Client, unique: str) -> None:
+    block = 2 << 20
+    n = 32  # 64 MiB in one call
+    keys = [f"{unique}big/{i}" for i in range(n)]
+    source = np.random.default_rng(7).integers(0, 255, size=(n, block), dtype=np.uint8)
+    client.put_from(keys, list(source))
+    dest = np.zeros_like(source)
+
+    ticks: list[float] = []
+    stop = threading.Event()
+
+    def ticker() -> None:
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+
+    t = threading.Thread(target=ticker)
+    t.start()
+    try:
+        time.sleep(0.05)
+        start = time.perf_counter()
+        lengths = client.get_into(keys, list(dest))
+        end = time.perf_counter()
+    finally:
+        stop.set()
+        t.join()
+    assert lengths == [block] * n
+    assert np.array_equal(dest, source)
+
+    # With the GIL held through the call the ticker could not run at all
+    # between its start and its end; released, it ticks all along.
+    during = [x for x in ticks if start < x < end]
+    span = end - start
+    gaps = np.diff([start, *during, end])
+    print(f"get_into of 64 MiB: {span * 1000:.0f} ms, {len(during)} ticks of another thread meanwhile")
+    assert len(during) > 100, f"{len(during)} ticks during a {span * 1000:.0f} ms get"
+    assert gaps.max() < span / 2, f"the ticker stalled {gaps.max() * 1000:.0f} ms of a {span * 1000:.0f} ms get"
