@@ -21,11 +21,14 @@ pub struct ClientConfig {
     pub token: Option<String>,
     /// Limit on connecting and on waiting for any one answer.
     pub timeout: Duration,
+    /// Over a Unix socket, move block bytes through memory the node shares
+    /// (when it offers some); false keeps every byte on the socket.
+    pub shared_memory: bool,
 }
 
 impl ClientConfig {
     pub fn new(endpoint: Endpoint) -> ClientConfig {
-        ClientConfig { endpoint, connections: 4, token: None, timeout: Duration::from_secs(30) }
+        ClientConfig { endpoint, connections: 4, token: None, timeout: Duration::from_secs(30), shared_memory: true }
     }
 }
 
@@ -52,7 +55,7 @@ impl Client {
     /// Opens the first connection (so a wrong address or token fails here,
     /// not at the first request); the others open on first use.
     pub async fn connect(config: ClientConfig) -> Result<Client, KvError> {
-        let first = Connection::open(&config.endpoint, config.token.as_deref(), config.timeout).await?;
+        let first = Connection::open_with(&config.endpoint, config.token.as_deref(), config.timeout, config.shared_memory).await?;
         let limits = first.hello_ack().limits;
         let slots: Vec<_> = (0..config.connections.max(1)).map(|_| tokio::sync::Mutex::new(None)).collect();
         *slots[0].lock().await = Some(Arc::new(first));
@@ -76,7 +79,7 @@ impl Client {
         if let Some(c) = slot.as_ref().filter(|c| c.is_open()) {
             return Ok(Arc::clone(c));
         }
-        let c = Arc::new(Connection::open(&self.config.endpoint, self.config.token.as_deref(), self.config.timeout).await?);
+        let c = Arc::new(Connection::open_with(&self.config.endpoint, self.config.token.as_deref(), self.config.timeout, self.config.shared_memory).await?);
         *slot = Some(Arc::clone(&c));
         Ok(c)
     }

@@ -82,6 +82,12 @@ impl Connection {
     /// [`Connection::shared_memory`]); a node that offers none is used
     /// through the socket alone.
     pub async fn open(endpoint: &Endpoint, token: Option<&str>, timeout: Duration) -> Result<Connection, KvError> {
+        Connection::open_with(endpoint, token, timeout, true).await
+    }
+
+    /// As [`Connection::open`]; `shared_memory: false` never asks for the
+    /// node's shared memory.
+    pub async fn open_with(endpoint: &Endpoint, token: Option<&str>, timeout: Duration, shared_memory: bool) -> Result<Connection, KvError> {
         let unavailable = |e: std::io::Error| KvError::Unavailable(format!("connect to {endpoint}: {e}"));
         let too_slow = || KvError::Timeout(format!("connect to {endpoint}: no answer in {timeout:?}"));
         let (reader, writer, ack, shm): (Box<dyn AsyncRead + Send + Unpin>, Writer, HelloAck, Option<Arc<SharedMemory>>) = match endpoint {
@@ -101,7 +107,7 @@ impl Connection {
                     .await
                     .map_err(|_| too_slow())?
                     .map_err(unavailable)?;
-                let wanted = Features(Features::ALL.0 | Features::SHARED_MEMORY.0);
+                let wanted = if shared_memory { Features(Features::ALL.0 | Features::SHARED_MEMORY.0) } else { Features::ALL };
                 let ack = {
                     let (r, mut w) = stream.split();
                     let mut r = BufReader::new(r);
