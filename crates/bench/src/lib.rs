@@ -1,8 +1,10 @@
 //! Load generation against a kvplane node and the baselines it is judged by.
 //!
-//! `kvplane bench` drives one *target* — a kvplane node, a plain socket
-//! sink/source ([`raw`]: the loopback ceiling) or a redis-server ([`redis`])
-//! — with the same shape on every side: `clients` connections, each sending
+//! `kvplane bench` drives one *target* — a kvplane node (or several: keys
+//! split among independent nodes by hash slot, or a cluster through its
+//! slot table), a plain socket sink/source ([`raw`]: the
+//! loopback ceiling), a redis-server ([`redis`]) or a vineyardd
+//! ([`vineyard`]) — with the same shape on every side: `clients` connections, each sending
 //! batches of `batch` blocks of `block_size` bytes and waiting for the answer
 //! before the next batch. Comparing targets is only fair when that shape is
 //! identical, so the shape lives here once and each target only says how one
@@ -16,6 +18,7 @@
 pub mod demo;
 pub mod raw;
 pub mod redis;
+pub mod vineyard;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -49,8 +52,14 @@ impl std::str::FromStr for BenchOp {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Target {
     Kvplane,
+    /// kvplane nodes in cluster mode, through the client's cluster routing
+    /// (the slot table the nodes serve).
+    Cluster,
     Raw,
     Redis,
+    /// vineyardd's RPC port, through `builtin:vineyard`'s protocol code
+    /// compiled natively.
+    Vineyard,
 }
 
 impl std::str::FromStr for Target {
@@ -58,9 +67,11 @@ impl std::str::FromStr for Target {
     fn from_str(s: &str) -> anyhow::Result<Self> {
         match s {
             "kvplane" => Ok(Target::Kvplane),
+            "cluster" => Ok(Target::Cluster),
             "raw" => Ok(Target::Raw),
             "redis" => Ok(Target::Redis),
-            other => bail!("--target {other:?}: expected kvplane, raw or redis"),
+            "vineyard" => Ok(Target::Vineyard),
+            other => bail!("--target {other:?}: expected kvplane, cluster, raw, redis or vineyard"),
         }
     }
 }
@@ -68,7 +79,12 @@ impl std::str::FromStr for Target {
 #[derive(Clone)]
 pub struct BenchConfig {
     pub target: Target,
-    /// `HOST:PORT` or `unix:///path` (the kvplane endpoint syntax, for every target).
+    /// `HOST:PORT` or `unix:///path` (the kvplane endpoint syntax, for every
+    /// target). For `kvplane`, several endpoints separated by commas are
+    /// independent nodes: each key goes to the node owning its hash slot
+    /// ([`owner`]) and a batch is split into one request per node, sent
+    /// concurrently. For `cluster`, the nodes of the cluster: the seeds of
+    /// its slot table, and how many members to wait for.
     pub endpoint: String,
     pub token: Option<String>,
     pub block_size: usize,
@@ -77,6 +93,10 @@ pub struct BenchConfig {
     pub batch: usize,
     pub clients: usize,
     pub op: BenchOp,
+    /// GET runs store every key first (untimed). Off: the keys must already
+    /// be where the target reads them from (a node's second tier seeded by
+    /// a run against the store itself).
+    pub seed: bool,
     pub duration: Duration,
     /// Called about twice a second with the fraction of the run done.
     pub progress: Option<Arc<dyn Fn(f64, u64) + Send + Sync>>,
@@ -102,62 +122,151 @@ pub struct BenchReport {
     pub p99_us: f64,
     /// Keys a GET did not find (zero in a healthy run).
     pub misses: u64,
+    /// kvplane targets: GETs the memory tiers answered during the timed
+    /// part (the nodes' `hits` counter, summed).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub memory_hits: Option<u64>,
+    /// kvplane targets: keys read through the second tier during the timed
+    /// part (`backend_hits`; absent for nodes without one).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub backend_hits: Option<u64>,
+}
+
+/// The node among `nodes` that owns `key`: slot ranges of equal size, in
+/// endpoint order, as a slot table of that many members with one owner per
+/// slot would assign them.
+pub fn owner(key: &[u8], nodes: usize) -> usize {
+    let slot = kvplane_protocol::placement::slot_of(key, kvplane_protocol::placement::SLOTS) as usize;
+    slot * nodes / kvplane_protocol::placement::SLOTS as usize
 }
 
 /// A batch-capable connection to a target. Implemented by an enum rather
 /// than a trait object: three variants, no allocation per call.
 pub(crate) enum Conn {
-    Kvplane(kvplane_client::Client),
+    /// One client per node (one node: no splitting).
+    Kvplane(Vec<kvplane_client::Client>),
+    Cluster(kvplane_client::ClusterClient),
     Raw(raw::RawClient),
     Redis(redis::RedisClient),
+    Vineyard(vineyard::VineyardClient),
+}
+
+async fn kvplane_client(endpoint: &str, token: Option<String>) -> anyhow::Result<kvplane_client::Client> {
+    let parsed = endpoint.parse().map_err(anyhow::Error::from)?;
+    let mut config = kvplane_client::ClientConfig::new(parsed);
+    config.connections = 1;
+    config.token = token;
+    kvplane_client::Client::connect(config).await.with_context(|| format!("connecting to {endpoint}"))
+}
+
+/// How long a cluster client waits for every node to be in the slot table.
+const CLUSTER_PATIENCE: Duration = Duration::from_secs(30);
+
+/// A cluster client whose slot table lists every node of `endpoint`.
+async fn cluster_client(endpoint: &str, token: Option<String>) -> anyhow::Result<kvplane_client::ClusterClient> {
+    let seeds =
+        endpoint.split(',').map(|e| e.parse().map_err(anyhow::Error::from)).collect::<anyhow::Result<Vec<kvplane_client::Endpoint>>>()?;
+    let expected = seeds.len();
+    let mut config = kvplane_client::ClusterConfig::new(seeds);
+    config.connections = 1;
+    config.token = token;
+    let client =
+        kvplane_client::ClusterClient::connect(config).await.with_context(|| format!("connecting to the cluster of {endpoint}"))?;
+    let deadline = tokio::time::Instant::now() + CLUSTER_PATIENCE;
+    loop {
+        let table = client.table();
+        if table.members().len() >= expected {
+            return Ok(client);
+        }
+        if tokio::time::timeout_at(deadline, client.table_after(table.version)).await.is_err() {
+            bail!("the cluster's slot table lists {} of the {expected} nodes after {CLUSTER_PATIENCE:?}", table.members().len());
+        }
+    }
+}
+
+fn check_put(keys: &[Bytes], results: Vec<Result<(), kvplane_client::KvError>>) -> anyhow::Result<()> {
+    for (k, r) in keys.iter().zip(results) {
+        r.with_context(|| format!("PUT {}", String::from_utf8_lossy(k)))?;
+    }
+    Ok(())
+}
+
+/// The keys a GET answer misses; an error for a wrong length or a failure.
+fn count_misses(keys: &[Bytes], results: Vec<Result<Bytes, kvplane_client::KvError>>, block_size: usize) -> anyhow::Result<u64> {
+    let mut misses = 0;
+    for (k, r) in keys.iter().zip(results) {
+        match r {
+            Ok(b) if b.len() == block_size => {}
+            Ok(b) => bail!("GET {} returned {} bytes, expected {block_size}", String::from_utf8_lossy(k), b.len()),
+            Err(kvplane_client::KvError::NotFound) => misses += 1,
+            Err(e) => return Err(e).with_context(|| format!("GET {}", String::from_utf8_lossy(k))),
+        }
+    }
+    Ok(misses)
+}
+
+/// Each node's share of `keys`: (node, keys), nodes without keys left out.
+fn split(keys: &[Bytes], nodes: usize) -> Vec<(usize, Vec<Bytes>)> {
+    if nodes == 1 {
+        return vec![(0, keys.to_vec())];
+    }
+    let mut parts: Vec<Vec<Bytes>> = vec![Vec::new(); nodes];
+    for k in keys {
+        parts[owner(k, nodes)].push(k.clone());
+    }
+    parts.into_iter().enumerate().filter(|(_, p)| !p.is_empty()).collect()
 }
 
 impl Conn {
     async fn open(cfg: &BenchConfig) -> anyhow::Result<Conn> {
         Ok(match cfg.target {
             Target::Kvplane => {
-                let endpoint = cfg.endpoint.parse().map_err(anyhow::Error::from)?;
-                let mut config = kvplane_client::ClientConfig::new(endpoint);
-                config.connections = 1;
-                config.token = cfg.token.clone();
-                Conn::Kvplane(kvplane_client::Client::connect(config).await.with_context(|| format!("connecting to {}", cfg.endpoint))?)
+                let mut clients = Vec::new();
+                for endpoint in cfg.endpoint.split(',') {
+                    clients.push(kvplane_client(endpoint, cfg.token.clone()).await?);
+                }
+                Conn::Kvplane(clients)
             }
+            Target::Cluster => Conn::Cluster(cluster_client(&cfg.endpoint, cfg.token.clone()).await?),
             Target::Raw => Conn::Raw(raw::RawClient::connect(&cfg.endpoint).await?),
             Target::Redis => Conn::Redis(redis::RedisClient::connect(&cfg.endpoint).await?),
+            Target::Vineyard => Conn::Vineyard(vineyard::VineyardClient::connect(&cfg.endpoint).await?),
         })
     }
 
     async fn put(&mut self, keys: &[Bytes], value: &Bytes) -> anyhow::Result<()> {
         match self {
-            Conn::Kvplane(c) => {
-                let results = c.put(keys.iter().map(|k| (k.clone(), value.clone())).collect()).await?;
-                for (k, r) in keys.iter().zip(results) {
-                    r.with_context(|| format!("PUT {}", String::from_utf8_lossy(k)))?;
+            Conn::Kvplane(clients) => {
+                let parts = split(keys, clients.len());
+                let sent = parts.iter().map(|(node, part)| clients[*node].put(part.iter().map(|k| (k.clone(), value.clone())).collect()));
+                for ((_, part), results) in parts.iter().zip(futures::future::try_join_all(sent).await?) {
+                    check_put(part, results)?;
                 }
                 Ok(())
             }
+            Conn::Cluster(c) => check_put(keys, c.put(keys.iter().map(|k| (k.clone(), value.clone())).collect()).await?),
             Conn::Raw(c) => c.put_value(keys.len(), value).await,
             Conn::Redis(c) => c.set(keys, value).await,
+            Conn::Vineyard(c) => c.put(keys, value).await,
         }
     }
 
     /// Returns how many keys were missing.
     async fn get(&mut self, keys: &[Bytes], block_size: usize) -> anyhow::Result<u64> {
         match self {
-            Conn::Kvplane(c) => {
+            Conn::Kvplane(clients) => {
+                let parts = split(keys, clients.len());
+                let asked = parts.iter().map(|(node, part)| clients[*node].get(part.clone()));
                 let mut misses = 0;
-                for (k, r) in keys.iter().zip(c.get(keys.to_vec()).await?) {
-                    match r {
-                        Ok(b) if b.len() == block_size => {}
-                        Ok(b) => bail!("GET {} returned {} bytes, expected {block_size}", String::from_utf8_lossy(k), b.len()),
-                        Err(kvplane_client::KvError::NotFound) => misses += 1,
-                        Err(e) => return Err(e).with_context(|| format!("GET {}", String::from_utf8_lossy(k))),
-                    }
+                for ((_, part), results) in parts.iter().zip(futures::future::try_join_all(asked).await?) {
+                    misses += count_misses(part, results, block_size)?;
                 }
                 Ok(misses)
             }
+            Conn::Cluster(c) => count_misses(keys, c.get(keys.to_vec()).await?, block_size),
             Conn::Raw(c) => c.get(keys.len(), block_size).await.map(|()| 0),
             Conn::Redis(c) => c.get(keys, block_size).await,
+            Conn::Vineyard(c) => c.get(keys, block_size).await,
         }
     }
 }
@@ -176,13 +285,20 @@ pub async fn run(cfg: BenchConfig) -> anyhow::Result<BenchReport> {
     for _ in 0..cfg.clients {
         conns.push(Conn::open(&cfg).await?);
     }
-    if cfg.op != BenchOp::Put {
+    if cfg.op != BenchOp::Put && cfg.seed {
         // Store every key once so GETs hit; untimed.
         let keys: Vec<Bytes> = (0..cfg.blocks).map(key).collect();
         for chunk in keys.chunks(cfg.batch) {
             conns[0].put(chunk, &value).await.context("storing the blocks before the GET run")?;
         }
     }
+    // Nodes: one more connection each, to read their counters around the
+    // timed part.
+    let counter_conn = match cfg.target {
+        Target::Kvplane | Target::Cluster => Some(Conn::open(&BenchConfig { target: Target::Kvplane, ..cfg.clone() }).await?),
+        _ => None,
+    };
+    let counters_before = node_counters(counter_conn.as_ref()).await?;
     let stop = Arc::new(AtomicBool::new(false));
     let moved = Arc::new(AtomicU64::new(0));
     let started = Instant::now();
@@ -252,6 +368,13 @@ pub async fn run(cfg: BenchConfig) -> anyhow::Result<BenchReport> {
     }
     let seconds = started.elapsed().as_secs_f64();
     let blocks = moved.load(Ordering::Relaxed);
+    let counters_after = node_counters(counter_conn.as_ref()).await?;
+    let delta = |f: fn(&NodeCounters) -> Option<u64>| -> Option<u64> {
+        match (&counters_before, &counters_after) {
+            (Some(b), Some(a)) => Some(f(a)?.saturating_sub(f(b)?)),
+            _ => None,
+        }
+    };
     let bytes = blocks * cfg.block_size as u64;
     latencies.sort_unstable();
     let pct = |p: f64| -> f64 {
@@ -276,7 +399,30 @@ pub async fn run(cfg: BenchConfig) -> anyhow::Result<BenchReport> {
         p50_us: pct(0.5),
         p99_us: pct(0.99),
         misses,
+        memory_hits: delta(|c| Some(c.memory_hits)),
+        backend_hits: delta(|c| c.backend_hits),
     })
+}
+
+/// The nodes' counters a report quotes, summed over the nodes.
+struct NodeCounters {
+    memory_hits: u64,
+    backend_hits: Option<u64>,
+}
+
+/// `None` unless `conn` is to kvplane nodes.
+async fn node_counters(conn: Option<&Conn>) -> anyhow::Result<Option<NodeCounters>> {
+    let Some(Conn::Kvplane(clients)) = conn else { return Ok(None) };
+    let mut sum = NodeCounters { memory_hits: 0, backend_hits: None };
+    for c in clients {
+        let stats = c.stats().await.context("reading the node's counters (STATS)")?;
+        let find = |name: &str| stats.iter().find(|(n, _)| n == name).map(|(_, v)| *v);
+        sum.memory_hits += find("hits").unwrap_or(0);
+        if let Some(b) = find("backend_hits") {
+            sum.backend_hits = Some(sum.backend_hits.unwrap_or(0) + b);
+        }
+    }
+    Ok(Some(sum))
 }
 
 pub(crate) type BoxRead = tokio::io::BufReader<Box<dyn tokio::io::AsyncRead + Send + Unpin>>;
@@ -300,4 +446,42 @@ pub(crate) async fn dial(endpoint: &str) -> anyhow::Result<(BoxRead, BoxWrite)> 
         }
     };
     Ok((tokio::io::BufReader::with_capacity(256 << 10, r), w))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nodes_own_contiguous_slot_ranges_in_endpoint_order() {
+        let n = 3;
+        let owners: Vec<usize> = (0..kvplane_protocol::placement::SLOTS as usize).map(|slot| slot * n / 16384).collect();
+        assert_eq!(owners.first(), Some(&0));
+        assert_eq!(owners.last(), Some(&(n - 1)));
+        assert!(owners.windows(2).all(|w| w[0] <= w[1]), "ranges are contiguous");
+        for i in 0..1000 {
+            let k = key(i);
+            let slot = kvplane_protocol::placement::slot_of(&k, kvplane_protocol::placement::SLOTS) as usize;
+            assert_eq!(owner(&k, n), owners[slot]);
+            assert_eq!(owner(&k, 1), 0);
+        }
+    }
+
+    #[test]
+    fn a_batch_is_split_into_one_part_per_node_with_every_key_once() {
+        let keys: Vec<Bytes> = (0..64).map(key).collect();
+        let parts = split(&keys, 3);
+        assert!(parts.len() > 1 && parts.len() <= 3, "64 keys spread over the nodes: {}", parts.len());
+        let mut seen: Vec<Bytes> = Vec::new();
+        for (node, part) in &parts {
+            assert!(!part.is_empty());
+            assert!(part.iter().all(|k| owner(k, 3) == *node));
+            seen.extend(part.iter().cloned());
+        }
+        seen.sort();
+        let mut all = keys.clone();
+        all.sort();
+        assert_eq!(seen, all);
+        assert_eq!(split(&keys, 1), vec![(0, keys)]);
+    }
 }

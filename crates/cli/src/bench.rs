@@ -16,7 +16,12 @@ use super::size::parse_size;
 pub struct BenchArgs {
     #[command(flatten)]
     conn: ConnectArgs,
-    /// What serves the endpoint: kvplane, raw (`kvplane bench-raw-server`) or redis.
+    /// What serves the endpoint: kvplane, cluster, raw (`kvplane
+    /// bench-raw-server`), redis or vineyard (vineyardd's RPC port). For
+    /// kvplane, a comma-separated list of independent nodes splits the keys
+    /// among them by hash slot (contiguous slot ranges in list order); for
+    /// cluster, the list is the cluster's nodes, routed by the slot table
+    /// they serve (the run waits until it lists them all).
     #[arg(long, default_value = "kvplane")]
     target: Target,
     #[arg(long, default_value = "64KiB", value_parser = parse_size)]
@@ -32,6 +37,11 @@ pub struct BenchArgs {
     clients: usize,
     #[arg(long, default_value = "put")]
     op: BenchOp,
+    /// GET: do not store the keys first; they are already where the target
+    /// reads them (e.g. a node's second tier, seeded by a run against the
+    /// store itself).
+    #[arg(long)]
+    no_seed: bool,
     /// Seconds to run.
     #[arg(long, default_value_t = 5.0)]
     seconds: f64,
@@ -61,6 +71,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         batch: args.batch,
         clients: args.clients,
         op: args.op,
+        seed: !args.no_seed,
         duration: Duration::from_secs_f64(args.seconds.max(0.1)),
         progress,
     })
@@ -84,6 +95,10 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             report.p99_us,
             if report.misses > 0 { format!(", {} misses", report.misses) } else { String::new() }
         );
+        if let Some(hits) = report.memory_hits {
+            let through = report.backend_hits.map(|b| format!(", {b} read through the second tier")).unwrap_or_default();
+            println!("memory-tier hits during the run: {hits}{through}");
+        }
     }
     Ok(ExitCode::SUCCESS)
 }
