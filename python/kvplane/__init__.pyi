@@ -56,6 +56,7 @@ class Client:
         token: str | None = None,
         timeout: float = 30.0,
         write_quorum: int | None = None,
+        shared_memory: bool = True,
     ) -> None:
         """Connects now, so that a wrong address or token fails here.
 
@@ -64,6 +65,9 @@ class Client:
         ``timeout``: seconds allowed for connecting and for each answer.
         ``write_quorum`` (cluster only): owners that must store a block
         before ``put_from`` succeeds; default every owner.
+        ``shared_memory``: over a Unix socket (``unix:///path``), move block
+        bytes through memory the node shares, when it offers some; False
+        keeps every byte on the socket.
         """
 
     def put_from(self, keys: Sequence[Key], buffers: Sequence[Buffer]) -> None:

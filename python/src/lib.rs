@@ -320,7 +320,9 @@ impl Client {
 #[pymethods]
 impl Client {
     #[new]
-    #[pyo3(signature = (endpoints, *, cluster = false, connections = None, token = None, timeout = 30.0, write_quorum = None))]
+    // One argument per keyword of the Python constructor.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (endpoints, *, cluster = false, connections = None, token = None, timeout = 30.0, write_quorum = None, shared_memory = true))]
     fn new(
         py: Python<'_>,
         endpoints: &Bound<'_, PyAny>,
@@ -329,6 +331,7 @@ impl Client {
         token: Option<String>,
         timeout: f64,
         write_quorum: Option<usize>,
+        shared_memory: bool,
     ) -> PyResult<Client> {
         let endpoints: Vec<String> =
             if let Ok(s) = endpoints.cast::<PyString>() { vec![s.to_str()?.to_owned()] } else { endpoints.extract()? };
@@ -371,6 +374,7 @@ impl Client {
             let mut config = ClientConfig::new(parsed.into_iter().next().expect("one endpoint"));
             config.token = token;
             config.timeout = timeout;
+            config.shared_memory = shared_memory;
             if let Some(n) = connections {
                 config.connections = n;
             }

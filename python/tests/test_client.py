@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -224,3 +225,29 @@ def test_the_gil_is_released_during_a_large_get(client: kvplane.Client, unique: 
     print(f"get_into of 64 MiB: {span * 1000:.0f} ms, {len(during)} ticks of another thread meanwhile")
     assert len(during) > 100, f"{len(during)} ticks during a {span * 1000:.0f} ms get"
     assert gaps.max() < span / 2, f"the ticker stalled {gaps.max() * 1000:.0f} ms of a {span * 1000:.0f} ms get"
+
+
+def test_a_unix_socket_endpoint(tmp_path: Path, unique: str) -> None:
+    # On a Unix socket the client may move block bytes through memory the
+    # node shares with it; the package's calls are the same.
+    path = tmp_path / "kv.sock"
+    n = Node("--unix", str(path))
+    try:
+        for shared_memory in (True, False):
+            unix_round_trip(kvplane.Client(f"unix://{path}", shared_memory=shared_memory), f"{unique}{shared_memory}/")
+    finally:
+        n.stop()
+
+
+def unix_round_trip(client: kvplane.Client, unique: str) -> None:
+    with client as c:
+        keys = [f"{unique}u{i}" for i in range(8)]
+        blocks = np.random.default_rng(5).integers(0, 255, size=(8, 65536), dtype=np.uint8)
+        c.put_from(keys, list(blocks))
+        back = np.zeros_like(blocks)
+        assert c.get_into(keys, list(back)) == [65536] * 8
+        assert np.array_equal(back, blocks)
+        raw, small = guarded(65535)
+        with pytest.raises(kvplane.BufferTooSmall):
+            c.get_into(keys[:1], [small])
+        assert bytes(small) == bytes(65535) and guards_intact(raw)
