@@ -17,9 +17,11 @@ use std::collections::VecDeque;
 use std::future::Future;
 use std::io::IoSlice;
 use std::net::SocketAddr;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 
 use bytes::{Bytes, BytesMut};
-use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, ReadBuf};
 use tokio::net::{TcpStream, UnixStream};
 use wasmtime::component::Resource;
 
@@ -38,6 +40,47 @@ const MAX_IOVECS: usize = 64;
 
 trait Stream: AsyncRead + AsyncWrite + Unpin + Send {}
 impl<T: AsyncRead + AsyncWrite + Unpin + Send> Stream for T {}
+
+/// A backend's TCP connection that acknowledges what it reads at once.
+///
+/// Why: a store that answers one request in several small writes with
+/// Nagle's algorithm on (vineyardd does) holds each later segment until the
+/// first is acknowledged, and Linux delays that ACK for up to 40 ms when it
+/// has nothing to send back: a batch then costs a multiple of 40 ms whatever
+/// its size. `TCP_QUICKACK` is not sticky (the kernel falls back to delayed
+/// ACKs on its own), so it is set again after every read that returned data.
+struct QuickAck(TcpStream);
+
+impl AsyncRead for QuickAck {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut this.0).poll_read(cx, buf);
+        if matches!(polled, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            // Best effort: a failure only costs the delay it would have saved.
+            let _ = socket2::SockRef::from(&this.0).set_tcp_quickack(true);
+        }
+        polled
+    }
+}
+
+impl AsyncWrite for QuickAck {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().0).poll_write(cx, data)
+    }
+    fn poll_write_vectored(self: Pin<&mut Self>, cx: &mut Context<'_>, bufs: &[std::io::IoSlice<'_>]) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().0).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.0.is_write_vectored()
+    }
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().0).poll_flush(cx)
+    }
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().0).poll_shutdown(cx)
+    }
+}
 
 /// One open connection, owned by the plugin instance's resource table.
 pub struct Connection {
@@ -290,7 +333,7 @@ impl transport::HostConnection for HostState {
         if let Err(e) = stream.set_nodelay(true) {
             return Ok(Err(Error::Unavailable(format!("connect to {endpoint}: setting TCP_NODELAY: {e}"))));
         }
-        self.admit_connection(endpoint, Box::new(stream))
+        self.admit_connection(endpoint, Box::new(QuickAck(stream)))
     }
 
     async fn connect_unix(&mut self, path: String) -> wasmtime::Result<Result<Resource<Connection>, Error>> {
