@@ -1,0 +1,126 @@
+//! The bench targets scripts/bench-second-tier relies on, against real
+//! servers: the native vineyardd client (in a private network namespace,
+//! since vineyardd binds every address), keys split over independent nodes
+//! by hash slot, and a node whose memory tier is too small to keep what it
+//! reads, so that every GET of a `--no-seed` run goes through its second
+//! tier (builtin:resp on redis-server) to keys the native client stored.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvplane_bench::{BenchConfig, BenchOp, BenchReport, Target};
+use kvplane_node::cache::{CacheConfig, EvictionPolicy};
+use kvplane_node::memory::PoolConfig;
+use kvplane_node::server::{Node, NodeConfig};
+use kvplane_node::tier::TierSetup;
+use kvplane_runtime::{PluginDecl, PluginRuntime, PluginSource, World};
+use kvplane_tests::redis::RedisServer;
+use kvplane_tests::vineyard::{in_private_network, VineyardServer};
+
+const KIB: usize = 1 << 10;
+const MIB: usize = 1 << 20;
+
+fn shape(target: Target, endpoint: String, op: BenchOp, block_size: usize, blocks: usize) -> BenchConfig {
+    BenchConfig {
+        target,
+        endpoint,
+        token: None,
+        block_size,
+        blocks,
+        batch: 8,
+        clients: 2,
+        op,
+        seed: true,
+        duration: Duration::from_millis(500),
+        progress: None,
+    }
+}
+
+fn moved_all(r: &BenchReport) {
+    assert!(r.blocks > 0, "{r:?}");
+    assert_eq!(r.misses, 0, "{r:?}");
+}
+
+#[test]
+fn the_native_vineyard_client_stores_and_reads_blocks_in_vineyardd() {
+    if !in_private_network("the_native_vineyard_client_stores_and_reads_blocks_in_vineyardd") {
+        return;
+    }
+    let server = VineyardServer::start();
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    rt.block_on(async {
+        for op in [BenchOp::Put, BenchOp::Get, BenchOp::Mixed] {
+            let r = kvplane_bench::run(shape(Target::Vineyard, server.endpoint(), op, 64 * KIB, 32)).await.expect("vineyard run");
+            moved_all(&r);
+            assert_eq!(r.memory_hits, None, "only nodes have a memory tier: {r:?}");
+        }
+        // Keys that were never stored (all but the first 32) are misses, not errors.
+        let mut absent = shape(Target::Vineyard, server.endpoint(), BenchOp::Get, 64 * KIB, 100_000);
+        absent.seed = false;
+        let r = kvplane_bench::run(absent).await.expect("vineyard run");
+        assert!(r.misses > 0, "{r:?}");
+    });
+}
+
+async fn node(memory: usize, max_block: usize, tier: Option<TierSetup>) -> Node {
+    let mut pool = PoolConfig::new(memory);
+    pool.max_block_bytes = max_block;
+    let config = NodeConfig {
+        listen: Some("127.0.0.1:0".parse().unwrap()),
+        admin: None,
+        pool,
+        cache: CacheConfig { policy: EvictionPolicy::Lru, ..CacheConfig::default() },
+        tier,
+        ..NodeConfig::default()
+    };
+    Node::start(config).await.expect("node starts")
+}
+
+fn stat(node: &Node, name: &str) -> u64 {
+    node.stats().into_iter().find(|(n, _)| n == name).map(|(_, v)| v).unwrap_or_else(|| panic!("no stat {name}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_are_split_over_independent_nodes_by_hash_slot() {
+    let nodes = [node(64 * MIB, MIB, None).await, node(64 * MIB, MIB, None).await, node(64 * MIB, MIB, None).await];
+    let endpoints: Vec<String> = nodes.iter().map(|n| n.tcp_addr().unwrap().to_string()).collect();
+    let r = kvplane_bench::run(shape(Target::Kvplane, endpoints.join(","), BenchOp::Get, 16 * KIB, 256)).await.expect("run");
+    moved_all(&r);
+    // Every GET hit a memory tier (the one of the key's node), and every
+    // node holds its share of the keys.
+    assert_eq!(r.memory_hits, Some(r.blocks), "{r:?}");
+    assert_eq!(r.backend_hits, None, "no second tier: {r:?}");
+    for (i, n) in nodes.iter().enumerate() {
+        assert!(stat(n, "hits") > 0, "node {i} served no GET");
+    }
+    for n in nodes {
+        n.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_too_small_to_keep_its_reads_serves_every_get_through_its_second_tier() {
+    let redis = RedisServer::start(&[]);
+    let mut decl = PluginDecl::new("resp", World::Backend, PluginSource::Builtin("resp".into()));
+    decl.config.insert("endpoint".into(), redis.endpoint());
+    decl.allowed_endpoints = vec![redis.endpoint()];
+    let backend = Arc::new(PluginRuntime::new(None).unwrap().load_backend(decl).expect("loading builtin:resp"));
+    let tier = TierSetup { name: "resp".into(), backend, retry: None, settings: Default::default() };
+    // 16 blocks of 64 KiB: four times the blocks in flight, 1/16 of those read.
+    let block = 64 * KIB;
+    let node = node(16 * block, block, Some(tier)).await;
+
+    // The native client stores the blocks in redis-server (keys as
+    // builtin:resp names them: no prefix), then the node reads them.
+    let r = kvplane_bench::run(shape(Target::Redis, redis.endpoint(), BenchOp::Get, block, 256)).await.expect("redis run");
+    moved_all(&r);
+    let mut through = shape(Target::Kvplane, node.tcp_addr().unwrap().to_string(), BenchOp::Get, block, 256);
+    through.seed = false;
+    let r = kvplane_bench::run(through).await.expect("node run");
+    moved_all(&r);
+    let read_through = r.backend_hits.expect("a node with a second tier reports backend_hits");
+    let hits = r.memory_hits.expect("memory_hits");
+    assert_eq!(hits + read_through, r.blocks, "{r:?}");
+    assert!(hits * 10 < r.blocks, "most GETs missed the memory tier: {r:?}");
+    node.shutdown().await;
+}
