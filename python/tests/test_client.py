@@ -4,6 +4,7 @@ write nothing outside a buffer, typed errors, the GIL released during I/O."""
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -251,3 +252,51 @@ def unix_round_trip(client: kvplane.Client, unique: str) -> None:
         with pytest.raises(kvplane.BufferTooSmall):
             c.get_into(keys[:1], [small])
         assert bytes(small) == bytes(65535) and guards_intact(raw)
+
+
+def test_one_client_shared_by_threads(client: kvplane.Client, unique: str) -> None:
+    # Engines call from several threads at once (one per layer or request);
+    # calls on one client run concurrently and each gets its own answers.
+    errors: list[BaseException] = []
+
+    def worker(w: int) -> None:
+        try:
+            for r in range(20):
+                keys = [f"{unique}w{w}/r{r}/{i}" for i in range(8)]
+                blocks = [bytes([w, r, i]) * 1000 for i in range(8)]
+                client.put_from(keys, blocks)
+                back = [bytearray(3000) for _ in keys]
+                assert client.get_into(keys, back) == [3000] * 8
+                assert [bytes(b) for b in back] == blocks
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    assert not errors, errors
+
+
+def test_after_fork_the_child_makes_its_own_client(client: kvplane.Client, node: Node, unique: str) -> None:
+    # Engines fork workers; a client's I/O threads do not survive a fork, so
+    # the child's use of the parent's client is refused with a typed error,
+    # and a client made in the child works.
+    client.put_from([f"{unique}f"], [b"parent"])
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            try:
+                client.exists([f"{unique}f"])
+            except kvplane.Error as e:
+                if "fork" in str(e):
+                    with kvplane.Client(node.endpoint) as mine:
+                        code = 0 if mine.get([f"{unique}f"]) == [b"parent"] else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert client.get([f"{unique}f"]) == [b"parent"]
