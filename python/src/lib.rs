@@ -8,16 +8,19 @@
 //! network round trip, so the engine's other Python threads keep running.
 //!
 //! Copies:
-//! - `put_from` sends straight from the caller's memory: each buffer is
+//! - `put_from` hands the client the caller's memory itself: each buffer is
 //!   exported (the object cannot be resized or freed meanwhile) and wrapped
-//!   in a [`Bytes`] that borrows it, and the client writes those slices to the
-//!   socket with vectored writes. The export is released when the last such
+//!   in a [`Bytes`] that borrows it. Over TCP the client writes those slices
+//!   to the socket with vectored writes (no copy in this process); over a
+//!   Unix socket with shared memory it copies each block once into the
+//!   region the node reads. The export is released when the last such
 //!   `Bytes` is dropped, so no reference outlives the memory.
-//! - `get_into` copies once: the client crate reads each payload into a
-//!   `Bytes` of its own and this module copies it into the caller's buffer
-//!   (with the GIL released). Reading payloads straight into caller memory
-//!   needs a GET in `kvplane-client` that takes destination buffers to its
-//!   reader task; until then this copy stays.
+//! - `get_into` copies once more than it needs to: the client crate returns
+//!   each value as a `Bytes` of its own (read from the socket, or copied out
+//!   of shared memory) and this module copies it into the caller's buffer
+//!   (with the GIL released). A GET in `kvplane-client` that takes
+//!   destination slices (its reader task reading payloads into them, or
+//!   `read_at` from shared memory into them) would remove that copy.
 //!
 //! Buffers are checked before any I/O: a buffer that `get_into` would write
 //! must be writable and C-contiguous, and every answer must fit its buffer
