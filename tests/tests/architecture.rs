@@ -93,6 +93,7 @@ fn crates_without_unsafe_code_forbid_it() {
         ("bench", "#![forbid(unsafe_code)]"),
         ("cli", "#![forbid(unsafe_code)]"),
         ("cluster", "#![forbid(unsafe_code)]"),
+        ("rdma", "#![deny(unsafe_code)]"),
         ("node", "#![deny(unsafe_code)]"),
         ("tests", "#![deny(unsafe_code)]"),
     ] {

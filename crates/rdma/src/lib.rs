@@ -1,0 +1,41 @@
+//! One-sided RDMA READ of blocks that a kvplane node keeps pinned.
+//!
+//! Why: a GET over TCP costs the node a copy and a system call per block
+//! and the client another; with RDMA the client's NIC reads the block
+//! straight out of the node's pool while the node's CPU does nothing. The
+//! price is that the node must announce, beforehand and over the ordinary
+//! connection, everything the reader's NIC needs, and must keep the block
+//! in place while the reader may still use that announcement.
+//!
+//! What is here:
+//! - [`Descriptor`]: what a remote reader needs for one block (GID/LID and
+//!   queue pair of the node, address, rkey, length, CRC-32C, lease and its
+//!   expiry) and its versioned binary form.
+//! - [`Leases`]: the node's table of leases that keep blocks pinned until
+//!   they expire, bounded.
+//! - [`choose`] and [`get`]: the client's choice between RDMA and TCP, and
+//!   the fallback to TCP whenever RDMA cannot serve a GET.
+//! - With the `rdma` feature, [`verbs`]: the ibverbs side (open a device,
+//!   register the pool as a memory region, describe a sub-range, READ it
+//!   from another queue pair), and a TCP side channel that connects two
+//!   queue pairs.
+//!
+//! All of it but [`verbs`] builds and is tested everywhere; nothing here
+//! reads a clock: times are milliseconds on a clock the caller passes.
+
+// Unsafe code only in `verbs` (FFI to libibverbs); the other modules forbid
+// it, and without the feature the whole crate does.
+#![deny(unsafe_code)]
+#![cfg_attr(not(feature = "rdma"), forbid(unsafe_code))]
+#![deny(unsafe_op_in_unsafe_fn)]
+
+pub mod descriptor;
+pub mod lease;
+pub mod transport;
+#[cfg(feature = "rdma")]
+#[allow(unsafe_code)]
+pub mod verbs;
+
+pub use descriptor::{DecodeError, Descriptor, Gid, UseError};
+pub use lease::{Lease, LeaseError, LeaseId, Leases};
+pub use transport::{choose, get, Fallback, Fetched, Path};
