@@ -35,6 +35,22 @@ impl Context {
         match self.0 {}
     }
 
+    pub(crate) fn event_create(&self) -> Result<usize, GpuError> {
+        match self.0 {}
+    }
+
+    pub(crate) fn event_record(&self, _event: usize, _stream: usize) -> Result<(), GpuError> {
+        match self.0 {}
+    }
+
+    pub(crate) fn event_done(&self, _event: usize) -> Result<bool, GpuError> {
+        match self.0 {}
+    }
+
+    pub(crate) fn event_destroy(&self, _event: usize) {
+        match self.0 {}
+    }
+
     pub(crate) fn host_register(&self, _ptr: *mut u8, _len: usize) -> Result<(), GpuError> {
         match self.0 {}
     }

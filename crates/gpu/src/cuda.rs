@@ -174,6 +174,45 @@ impl Context {
         Ok(code == sys::CUresult::CUDA_SUCCESS)
     }
 
+    /// An event (no timing) marking a point in a stream, for waiting on
+    /// part of what was enqueued.
+    pub(crate) fn event_create(&self) -> Result<usize, GpuError> {
+        self.bind()?;
+        let mut event: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: writes one event handle; destroyed by `event_destroy`.
+        call("cuEventCreate", || unsafe { sys::cuEventCreate(&mut event, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32) })?;
+        Ok(event as usize)
+    }
+
+    pub(crate) fn event_record(&self, event: usize, stream: usize) -> Result<(), GpuError> {
+        self.bind()?;
+        // SAFETY: an event of this crate and a stream of this context.
+        call("cuEventRecord", || unsafe { sys::cuEventRecord(event as sys::CUevent, stream as sys::CUstream) })
+    }
+
+    /// True once the stream has passed the point `event` recorded.
+    pub(crate) fn event_done(&self, event: usize) -> Result<bool, GpuError> {
+        self.bind()?;
+        let mut code = sys::CUresult::CUDA_SUCCESS;
+        // SAFETY: a query on an event of this crate.
+        call("cuEventQuery", || {
+            code = unsafe { sys::cuEventQuery(event as sys::CUevent) };
+            if code == sys::CUresult::CUDA_ERROR_NOT_READY {
+                sys::CUresult::CUDA_SUCCESS
+            } else {
+                code
+            }
+        })?;
+        Ok(code == sys::CUresult::CUDA_SUCCESS)
+    }
+
+    pub(crate) fn event_destroy(&self, event: usize) {
+        if self.bind().is_ok() {
+            // SAFETY: an event from `event_create`, destroyed once.
+            let _ = call("cuEventDestroy", || unsafe { sys::cuEventDestroy_v2(event as sys::CUevent) });
+        }
+    }
+
     /// Page-locks `len` bytes at `ptr` for the device's copy engines
     /// (portable: for every context; never write-combined).
     pub(crate) fn host_register(&self, ptr: *mut u8, len: usize) -> Result<(), GpuError> {

@@ -32,8 +32,13 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use kvplane_client::{Connection, KvError, SharedMemory};
 
-#[cfg(not(feature = "cuda"))]
+#[cfg(all(not(feature = "cuda"), not(test)))]
 #[path = "absent.rs"]
+mod driver;
+// The unit tests without the feature run the batching logic against a
+// stand-in driver (host memory, deferred copies); see fake.rs.
+#[cfg(all(not(feature = "cuda"), test))]
+#[path = "fake.rs"]
 mod driver;
 #[cfg(feature = "cuda")]
 #[path = "cuda.rs"]
@@ -156,15 +161,7 @@ impl Stream {
     /// polls (and sleeping a little once the wait grows long), so a copy's
     /// end is noticed within microseconds.
     pub async fn synchronize(&self) -> Result<(), GpuError> {
-        let start = Instant::now();
-        while !self.ctx.raw.stream_done(self.raw)? {
-            if start.elapsed() < Duration::from_millis(2) {
-                tokio::task::yield_now().await;
-            } else {
-                tokio::time::sleep(Duration::from_micros(100)).await;
-            }
-        }
-        Ok(())
+        poll_until(|| self.ctx.raw.stream_done(self.raw)).await
     }
 
     /// Waits as [`Stream::synchronize`] does, blocking the thread.
@@ -181,6 +178,45 @@ impl Drop for Stream {
         if self.owned {
             self.ctx.raw.stream_destroy(self.raw);
         }
+    }
+}
+
+/// Polls `done` until it answers true: yielding to other tasks between
+/// polls, sleeping a little once the wait grows long.
+async fn poll_until(mut done: impl FnMut() -> Result<bool, GpuError>) -> Result<(), GpuError> {
+    let start = Instant::now();
+    while !done()? {
+        if start.elapsed() < Duration::from_millis(2) {
+            tokio::task::yield_now().await;
+        } else {
+            tokio::time::sleep(Duration::from_micros(100)).await;
+        }
+    }
+    Ok(())
+}
+
+/// A point recorded in a stream (a CUDA event without timing): lets a batch
+/// wait for one round's copies while the next round's are still running.
+struct Marker {
+    ctx: Arc<GpuContext>,
+    raw: usize,
+}
+
+impl Marker {
+    fn record(stream: &Stream) -> Result<Arc<Marker>, GpuError> {
+        let marker = Marker { ctx: Arc::clone(&stream.ctx), raw: stream.ctx.raw.event_create()? };
+        marker.ctx.raw.event_record(marker.raw, stream.raw)?;
+        Ok(Arc::new(marker))
+    }
+
+    async fn wait(&self) -> Result<(), GpuError> {
+        poll_until(|| self.ctx.raw.event_done(self.raw)).await
+    }
+}
+
+impl Drop for Marker {
+    fn drop(&mut self) {
+        self.ctx.raw.event_destroy(self.raw);
     }
 }
 
@@ -315,10 +351,17 @@ impl Drop for HostBuffer {
 /// serve device copies alone (a `Client` of its own): the client's other
 /// calls carve ranges of the same memory. Calls on one region run one at a
 /// time.
+///
+/// A batch larger than the region goes in rounds that alternate between
+/// the region's halves, so one round's device copies overlap the node's
+/// copies of the next (put) or the previous (get).
 pub struct PinnedRegion {
     ctx: Arc<GpuContext>,
     memory: Arc<SharedMemory>,
-    busy: tokio::sync::Mutex<()>,
+    /// Held for the length of a call; the last copies a call enqueued,
+    /// which the next call waits for before it touches the region (a call
+    /// that failed or was cancelled may have left some running).
+    busy: tokio::sync::Mutex<Option<Arc<Marker>>>,
 }
 
 impl PinnedRegion {
@@ -326,7 +369,7 @@ impl PinnedRegion {
     /// write-combined) until the region is dropped.
     pub fn register(ctx: &Arc<GpuContext>, memory: &Arc<SharedMemory>) -> Result<PinnedRegion, GpuError> {
         ctx.raw.host_register(memory.as_ptr(), memory.len())?;
-        Ok(PinnedRegion { ctx: Arc::clone(ctx), memory: Arc::clone(memory), busy: tokio::sync::Mutex::new(()) })
+        Ok(PinnedRegion { ctx: Arc::clone(ctx), memory: Arc::clone(memory), busy: tokio::sync::Mutex::new(None) })
     }
 
     /// The region of `conn`'s shared memory (see [`PinnedRegion::register`]);
@@ -385,8 +428,9 @@ impl PinnedRegion {
     /// Stores device blocks: each entry is (key, device pointer, length).
     /// The blocks are copied into the region on `stream` (after whatever
     /// the caller enqueued there before), then the node copies them out;
-    /// batches larger than the region go in several rounds. Answers each
-    /// key's result, as `Connection::put_from_shared` does.
+    /// batches larger than the region go in several rounds, the next
+    /// round's device copies running while the node copies the last one.
+    /// Answers each key's result, as `Connection::put_from_shared` does.
     pub async fn put_from_device(
         &self,
         conn: &Connection,
@@ -395,24 +439,45 @@ impl PinnedRegion {
     ) -> Result<Vec<Result<(), KvError>>, GpuError> {
         self.check(conn)?;
         let pairs: Vec<(u64, usize)> = blocks.iter().map(|(_, p, l)| (*p, *l)).collect();
-        let rounds = plan::rounds(&pairs, self.memory.len())?;
-        let _busy = self.busy.lock().await;
-        let mut results: Vec<Result<(), KvError>> = Vec::with_capacity(blocks.len());
-        for round in rounds {
-            let copies: Vec<(u64, usize, usize)> = round.iter().map(|s| (blocks[s.index].1, s.offset, s.len)).collect();
+        let plan = plan::staging(&pairs, self.memory.len())?;
+        let mut last = self.busy.lock().await;
+        if let Some(previous) = last.take() {
+            previous.wait().await?;
+        }
+        let rounds = &plan.rounds;
+        let stage = |k: usize, last: &mut Option<Arc<Marker>>| -> Result<Arc<Marker>, GpuError> {
+            let copies: Vec<(u64, usize, usize)> = rounds[k].iter().map(|s| (blocks[s.index].1, s.offset, s.len)).collect();
             self.stage_from_device(&copies, stream)?;
-            stream.synchronize().await?;
-            let entries: Vec<(Bytes, usize, usize)> = round.iter().map(|s| (blocks[s.index].0.clone(), s.offset, s.len)).collect();
+            let marker = Marker::record(stream)?;
+            *last = Some(Arc::clone(&marker));
+            Ok(marker)
+        };
+        let mut results: Vec<Result<(), KvError>> = Vec::with_capacity(blocks.len());
+        let mut next = if rounds.is_empty() { None } else { Some(stage(0, &mut last)?) };
+        for k in 0..rounds.len() {
+            let staged = next.take().ok_or_else(|| GpuError::Invalid("a round was not staged".into()))?;
+            // Round k + 1 goes into the other half, which the node finished
+            // copying out of (round k - 1) before this iteration began.
+            if plan.alternating && k + 1 < rounds.len() {
+                next = Some(stage(k + 1, &mut last)?);
+            }
+            staged.wait().await?;
+            let entries: Vec<(Bytes, usize, usize)> = rounds[k].iter().map(|s| (blocks[s.index].0.clone(), s.offset, s.len)).collect();
             results.extend(conn.put_from_shared(&entries).await?);
+            if !plan.alternating && k + 1 < rounds.len() {
+                next = Some(stage(k + 1, &mut last)?);
+            }
         }
         Ok(results)
     }
 
     /// Fetches blocks into device memory: each entry is (key, device
     /// pointer, capacity). The node copies each block into the region, then
-    /// it is copied to the device on `stream`; the call returns once those
-    /// copies have finished. Answers each block's length or its key's error
-    /// (a block longer than its capacity is the node's `Invalid`).
+    /// it is copied to the device on `stream`; in a batch of several rounds
+    /// the node fills one half of the region while the other half's copies
+    /// to the device run. The call returns once every copy has finished.
+    /// Answers each block's length or its key's error (a block longer than
+    /// its capacity is the node's `Invalid`).
     pub async fn get_into_device(
         &self,
         conn: &Connection,
@@ -421,10 +486,20 @@ impl PinnedRegion {
     ) -> Result<Vec<Result<usize, KvError>>, GpuError> {
         self.check(conn)?;
         let pairs: Vec<(u64, usize)> = blocks.iter().map(|(_, p, c)| (*p, *c)).collect();
-        let rounds = plan::rounds(&pairs, self.memory.len())?;
-        let _busy = self.busy.lock().await;
+        let plan = plan::staging(&pairs, self.memory.len())?;
+        let mut last = self.busy.lock().await;
+        if let Some(previous) = last.take() {
+            previous.wait().await?;
+        }
         let mut results: Vec<Result<usize, KvError>> = Vec::with_capacity(blocks.len());
-        for round in rounds {
+        let mut markers: Vec<Arc<Marker>> = Vec::with_capacity(plan.rounds.len());
+        for (k, round) in plan.rounds.iter().enumerate() {
+            // The memory this round fills was last read by the device
+            // copies of round k - 2 (alternating halves) or k - 1.
+            let reuse = if plan.alternating { k.checked_sub(2) } else { k.checked_sub(1) };
+            if let Some(r) = reuse {
+                markers[r].wait().await?;
+            }
             let entries: Vec<(Bytes, usize, usize)> = round.iter().map(|s| (blocks[s.index].0.clone(), s.offset, s.len)).collect();
             let lens = conn.get_into_shared(&entries).await?;
             if lens.len() != round.len() {
@@ -440,8 +515,13 @@ impl PinnedRegion {
                 }
             }
             self.unstage_to_device(&copies, stream)?;
-            stream.synchronize().await?;
+            let marker = Marker::record(stream)?;
+            *last = Some(Arc::clone(&marker));
+            markers.push(marker);
             results.extend(lens);
+        }
+        if let Some(marker) = markers.last() {
+            marker.wait().await?;
         }
         Ok(results)
     }
@@ -450,5 +530,152 @@ impl PinnedRegion {
 impl Drop for PinnedRegion {
     fn drop(&mut self) {
         self.ctx.raw.host_unregister(self.memory.as_ptr());
+    }
+}
+
+/// The batching logic against a real node, on the stand-in driver of
+/// fake.rs (copies deferred until waited for): rounds, alternating halves,
+/// per-key results and every byte.
+#[cfg(all(test, not(feature = "cuda")))]
+mod tests {
+    use super::*;
+    use kvplane_client::{Client, ClientConfig, Endpoint};
+    use kvplane_node::memory::PoolConfig;
+    use kvplane_node::server::{Node, NodeConfig};
+
+    const KIB: usize = 1 << 10;
+
+    async fn node(dir: &tempfile::TempDir, shm: usize) -> Node {
+        let config = NodeConfig {
+            listen: None,
+            admin: None,
+            unix: Some(dir.path().join("node.sock")),
+            pool: PoolConfig::new(64 << 20),
+            shm_region_bytes: shm,
+            ..NodeConfig::default()
+        };
+        Node::start(config).await.expect("node starts")
+    }
+
+    fn pattern(seed: usize, len: usize) -> Vec<u8> {
+        (0..len).map(|i| (seed * 31 + i * 7 + i / 253) as u8).collect()
+    }
+
+    struct Setup {
+        _dir: tempfile::TempDir,
+        _node: Node,
+        _client: Client,
+        conn: Arc<Connection>,
+        ctx: Arc<GpuContext>,
+        region: PinnedRegion,
+        stream: Stream,
+    }
+
+    async fn setup(shm: usize) -> Setup {
+        let dir = tempfile::tempdir().unwrap();
+        let node = node(&dir, shm).await;
+        let mut config = ClientConfig::new(Endpoint::Unix(node.unix_path().unwrap().to_path_buf()));
+        config.connections = 1;
+        let client = Client::connect(config).await.unwrap();
+        let conn = client.connection().await.unwrap();
+        let ctx = GpuContext::new(0).unwrap();
+        let region = PinnedRegion::for_connection(&ctx, &conn).unwrap();
+        let stream = Stream::new(&ctx).unwrap();
+        Setup { _dir: dir, _node: node, _client: client, conn, ctx, region, stream }
+    }
+
+    /// Puts `lens.len()` blocks of the given lengths from one device
+    /// buffer, gets them back into another, compares every byte.
+    async fn round_trip(s: &Setup, lens: &[usize], expect_alternating: bool) {
+        let pairs: Vec<(u64, usize)> = lens.iter().map(|l| (1, *l)).collect();
+        let plan = plan::staging(&pairs, s.region.memory().len()).unwrap();
+        assert!(plan.rounds.len() > 1, "the batch needs several rounds");
+        assert_eq!(plan.alternating, expect_alternating);
+
+        let total: usize = lens.iter().sum();
+        let src = s.ctx.alloc(total).unwrap();
+        let bytes = pattern(lens.len(), total);
+        src.write(0, &bytes, &s.stream).unwrap();
+        let mut at = 0;
+        let mut puts = Vec::new();
+        for (i, len) in lens.iter().enumerate() {
+            puts.push((Bytes::from(format!("k{i}")), src.ptr() + at as u64, *len));
+            at += len;
+        }
+        let results = s.region.put_from_device(&s.conn, &puts, &s.stream).await.unwrap();
+        assert!(results.iter().all(Result::is_ok), "{results:?}");
+
+        let dst = s.ctx.alloc(total).unwrap();
+        let gets: Vec<(Bytes, u64, usize)> = puts.iter().map(|(k, p, l)| (k.clone(), dst.ptr() + (p - src.ptr()), *l)).collect();
+        let lens_back = s.region.get_into_device(&s.conn, &gets, &s.stream).await.unwrap();
+        assert_eq!(lens_back.into_iter().map(Result::unwrap).collect::<Vec<_>>(), lens);
+        let mut back = vec![0u8; total];
+        dst.read(0, &mut back, &s.stream).unwrap();
+        assert!(back == bytes, "the bytes got back differ from those put");
+    }
+
+    #[tokio::test]
+    async fn batches_larger_than_the_shared_memory_round_trip_in_alternating_halves() {
+        let s = setup(256 * KIB).await;
+        let lens: Vec<usize> = (0..23).map(|i| 20 * KIB + i * 517).collect();
+        round_trip(&s, &lens, true).await;
+    }
+
+    #[tokio::test]
+    async fn blocks_over_half_the_shared_memory_go_one_round_at_a_time() {
+        let s = setup(256 * KIB).await;
+        round_trip(&s, &[200 * KIB, 150 * KIB, 250 * KIB, 100], false).await;
+    }
+
+    #[tokio::test]
+    async fn each_key_gets_its_own_answer() {
+        let s = setup(256 * KIB).await;
+        let src = s.ctx.alloc(8 * KIB).unwrap();
+        src.write(0, &pattern(1, 8 * KIB), &s.stream).unwrap();
+        let put = [(Bytes::from_static(b"present"), src.ptr(), 8 * KIB)];
+        assert!(s.region.put_from_device(&s.conn, &put, &s.stream).await.unwrap()[0].is_ok());
+
+        let dst = s.ctx.alloc(16 * KIB).unwrap();
+        let gets =
+            [(Bytes::from_static(b"missing"), dst.ptr(), 8 * KIB), (Bytes::from_static(b"present"), dst.ptr() + 8 * KIB as u64, 8 * KIB)];
+        let got = s.region.get_into_device(&s.conn, &gets, &s.stream).await.unwrap();
+        assert_eq!(got[0], Err(KvError::NotFound));
+        assert_eq!(got[1], Ok(8 * KIB));
+        let small = [(Bytes::from_static(b"present"), dst.ptr(), KIB)];
+        let got = s.region.get_into_device(&s.conn, &small, &s.stream).await.unwrap();
+        assert!(got[0].is_err(), "a block larger than its capacity is refused: {:?}", got[0]);
+        let mut back = vec![0u8; 8 * KIB];
+        dst.read(8 * KIB, &mut back, &s.stream).unwrap();
+        assert!(back == pattern(1, 8 * KIB));
+    }
+
+    #[tokio::test]
+    async fn bad_batches_are_refused_before_any_copy() {
+        let s = setup(256 * KIB).await;
+        let too_big = [(Bytes::from_static(b"k"), 0x1000, 300 * KIB)];
+        assert!(
+            matches!(s.region.put_from_device(&s.conn, &too_big, &s.stream).await, Err(GpuError::Invalid(m)) if m.contains("--shm-region"))
+        );
+        let null = [(Bytes::from_static(b"k"), 0, KIB)];
+        assert!(matches!(s.region.get_into_device(&s.conn, &null, &s.stream).await, Err(GpuError::Invalid(_))));
+        assert!(matches!(s.ctx.import_ipc_handle(&[0; 63]), Err(GpuError::Invalid(_))));
+
+        // Another connection's memory is not this region.
+        let other = setup(256 * KIB).await;
+        let ok = [(Bytes::from_static(b"k"), 0x1000, KIB)];
+        assert!(matches!(s.region.put_from_device(&other.conn, &ok, &s.stream).await, Err(GpuError::Invalid(_))));
+    }
+
+    #[tokio::test]
+    async fn an_exported_handle_imports_the_same_memory() {
+        let s = setup(256 * KIB).await;
+        let buf = s.ctx.alloc(4 * KIB).unwrap();
+        buf.write(0, &pattern(9, 4 * KIB), &s.stream).unwrap();
+        let imported = s.ctx.import_ipc_handle(&buf.ipc_handle().unwrap()).unwrap();
+        assert_eq!(imported.len(), 4 * KIB);
+        assert!(imported.ipc_handle().is_err(), "an imported buffer is not exported again");
+        let mut back = vec![0u8; 4 * KIB];
+        imported.read(0, &mut back, &s.stream).unwrap();
+        assert!(back == pattern(9, 4 * KIB));
     }
 }

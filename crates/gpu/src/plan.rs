@@ -54,6 +54,37 @@ pub(crate) fn rounds(blocks: &[(u64, usize)], capacity: usize) -> Result<Vec<Vec
     Ok(rounds)
 }
 
+/// Rounds for a pipelined batch, and whether consecutive rounds use
+/// disjoint memory (so one round's device copies may run while the node
+/// copies the other's).
+#[derive(Debug)]
+pub(crate) struct Staging {
+    pub rounds: Vec<Vec<Slot>>,
+    pub alternating: bool,
+}
+
+/// As [`rounds`], but a batch that needs several rounds alternates between
+/// the two halves of the memory when every block fits a half: round `k`
+/// and round `k + 1` then never share a byte.
+pub(crate) fn staging(blocks: &[(u64, usize)], capacity: usize) -> Result<Staging, GpuError> {
+    let whole = rounds(blocks, capacity)?;
+    if whole.len() <= 1 {
+        return Ok(Staging { rounds: whole, alternating: false });
+    }
+    let half = capacity / 2 / ALIGN * ALIGN;
+    match rounds(blocks, half) {
+        Ok(mut halves) if half > 0 => {
+            for round in halves.iter_mut().skip(1).step_by(2) {
+                for slot in round.iter_mut() {
+                    slot.offset += half;
+                }
+            }
+            Ok(Staging { rounds: halves, alternating: true })
+        }
+        _ => Ok(Staging { rounds: whole, alternating: false }),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -101,5 +132,30 @@ mod tests {
     #[test]
     fn an_empty_batch_has_no_rounds() {
         assert!(rounds(&[], 4096).unwrap().is_empty());
+    }
+
+    #[test]
+    fn several_rounds_alternate_between_the_halves() {
+        let blocks: Vec<(u64, usize)> = (0..10).map(|i| (0x10000 + i * 0x1000, 1000)).collect();
+        let s = staging(&blocks, 4096).unwrap();
+        assert!(s.alternating);
+        assert_eq!(s.rounds.iter().map(Vec::len).collect::<Vec<_>>(), [2, 2, 2, 2, 2]);
+        for (k, round) in s.rounds.iter().enumerate() {
+            for slot in round {
+                let (lo, hi) = if k % 2 == 0 { (0, 2048) } else { (2048, 4096) };
+                assert!(slot.offset >= lo && slot.offset + slot.len <= hi, "round {k}: {slot:?}");
+            }
+        }
+        let order: Vec<usize> = s.rounds.iter().flatten().map(|s| s.index).collect();
+        assert_eq!(order, (0..10).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn one_round_uses_the_whole_memory_and_blocks_over_a_half_do_not_alternate() {
+        let s = staging(&[(0x1000, 3000)], 4096).unwrap();
+        assert_eq!((s.rounds.len(), s.alternating), (1, false));
+        let s = staging(&[(0x1000, 3000), (0x9000, 3000)], 4096).unwrap();
+        assert_eq!((s.rounds.len(), s.alternating), (2, false));
+        assert!(s.rounds.iter().all(|r| r[0].offset == 0));
     }
 }
