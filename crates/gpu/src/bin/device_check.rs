@@ -334,11 +334,11 @@ async fn round_trip(
     if let Some(at) = first_difference(&back, &expected) {
         return Err(format!("round trip: the bytes got back differ from those put, first at byte {at}").into());
     }
-    let rounds = bytes.div_ceil(region.memory().len());
     println!(
-        "round trip: {n} blocks of {} KiB ({} MiB, at least {rounds} rounds through the shared memory): put_from_device {:.1} GB/s, get_into_device {:.1} GB/s, every byte matches",
+        "round trip: {n} blocks of {} KiB ({} MiB through {} MiB of shared memory): put_from_device {:.1} GB/s, get_into_device {:.1} GB/s, every byte matches",
         args.block >> 10,
         bytes >> 20,
+        region.memory().len() >> 20,
         gbps(bytes, put_secs),
         gbps(bytes, get_secs)
     );
