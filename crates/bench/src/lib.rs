@@ -60,6 +60,10 @@ pub enum Target {
     /// vineyardd's RPC port, through `builtin:vineyard`'s protocol code
     /// compiled natively.
     Vineyard,
+    /// A kvplane node's Unix socket, block bytes through the memory the
+    /// node shares with the client: PUT from and GET into that memory
+    /// (PUT_SHM / GET_SHM), as an engine staging its KV blocks there would.
+    Local,
 }
 
 impl std::str::FromStr for Target {
@@ -71,7 +75,8 @@ impl std::str::FromStr for Target {
             "raw" => Ok(Target::Raw),
             "redis" => Ok(Target::Redis),
             "vineyard" => Ok(Target::Vineyard),
-            other => bail!("--target {other:?}: expected kvplane, cluster, raw, redis or vineyard"),
+            "local" => Ok(Target::Local),
+            other => bail!("--target {other:?}: expected kvplane, cluster, raw, redis, vineyard or local"),
         }
     }
 }
@@ -98,6 +103,9 @@ pub struct BenchConfig {
     /// a run against the store itself).
     pub seed: bool,
     pub duration: Duration,
+    /// `kvplane` over a Unix socket: let the client move bytes through the
+    /// node's shared memory (false: every byte on the socket).
+    pub shared_memory: bool,
     /// Called about twice a second with the fraction of the run done.
     pub progress: Option<Arc<dyn Fn(f64, u64) + Send + Sync>>,
 }
@@ -149,13 +157,20 @@ pub(crate) enum Conn {
     Raw(raw::RawClient),
     Redis(redis::RedisClient),
     Vineyard(vineyard::VineyardClient),
+    /// One connection with shared memory; PUTs read the first `batch`
+    /// block-sized slots of it, GETs write the next `batch`.
+    Local {
+        conn: kvplane_client::Connection,
+        filled: bool,
+    },
 }
 
-async fn kvplane_client(endpoint: &str, token: Option<String>) -> anyhow::Result<kvplane_client::Client> {
+async fn kvplane_client(endpoint: &str, token: Option<String>, shared_memory: bool) -> anyhow::Result<kvplane_client::Client> {
     let parsed = endpoint.parse().map_err(anyhow::Error::from)?;
     let mut config = kvplane_client::ClientConfig::new(parsed);
     config.connections = 1;
     config.token = token;
+    config.shared_memory = shared_memory;
     kvplane_client::Client::connect(config).await.with_context(|| format!("connecting to {endpoint}"))
 }
 
@@ -223,7 +238,7 @@ impl Conn {
             Target::Kvplane => {
                 let mut clients = Vec::new();
                 for endpoint in cfg.endpoint.split(',') {
-                    clients.push(kvplane_client(endpoint, cfg.token.clone()).await?);
+                    clients.push(kvplane_client(endpoint, cfg.token.clone(), cfg.shared_memory).await?);
                 }
                 Conn::Kvplane(clients)
             }
@@ -231,6 +246,25 @@ impl Conn {
             Target::Raw => Conn::Raw(raw::RawClient::connect(&cfg.endpoint).await?),
             Target::Redis => Conn::Redis(redis::RedisClient::connect(&cfg.endpoint).await?),
             Target::Vineyard => Conn::Vineyard(vineyard::VineyardClient::connect(&cfg.endpoint).await?),
+            Target::Local => {
+                let endpoint: kvplane_client::Endpoint = cfg.endpoint.parse().map_err(anyhow::Error::from)?;
+                let conn = kvplane_client::Connection::open(&endpoint, cfg.token.as_deref(), Duration::from_secs(30))
+                    .await
+                    .with_context(|| format!("connecting to {}", cfg.endpoint))?;
+                let Some(memory) = conn.shared_memory() else {
+                    bail!("{} shares no memory with this client (a Unix socket endpoint of a node with --shm-region above 0)", cfg.endpoint)
+                };
+                let needed = 2 * cfg.batch * cfg.block_size;
+                if memory.len() < needed {
+                    bail!(
+                        "--batch {} of --block-size {} needs {needed} bytes of shared memory; the node shares {}",
+                        cfg.batch,
+                        cfg.block_size,
+                        memory.len()
+                    );
+                }
+                Conn::Local { conn, filled: false }
+            }
         })
     }
 
@@ -248,6 +282,18 @@ impl Conn {
             Conn::Raw(c) => c.put_value(keys.len(), value).await,
             Conn::Redis(c) => c.set(keys, value).await,
             Conn::Vineyard(c) => c.put(keys, value).await,
+            Conn::Local { conn, filled } => {
+                let size = value.len();
+                if !*filled {
+                    let memory = conn.shared_memory().expect("checked at open");
+                    for i in 0..keys.len() {
+                        memory.write_at(i * size, value)?;
+                    }
+                    *filled = true;
+                }
+                let entries: Vec<(Bytes, usize, usize)> = keys.iter().enumerate().map(|(i, k)| (k.clone(), i * size, size)).collect();
+                check_put(keys, conn.put_from_shared(&entries).await?)
+            }
         }
     }
 
@@ -267,6 +313,21 @@ impl Conn {
             Conn::Raw(c) => c.get(keys.len(), block_size).await.map(|()| 0),
             Conn::Redis(c) => c.get(keys, block_size).await,
             Conn::Vineyard(c) => c.get(keys, block_size).await,
+            Conn::Local { conn, .. } => {
+                let base = keys.len() * block_size;
+                let entries: Vec<(Bytes, usize, usize)> =
+                    keys.iter().enumerate().map(|(i, k)| (k.clone(), base + i * block_size, block_size)).collect();
+                let mut misses = 0;
+                for (k, r) in keys.iter().zip(conn.get_into_shared(&entries).await?) {
+                    match r {
+                        Ok(len) if len == block_size => {}
+                        Ok(len) => bail!("GET {} returned {len} bytes, expected {block_size}", String::from_utf8_lossy(k)),
+                        Err(kvplane_client::KvError::NotFound) => misses += 1,
+                        Err(e) => return Err(e).with_context(|| format!("GET {}", String::from_utf8_lossy(k))),
+                    }
+                }
+                Ok(misses)
+            }
         }
     }
 }
@@ -295,7 +356,9 @@ pub async fn run(cfg: BenchConfig) -> anyhow::Result<BenchReport> {
     // Nodes: one more connection each, to read their counters around the
     // timed part.
     let counter_conn = match cfg.target {
-        Target::Kvplane | Target::Cluster => Some(Conn::open(&BenchConfig { target: Target::Kvplane, ..cfg.clone() }).await?),
+        Target::Kvplane | Target::Cluster | Target::Local => {
+            Some(Conn::open(&BenchConfig { target: Target::Kvplane, ..cfg.clone() }).await?)
+        }
         _ => None,
     };
     let counters_before = node_counters(counter_conn.as_ref()).await?;

@@ -32,6 +32,7 @@ fn shape(target: Target, endpoint: String, op: BenchOp, block_size: usize, block
         op,
         seed: true,
         duration: Duration::from_millis(500),
+        shared_memory: true,
         progress: None,
     }
 }
@@ -78,6 +79,49 @@ async fn node(memory: usize, max_block: usize, tier: Option<TierSetup>) -> Node 
 
 fn stat(node: &Node, name: &str) -> u64 {
     node.stats().into_iter().find(|(n, _)| n == name).map(|(_, v)| v).unwrap_or_else(|| panic!("no stat {name}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_local_target_moves_blocks_through_the_nodes_shared_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = NodeConfig {
+        listen: None,
+        admin: None,
+        unix: Some(dir.path().join("node.sock")),
+        pool: PoolConfig::new(64 * MIB),
+        ..NodeConfig::default()
+    };
+    let n = Node::start(config).await.expect("node starts");
+    let endpoint = format!("unix://{}", dir.path().join("node.sock").display());
+    let mut moved = 0;
+    for op in [BenchOp::Put, BenchOp::Get] {
+        let r = kvplane_bench::run(shape(Target::Local, endpoint.clone(), op, 64 * KIB, 64)).await.expect("local run");
+        moved_all(&r);
+        moved += r.blocks * 64 * KIB as u64;
+    }
+    // Bytes went through shared memory: the socket carried keys, offsets
+    // and statuses (about 30 bytes per 64 KiB block).
+    let (received, sent) = (stat(&n, "bytes_received"), stat(&n, "bytes_sent"));
+    assert!(received + sent < moved / 100, "block bytes crossed the socket: {received} + {sent} bytes for {moved} moved");
+    // A node that shares no memory is refused by name.
+    let dir2 = tempfile::tempdir().unwrap();
+    let plain = Node::start(NodeConfig {
+        listen: None,
+        admin: None,
+        unix: Some(dir2.path().join("node.sock")),
+        pool: PoolConfig::new(16 * MIB),
+        shm_region_bytes: 0,
+        ..NodeConfig::default()
+    })
+    .await
+    .unwrap();
+    let e =
+        kvplane_bench::run(shape(Target::Local, format!("unix://{}", dir2.path().join("node.sock").display()), BenchOp::Put, 4 * KIB, 8))
+            .await
+            .unwrap_err();
+    assert!(format!("{e:#}").contains("shares no memory"), "{e:#}");
+    n.shutdown().await;
+    plain.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

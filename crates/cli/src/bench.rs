@@ -17,7 +17,8 @@ pub struct BenchArgs {
     #[command(flatten)]
     conn: ConnectArgs,
     /// What serves the endpoint: kvplane, cluster, raw (`kvplane
-    /// bench-raw-server`), redis or vineyard (vineyardd's RPC port). For
+    /// bench-raw-server`), redis, vineyard (vineyardd's RPC port) or local
+    /// (a node's Unix socket, PUT from and GET into the memory it shares). For
     /// kvplane, a comma-separated list of independent nodes splits the keys
     /// among them by hash slot (contiguous slot ranges in list order); for
     /// cluster, the list is the cluster's nodes, routed by the slot table
@@ -48,6 +49,10 @@ pub struct BenchArgs {
     /// Print one JSON object instead of the summary.
     #[arg(long)]
     json: bool,
+    /// kvplane over a Unix socket: keep every byte on the socket instead of
+    /// the memory the node shares (the `local` target measures that path).
+    #[arg(long)]
+    socket_only: bool,
 }
 
 pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
@@ -73,6 +78,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         op: args.op,
         seed: !args.no_seed,
         duration: Duration::from_secs_f64(args.seconds.max(0.1)),
+        shared_memory: !args.socket_only,
         progress,
     })
     .await?;
