@@ -23,39 +23,9 @@ Errors are ``kvplane.Error`` subclasses (see ``kvplane._errors``).
 
 from __future__ import annotations
 
-from ._errors import (
-    BadBuffer,
-    BufferTooSmall,
-    Busy,
-    Capacity,
-    Denied,
-    Error,
-    Internal,
-    Invalid,
-    NonContiguousBuffer,
-    NotFound,
-    ReadOnlyBuffer,
-    Timeout,
-    Unavailable,
-    Unsupported,
-)
+from . import _errors
+from ._errors import *  # noqa: F403 -- the exceptions, as listed in _errors.__all__
 from ._native import Client, __version__
 
-__all__ = [
-    "Client",
-    "__version__",
-    "Error",
-    "NotFound",
-    "Timeout",
-    "Unavailable",
-    "Invalid",
-    "Capacity",
-    "Internal",
-    "Unsupported",
-    "Busy",
-    "Denied",
-    "BadBuffer",
-    "ReadOnlyBuffer",
-    "NonContiguousBuffer",
-    "BufferTooSmall",
-]
+__all__ = ["Client", "__version__"]
+__all__ += _errors.__all__
