@@ -114,12 +114,10 @@ mod tests {
 /// A real `redis-server` for the tests, on a free loopback port, killed by
 /// PID when dropped, and by the kernel if the test process dies first.
 pub mod redis {
-    use std::io::{BufRead, BufReader};
     use std::process::{Child, Command, Stdio};
-    use std::sync::{Arc, Mutex};
-    use std::time::{Duration, Instant};
+    use std::time::Duration;
 
-    use crate::net::{free_ports, listens_on, port_taken, PORT_ATTEMPTS};
+    use crate::net::{free_ports, port_taken, PORT_ATTEMPTS};
 
     /// How long redis-server may take to listen.
     const START_TIMEOUT: Duration = Duration::from_secs(10);
@@ -177,39 +175,9 @@ pub mod redis {
                 .stderr(Stdio::inherit());
             crate::process::dies_with_parent(&mut cmd);
             let mut child = cmd.spawn().unwrap_or_else(|e| panic!("starting redis-server (install Debian's redis-server): {e}"));
-            // Drained for the server's whole life, so it never blocks on a full pipe.
-            let log = Arc::new(Mutex::new(String::new()));
             let stdout = child.stdout.take().expect("piped stdout");
-            let drain = {
-                let log = Arc::clone(&log);
-                std::thread::spawn(move || {
-                    for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                        let mut log = log.lock().unwrap_or_else(|e| e.into_inner());
-                        log.push_str(&line);
-                        log.push('\n');
-                    }
-                })
-            };
-            let started = Instant::now();
-            loop {
-                if listens_on(child.id(), self.port) {
-                    self.child = Some(child);
-                    return Ok(());
-                }
-                if let Ok(Some(status)) = child.try_wait() {
-                    // Its stdout is closed: the log is complete once drained.
-                    let _ = drain.join();
-                    let log = log.lock().unwrap_or_else(|e| e.into_inner()).clone();
-                    return Err(format!("it exited ({status}); its log:\n{log}"));
-                }
-                if started.elapsed() > START_TIMEOUT {
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    let log = log.lock().unwrap_or_else(|e| e.into_inner()).clone();
-                    return Err(format!("it did not listen within {START_TIMEOUT:?}; its log:\n{log}"));
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
+            self.child = Some(crate::server::wait_until_listening(child, stdout, self.port, START_TIMEOUT)?);
+            Ok(())
         }
 
         pub fn endpoint(&self) -> String {
@@ -236,4 +204,5 @@ pub mod control_plane;
 mod net;
 mod process;
 pub mod registry;
+mod server;
 pub mod vineyard;

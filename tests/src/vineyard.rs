@@ -9,13 +9,11 @@
 //! both live there; nothing outside can reach it, and it goes when the
 //! child goes.
 
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use crate::net::{free_ports, listens_on};
+use crate::net::free_ports;
 
 /// Marks the child that runs a test inside its private network namespace.
 const IN_NAMESPACE: &str = "KVPLANE_TEST_PRIVATE_NETWORK";
@@ -161,38 +159,9 @@ impl VineyardServer {
             .stderr(Stdio::piped());
         crate::process::dies_with_parent(&mut cmd);
         let mut child = cmd.spawn().map_err(|e| format!("starting {}: {e}", self.binary.display()))?;
-        // Drained for the server's whole life, so it never blocks on a full pipe.
-        let log = Arc::new(Mutex::new(String::new()));
         let stderr = child.stderr.take().expect("piped stderr");
-        let drain = {
-            let log = Arc::clone(&log);
-            std::thread::spawn(move || {
-                for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                    let mut log = log.lock().unwrap_or_else(|e| e.into_inner());
-                    log.push_str(&line);
-                    log.push('\n');
-                }
-            })
-        };
-        let started = Instant::now();
-        loop {
-            if listens_on(child.id(), self.port) {
-                self.child = Some(child);
-                return Ok(());
-            }
-            if let Ok(Some(status)) = child.try_wait() {
-                let _ = drain.join();
-                let log = log.lock().unwrap_or_else(|e| e.into_inner()).clone();
-                return Err(format!("it exited ({status}); its log:\n{log}"));
-            }
-            if started.elapsed() > START_TIMEOUT {
-                let _ = child.kill();
-                let _ = child.wait();
-                let log = log.lock().unwrap_or_else(|e| e.into_inner()).clone();
-                return Err(format!("it did not listen within {START_TIMEOUT:?}; its log:\n{log}"));
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        self.child = Some(crate::server::wait_until_listening(child, stderr, self.port, START_TIMEOUT)?);
+        Ok(())
     }
 
     pub fn endpoint(&self) -> String {
