@@ -1,4 +1,8 @@
 //! Child processes that die with the test process.
+//!
+//! kvplane-cluster's tests compile this file too (`#[path]` from
+//! `crates/cluster/tests/support`), without this crate: it uses std and libc
+//! only.
 
 use std::os::unix::process::CommandExt;
 use std::process::Command;

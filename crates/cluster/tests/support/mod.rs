@@ -12,11 +12,16 @@
 use std::fs;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+// `dies_with_parent`: the etcd members die with the test's thread that
+// starts the cluster, as kvplane-tests' servers do.
+#[path = "../../../../tests/src/process.rs"]
+mod process;
+use process::dies_with_parent;
 
 /// How long a cluster may take to elect a leader and answer.
 const START_TIMEOUT: Duration = Duration::from_secs(60);
@@ -182,26 +187,6 @@ fn healthy(port: u16) -> bool {
 fn free_ports(n: usize) -> Vec<u16> {
     let listeners: Vec<TcpListener> = (0..n).map(|_| TcpListener::bind("127.0.0.1:0").expect("finding a free loopback port")).collect();
     listeners.iter().map(|l| l.local_addr().expect("a bound port").port()).collect()
-}
-
-/// Make the kernel kill the child (SIGKILL) when the spawning thread — the
-/// test's, which starts the cluster — exits without stopping it, so a test
-/// that panics or is killed leaves no etcd behind.
-fn dies_with_parent(cmd: &mut Command) {
-    let parent = std::process::id();
-    // SAFETY: the closure runs between fork and exec, where only
-    // async-signal-safe calls are allowed; prctl, getppid and _exit are.
-    unsafe {
-        cmd.pre_exec(move || {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            if libc::getppid() as u32 != parent {
-                libc::_exit(1);
-            }
-            Ok(())
-        });
-    }
 }
 
 /// A TCP proxy to one upstream that a test can cut, as a network partition
