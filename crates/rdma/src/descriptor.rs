@@ -495,6 +495,16 @@ mod tests {
         assert!(matches!(d.verify(&torn), Err(UseError::Checksum { .. })));
     }
 
+    /// The fuzz target's seed (fuzz/seeds/decode_descriptor) is a valid
+    /// descriptor, so that fuzzing starts past the checksum.
+    #[test]
+    fn fuzz_seed_decodes() {
+        let seed = include_bytes!("../../../fuzz/seeds/decode_descriptor/valid-v1");
+        let d = Descriptor::decode(seed).unwrap();
+        assert_eq!((d.qp_num, d.len, d.lease, d.crc32c), (0xab_cdef, 4096, 42, 0xdead_beef));
+        assert_eq!(d.encode().unwrap().as_slice(), seed.as_slice());
+    }
+
     #[test]
     fn gid_displays_as_eight_groups() {
         assert_eq!(sample().gid.to_string(), "0000:0000:0000:0000:0000:ffff:0a00:0007");
