@@ -79,7 +79,10 @@ impl Client {
         if let Some(c) = slot.as_ref().filter(|c| c.is_open()) {
             return Ok(Arc::clone(c));
         }
-        let c = Arc::new(Connection::open_with(&self.config.endpoint, self.config.token.as_deref(), self.config.timeout, self.config.shared_memory).await?);
+        let c = Arc::new(
+            Connection::open_with(&self.config.endpoint, self.config.token.as_deref(), self.config.timeout, self.config.shared_memory)
+                .await?,
+        );
         *slot = Some(Arc::clone(&c));
         Ok(c)
     }

@@ -87,7 +87,12 @@ impl Connection {
 
     /// As [`Connection::open`]; `shared_memory: false` never asks for the
     /// node's shared memory.
-    pub async fn open_with(endpoint: &Endpoint, token: Option<&str>, timeout: Duration, shared_memory: bool) -> Result<Connection, KvError> {
+    pub async fn open_with(
+        endpoint: &Endpoint,
+        token: Option<&str>,
+        timeout: Duration,
+        shared_memory: bool,
+    ) -> Result<Connection, KvError> {
         let unavailable = |e: std::io::Error| KvError::Unavailable(format!("connect to {endpoint}: {e}"));
         let too_slow = || KvError::Timeout(format!("connect to {endpoint}: no answer in {timeout:?}"));
         let (reader, writer, ack, shm): (Box<dyn AsyncRead + Send + Unpin>, Writer, HelloAck, Option<Arc<SharedMemory>>) = match endpoint {

@@ -150,12 +150,7 @@ async fn main() {
                 m.push(memcpy_gbps(size, batch, distinct));
             }
             let (s, u, t, m) = (median(s), median(u), median(t), median(m));
-            println!(
-                "| {} KiB | {batch} | {op} | {s:.2} | {u:.2} | {t:.2} | {m:.2} | {:.2}x | {:.0}% |",
-                size >> 10,
-                s / t,
-                100.0 * s / m
-            );
+            println!("| {} KiB | {batch} | {op} | {s:.2} | {u:.2} | {t:.2} | {m:.2} | {:.2}x | {:.0}% |", size >> 10, s / t, 100.0 * s / m);
         }
     }
     node.shutdown().await;
