@@ -114,10 +114,11 @@ mod tests {
 /// A real `redis-server` for the tests, on a free loopback port, killed by
 /// PID when dropped, and by the kernel if the test process dies first.
 pub mod redis {
-    use std::process::{Child, Command, Stdio};
+    use std::process::{Command, Stdio};
     use std::time::Duration;
 
     use crate::net::{free_ports, port_taken, PORT_ATTEMPTS};
+    use crate::server::{LogOn, ServerProcess};
 
     /// How long redis-server may take to listen.
     const START_TIMEOUT: Duration = Duration::from_secs(10);
@@ -125,7 +126,7 @@ pub mod redis {
     pub struct RedisServer {
         pub port: u16,
         extra: Vec<String>,
-        child: Option<Child>,
+        process: ServerProcess,
     }
 
     impl RedisServer {
@@ -138,7 +139,8 @@ pub mod redis {
         /// if another process takes it first, redis-server exits with
         /// "Address already in use" and is started again on a fresh port.
         pub fn start(extra: &[&str]) -> RedisServer {
-            let mut server = RedisServer { port: 0, extra: extra.iter().map(|s| s.to_string()).collect(), child: None };
+            let mut server =
+                RedisServer { port: 0, extra: extra.iter().map(|s| s.to_string()).collect(), process: ServerProcess::default() };
             for attempt in 1..=PORT_ATTEMPTS {
                 let [port] = free_ports();
                 server.port = port;
@@ -147,7 +149,7 @@ pub mod redis {
                     Err(why) if port_taken(&why) && attempt < PORT_ATTEMPTS => {
                         eprintln!("redis-server: port {port} was taken before it bound it; trying another");
                     }
-                    Err(why) => panic!("redis-server did not start on port {port}: {why}"),
+                    Err(why) => panic!("redis-server did not start on port {port} (is Debian's redis-server installed?): {why}"),
                 }
             }
             unreachable!("the last attempt returns or panics")
@@ -170,14 +172,9 @@ pub mod redis {
             cmd.args(["--bind", "127.0.0.1", "--port", &self.port.to_string(), "--save", "", "--appendonly", "no"])
                 .args(["--daemonize", "no", "--loglevel", "warning"])
                 .args(&self.extra)
-                // Its log (on stdout) says why it exits, e.g. a port taken.
-                .stdout(Stdio::piped())
                 .stderr(Stdio::inherit());
-            crate::process::dies_with_parent(&mut cmd);
-            let mut child = cmd.spawn().unwrap_or_else(|e| panic!("starting redis-server (install Debian's redis-server): {e}"));
-            let stdout = child.stdout.take().expect("piped stdout");
-            self.child = Some(crate::server::wait_until_listening(child, stdout, self.port, START_TIMEOUT)?);
-            Ok(())
+            // Its log (on stdout) says why it exits, e.g. a port taken.
+            self.process.start(&mut cmd, LogOn::Stdout, self.port, START_TIMEOUT)
         }
 
         pub fn endpoint(&self) -> String {
@@ -186,16 +183,7 @@ pub mod redis {
 
         /// Kill the server now, by its PID (a store that goes away).
         pub fn kill(&mut self) {
-            if let Some(mut child) = self.child.take() {
-                let _ = child.kill();
-                let _ = child.wait();
-            }
-        }
-    }
-
-    impl Drop for RedisServer {
-        fn drop(&mut self) {
-            self.kill();
+            self.process.kill();
         }
     }
 }

@@ -10,10 +10,11 @@
 //! child goes.
 
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use crate::net::free_ports;
+use crate::server::{LogOn, ServerProcess};
 
 /// Marks the child that runs a test inside its private network namespace.
 const IN_NAMESPACE: &str = "KVPLANE_TEST_PRIVATE_NETWORK";
@@ -106,12 +107,13 @@ pub fn vineyardd() -> PathBuf {
 }
 
 pub struct VineyardServer {
+    /// First: dropped (killed) before its folder goes.
+    process: ServerProcess,
     pub port: u16,
     /// `--size`: the memory its blobs may take.
     size: String,
     dir: tempfile::TempDir,
     binary: PathBuf,
-    child: Option<Child>,
 }
 
 impl VineyardServer {
@@ -130,7 +132,7 @@ impl VineyardServer {
         let dir = tempfile::tempdir().expect("a folder for vineyardd's IPC socket");
         // Alone in this network namespace: any port is free.
         let [port] = free_ports();
-        let mut server = VineyardServer { port, size: size.to_owned(), dir, binary, child: None };
+        let mut server = VineyardServer { process: ServerProcess::default(), port, size: size.to_owned(), dir, binary };
         if let Err(why) = server.spawn() {
             panic!("vineyardd did not start on port {port}: {why}");
         }
@@ -154,14 +156,9 @@ impl VineyardServer {
         cmd.arg("--socket")
             .arg(&socket)
             .args(["--meta=local", "--rpc_socket_port", &self.port.to_string(), "--size", &self.size])
-            .stdout(Stdio::null())
-            // Its log (glog, on stderr) says why it exits.
-            .stderr(Stdio::piped());
-        crate::process::dies_with_parent(&mut cmd);
-        let mut child = cmd.spawn().map_err(|e| format!("starting {}: {e}", self.binary.display()))?;
-        let stderr = child.stderr.take().expect("piped stderr");
-        self.child = Some(crate::server::wait_until_listening(child, stderr, self.port, START_TIMEOUT)?);
-        Ok(())
+            .stdout(Stdio::null());
+        // Its log (glog, on stderr) says why it exits.
+        self.process.start(&mut cmd, LogOn::Stderr, self.port, START_TIMEOUT)
     }
 
     pub fn endpoint(&self) -> String {
@@ -170,15 +167,6 @@ impl VineyardServer {
 
     /// Kill the server now, by its PID (a store that goes away).
     pub fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-impl Drop for VineyardServer {
-    fn drop(&mut self) {
-        self.kill();
+        self.process.kill();
     }
 }
