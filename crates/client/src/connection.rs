@@ -150,13 +150,29 @@ impl Connection {
 
     /// Stores blocks the caller wrote into this connection's shared memory:
     /// each entry is (key, offset, length). The node copies each block out
-    /// and checks it against the checksum computed here.
+    /// and checksums its copy; no checksum is computed here (it would cost
+    /// a pass over every block), so a block the caller changes while the PUT
+    /// is served is stored as the node read it. [`Connection::put_from_shared_checked`]
+    /// sends checksums the node verifies.
     pub async fn put_from_shared(&self, entries: &[(Bytes, usize, usize)]) -> Result<Vec<Result<(), KvError>>, KvError> {
+        self.put_shared(entries, false).await
+    }
+
+    /// As [`Connection::put_from_shared`], with each block's CRC-32C computed
+    /// here and verified by the node on its copy (`bad-checksum` when the
+    /// memory changed in between).
+    pub async fn put_from_shared_checked(&self, entries: &[(Bytes, usize, usize)]) -> Result<Vec<Result<(), KvError>>, KvError> {
+        self.put_shared(entries, true).await
+    }
+
+    async fn put_shared(&self, entries: &[(Bytes, usize, usize)], checked: bool) -> Result<Vec<Result<(), KvError>>, KvError> {
         let memory =
             self.shared_memory().ok_or_else(|| KvError::Unsupported(format!("{} shares no memory with this connection", self.endpoint)))?;
         let mut puts = Vec::with_capacity(entries.len());
         for (key, offset, len) in entries {
-            let crc = memory.checksum(*offset, *len)?;
+            // A range outside the memory is refused here, before any I/O.
+            memory.check(*offset, *len)?;
+            let crc = if checked { memory.checksum(*offset, *len)? } else { 0 };
             let len = u32::try_from(*len).map_err(|_| KvError::Invalid(format!("a block of {len} bytes")))?;
             puts.push(ShmPut { key: key.clone(), offset: *offset as u64, len, crc });
         }

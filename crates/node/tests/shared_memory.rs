@@ -80,7 +80,7 @@ async fn writing_shared_memory_after_a_put_does_not_change_the_stored_block() {
     let conn = Connection::open(&unix(&n), None, PATIENCE).await.unwrap();
     let memory = Arc::clone(conn.shared_memory().unwrap());
     memory.write_at(0, &block(7, 64 * KIB)).unwrap();
-    let r = conn.put_from_shared(&[(Bytes::from_static(b"kept"), 0, 64 * KIB)]).await.unwrap();
+    let r = conn.put_from_shared_checked(&[(Bytes::from_static(b"kept"), 0, 64 * KIB)]).await.unwrap();
     assert!(r[0].is_ok(), "{r:?}");
     memory.write_at(0, &[0xAA; 64 * KIB]).unwrap();
     let lens = conn.get_into_shared(&[(Bytes::from_static(b"kept"), MIB, 64 * KIB)]).await.unwrap();
@@ -91,6 +91,24 @@ async fn writing_shared_memory_after_a_put_does_not_change_the_stored_block() {
 
     // Ranges outside the memory, and a destination too small, are answered
     // per key and write nothing; the connection keeps serving.
+    let r = conn.put_from_shared(&[(Bytes::from_static(b"x"), 4 * MIB - 10, 100)]).await;
+    assert!(matches!(r, Err(KvError::Invalid(_))), "the client refuses a range past the end: {r:?}");
+    // A checksum that does not match the bytes: refused, nothing stored.
+    memory.write_at(0, &block(8, 4 * KIB)).unwrap();
+    let bad = [kvplane_protocol::ShmPut { key: Bytes::from_static(b"bad"), offset: 0, len: 4096, crc: 12345 }];
+    let answer = conn.call(Request::PutShm { entries: bad.to_vec() }).await.unwrap();
+    assert_eq!(answer, kvplane_protocol::Response::PutShm { results: vec![Err(kvplane_protocol::ErrorCode::BadChecksum)] });
+    let lens = conn.get_into_shared(&[(Bytes::from_static(b"bad"), MIB, 4 * KIB)]).await.unwrap();
+    assert!(matches!(lens[0], Err(KvError::NotFound)), "{lens:?}");
+    // Without a checksum the node stores what it copied, checksummed by itself.
+    let r = conn.put_from_shared(&[(Bytes::from_static(b"plain"), 0, 4 * KIB)]).await.unwrap();
+    assert!(r[0].is_ok());
+    let got = Client::connect(ClientConfig { shared_memory: false, ..ClientConfig::new(unix(&n)) }).await.unwrap();
+    assert_eq!(
+        got.get(vec![Bytes::from_static(b"plain")]).await.unwrap()[0].as_ref().unwrap(),
+        &block(8, 4 * KIB),
+        "the node's copy is served over the socket as well"
+    );
     let r = conn.put_from_shared(&[(Bytes::from_static(b"x"), 4 * MIB - 10, 100)]).await;
     assert!(matches!(r, Err(KvError::Invalid(_))), "the client refuses a range past the end: {r:?}");
     memory.write_at(2 * MIB, &[0x55; 64]).unwrap();
