@@ -140,7 +140,9 @@ impl SlotTable {
         if owners.len() != expected {
             return Err(SlotTableError::WrongLength { expected, found: owners.len() });
         }
-        for (slot, set) in owners.chunks_exact(replicas as usize).enumerate() {
+        // With no owners at all (no slots, or nobody eligible) `owners` is
+        // empty; `chunks_exact` only needs a non-zero width.
+        for (slot, set) in owners.chunks_exact(replicas.max(1) as usize).enumerate() {
             let slot = slot as u32;
             for (j, &index) in set.iter().enumerate() {
                 let Some(member) = members.get(index as usize) else {
@@ -175,12 +177,14 @@ impl SlotTable {
         &self.owners
     }
 
-    /// Owner indices of `slot`, primary first.
+    /// Owner indices of `slot`, primary first; none for a slot the table
+    /// does not have (a table of no slots, as a membership of no eligible
+    /// member gives, owns nothing).
     #[inline]
     pub fn slot_owners(&self, slot: u32) -> &[u32] {
         let r = self.replicas as usize;
         let start = slot as usize * r;
-        &self.owners[start..start + r]
+        self.owners.get(start..start + r).unwrap_or(&[])
     }
 
     /// Owner indices of `key`, primary first: one hash and a slice index.
@@ -213,6 +217,18 @@ impl SlotTable {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_table_of_no_slots_or_no_owners_owns_nothing_and_does_not_panic() {
+        use super::*;
+        // What a wire decoder may be handed: found by fuzzing CLUSTER_TABLE_RESULT.
+        let t = SlotTable::new(1, vec![], 0, 0, 0, vec![]).unwrap();
+        assert!(t.owners_of(b"k").is_empty());
+        let down = Member { state: MemberState::Down, ..Member::up("a", "10.0.0.1:1") };
+        let t = SlotTable::new(1, vec![down], 0, 2, 0, vec![]).unwrap();
+        assert!(t.owners_of(b"k").is_empty() && t.slot_owners(99).is_empty());
+        assert!(SlotTable::new(1, vec![], 4, 0, 0, vec![]).is_err(), "slots without owners");
+    }
+
     use super::*;
 
     fn members(n: usize) -> Vec<Member> {
