@@ -156,6 +156,9 @@ impl VineyardServer {
         cmd.arg("--socket")
             .arg(&socket)
             .args(["--meta=local", "--rpc_socket_port", &self.port.to_string(), "--size", &self.size])
+            // glog also writes log files, to /tmp unless told otherwise:
+            // keep them in this server's folder, removed with it.
+            .env("GLOG_log_dir", self.dir.path())
             .stdout(Stdio::null());
         // Its log (glog, on stderr) says why it exits.
         self.process.start(&mut cmd, LogOn::Stderr, self.port, START_TIMEOUT)
