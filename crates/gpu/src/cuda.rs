@@ -160,18 +160,23 @@ impl Context {
 
     /// True once every copy enqueued on `stream` has finished.
     pub(crate) fn stream_done(&self, stream: usize) -> Result<bool, GpuError> {
-        self.bind()?;
-        let mut code = sys::CUresult::CUDA_SUCCESS;
         // SAFETY: a query on a stream handle of this context.
-        call("cuStreamQuery", || {
-            code = unsafe { sys::cuStreamQuery(stream as sys::CUstream) };
-            if code == sys::CUresult::CUDA_ERROR_NOT_READY {
+        self.query("cuStreamQuery", || unsafe { sys::cuStreamQuery(stream as sys::CUstream) })
+    }
+
+    /// Runs a stream or event query: true when done, false for
+    /// `CUDA_ERROR_NOT_READY`, an error for anything else.
+    fn query(&self, name: &'static str, f: impl FnOnce() -> sys::CUresult) -> Result<bool, GpuError> {
+        self.bind()?;
+        let mut ready = true;
+        call(name, || match f() {
+            sys::CUresult::CUDA_ERROR_NOT_READY => {
+                ready = false;
                 sys::CUresult::CUDA_SUCCESS
-            } else {
-                code
             }
+            code => code,
         })?;
-        Ok(code == sys::CUresult::CUDA_SUCCESS)
+        Ok(ready)
     }
 
     /// An event (no timing) marking a point in a stream, for waiting on
@@ -192,18 +197,8 @@ impl Context {
 
     /// True once the stream has passed the point `event` recorded.
     pub(crate) fn event_done(&self, event: usize) -> Result<bool, GpuError> {
-        self.bind()?;
-        let mut code = sys::CUresult::CUDA_SUCCESS;
         // SAFETY: a query on an event of this crate.
-        call("cuEventQuery", || {
-            code = unsafe { sys::cuEventQuery(event as sys::CUevent) };
-            if code == sys::CUresult::CUDA_ERROR_NOT_READY {
-                sys::CUresult::CUDA_SUCCESS
-            } else {
-                code
-            }
-        })?;
-        Ok(code == sys::CUresult::CUDA_SUCCESS)
+        self.query("cuEventQuery", || unsafe { sys::cuEventQuery(event as sys::CUevent) })
     }
 
     pub(crate) fn event_destroy(&self, event: usize) {

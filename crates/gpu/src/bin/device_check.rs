@@ -81,6 +81,12 @@ fn first_difference(a: &[u8], b: &[u8]) -> Option<usize> {
     a.iter().zip(b).position(|(x, y)| x != y)
 }
 
+/// One (key, device pointer, length) entry per key: key `i` is the `i`th
+/// `block`-byte block from device address `base`.
+fn entries(keys: &[Bytes], base: u64, block: usize) -> Vec<(Bytes, u64, usize)> {
+    keys.iter().enumerate().map(|(i, k)| (k.clone(), base + (i * block) as u64, block)).collect()
+}
+
 fn gbps(bytes: usize, secs: f64) -> f64 {
     bytes as f64 / secs / 1e9
 }
@@ -240,18 +246,17 @@ async fn ipc(
         }
         let n = args.ipc / args.block;
         let keys: Vec<Bytes> = (0..n).map(|i| Bytes::from(format!("device-check/ipc/{i}"))).collect();
-        let puts: Vec<(Bytes, u64, usize)> =
-            keys.iter().enumerate().map(|(i, k)| (k.clone(), imported.ptr() + (i * args.block) as u64, args.block)).collect();
-        for (i, r) in region.put_from_device(conn, &puts, stream).await?.into_iter().enumerate() {
+        for (i, r) in region.put_from_device(conn, &entries(&keys, imported.ptr(), args.block), stream).await?.into_iter().enumerate() {
             r.map_err(|e| format!("ipc: put of block {i} from the imported memory: {e}"))?;
         }
         let local = ctx.alloc(n * args.block)?;
-        let got = fetch_and_compare(region, conn, stream, &keys, &local, args.block, &expected[..n * args.block]).await?;
+        fetch_and_compare(region, conn, stream, &keys, &local, args.block, &expected[..n * args.block])
+            .await
+            .map_err(|e| format!("ipc: {e}"))?;
         println!(
-            "ipc: imported {} MiB exported by a second process (pid {}): read directly and put through the node from it ({} blocks), got back: every byte matches",
+            "ipc: imported {} MiB exported by a second process (pid {}): read directly and put through the node from it ({n} blocks), got back: every byte matches",
             args.ipc >> 20,
             child.id(),
-            got
         );
         Ok::<(), Error>(())
     }
@@ -266,7 +271,7 @@ async fn ipc(
 }
 
 /// Gets `keys` into `local` (one block each, in order) and compares the
-/// whole buffer with `expected`; answers how many blocks came back.
+/// whole buffer with `expected`; answers the seconds the gets took.
 async fn fetch_and_compare(
     region: &PinnedRegion,
     conn: &kvplane_client::Connection,
@@ -275,11 +280,12 @@ async fn fetch_and_compare(
     local: &DeviceBuffer,
     block: usize,
     expected: &[u8],
-) -> Result<usize, Error> {
+) -> Result<f64, Error> {
     local.write(0, &vec![0u8; expected.len()], stream)?;
-    let gets: Vec<(Bytes, u64, usize)> =
-        keys.iter().enumerate().map(|(i, k)| (k.clone(), local.ptr() + (i * block) as u64, block)).collect();
-    for (i, r) in region.get_into_device(conn, &gets, stream).await?.into_iter().enumerate() {
+    let start = Instant::now();
+    let results = region.get_into_device(conn, &entries(keys, local.ptr(), block), stream).await?;
+    let secs = start.elapsed().as_secs_f64();
+    for (i, r) in results.into_iter().enumerate() {
         let len = r.map_err(|e| format!("get of block {i}: {e}"))?;
         if len != block {
             return Err(format!("block {i} came back with {len} bytes, {block} were put").into());
@@ -290,7 +296,7 @@ async fn fetch_and_compare(
     if let Some(at) = first_difference(&back, expected) {
         return Err(format!("the bytes got back into the device differ from those put, first at byte {at}").into());
     }
-    Ok(keys.len())
+    Ok(secs)
 }
 
 /// Puts `--total` bytes of device blocks through the node and gets them
@@ -308,32 +314,15 @@ async fn round_trip(
     let src = ctx.alloc(bytes)?;
     src.write(0, &expected, stream)?;
     let keys: Vec<Bytes> = (0..n).map(|i| Bytes::from(format!("device-check/round-trip/{i}"))).collect();
-    let puts: Vec<(Bytes, u64, usize)> =
-        keys.iter().enumerate().map(|(i, k)| (k.clone(), src.ptr() + (i * args.block) as u64, args.block)).collect();
     let start = Instant::now();
-    let results = region.put_from_device(conn, &puts, stream).await?;
+    let results = region.put_from_device(conn, &entries(&keys, src.ptr(), args.block), stream).await?;
     let put_secs = start.elapsed().as_secs_f64();
     for (i, r) in results.into_iter().enumerate() {
         r.map_err(|e| format!("round trip: put of block {i}: {e}"))?;
     }
     let dst = ctx.alloc(bytes)?;
-    dst.write(0, &vec![0u8; bytes], stream)?;
-    let gets: Vec<(Bytes, u64, usize)> =
-        keys.iter().enumerate().map(|(i, k)| (k.clone(), dst.ptr() + (i * args.block) as u64, args.block)).collect();
-    let start = Instant::now();
-    let results = region.get_into_device(conn, &gets, stream).await?;
-    let get_secs = start.elapsed().as_secs_f64();
-    for (i, r) in results.into_iter().enumerate() {
-        let len = r.map_err(|e| format!("round trip: get of block {i}: {e}"))?;
-        if len != args.block {
-            return Err(format!("round trip: block {i} came back with {len} bytes, {} were put", args.block).into());
-        }
-    }
-    let mut back = vec![0u8; bytes];
-    dst.read(0, &mut back, stream)?;
-    if let Some(at) = first_difference(&back, &expected) {
-        return Err(format!("round trip: the bytes got back differ from those put, first at byte {at}").into());
-    }
+    let get_secs =
+        fetch_and_compare(region, conn, stream, &keys, &dst, args.block, &expected).await.map_err(|e| format!("round trip: {e}"))?;
     println!(
         "round trip: {n} blocks of {} KiB ({} MiB through {} MiB of shared memory): put_from_device {:.1} GB/s, get_into_device {:.1} GB/s, every byte matches",
         args.block >> 10,
