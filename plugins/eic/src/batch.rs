@@ -98,8 +98,7 @@ pub fn resolve(settings: &Settings, call: &CallOptions, op: Op) -> Result<CallOp
 /// operation and the key's index.
 pub fn answers<T>(op: Op, n: usize, got: Vec<Result<T, Fail>>) -> Vec<Result<T, Fail>> {
     if got.len() != n {
-        let fault = Fail::Internal(format!("eic {}: the driver answered {} results for {n} keys", op.name(), got.len()));
-        return (0..n).map(|_| Err(fault.clone())).collect();
+        return all(n, Fail::Internal(format!("eic {}: the driver answered {} results for {n} keys", op.name(), got.len())));
     }
     got.into_iter().enumerate().map(|(i, r)| r.map_err(|e| e.context(&format!("eic {} key #{i}", op.name())))).collect()
 }

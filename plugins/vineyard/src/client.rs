@@ -222,14 +222,6 @@ impl<D: Dial> Client<D> {
         Client { settings, dial, conn: None, instance_id: 0 }
     }
 
-    pub fn settings(&self) -> &Settings {
-        &self.settings
-    }
-
-    pub fn is_connected(&self) -> bool {
-        self.conn.is_some()
-    }
-
     /// Connects now, so that `open` reports a wrong endpoint (or a server
     /// that is not vineyardd) instead of the first batch.
     pub fn connect(&mut self) -> Result<(), Fail> {
