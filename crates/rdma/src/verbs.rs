@@ -233,7 +233,16 @@ impl Device {
     /// descriptor read it at any time while their lease holds, so the caller
     /// must not reuse a leased block for other data before the lease ends.
     pub unsafe fn register(self: &Arc<Self>, addr: *mut u8, len: usize) -> Result<MemoryRegion, RdmaError> {
-        let access = ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ;
+        // SAFETY: the caller's promise above.
+        unsafe { self.register_with(addr, len, ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ) }
+    }
+
+    /// Registers `len` bytes at `addr` with `access`.
+    ///
+    /// # Safety
+    ///
+    /// As [`Device::register`]: the range stays mapped while the region lives.
+    unsafe fn register_with(self: &Arc<Self>, addr: *mut u8, len: usize, access: ffi::ibv_access_flags) -> Result<MemoryRegion, RdmaError> {
         // SAFETY: the caller guarantees the range is mapped for the region's
         // lifetime; the protection domain is alive (self).
         let mr = unsafe { ffi::ibv_reg_mr(self.pd.as_ptr(), addr.cast(), len, access.0 as i32) };
@@ -318,7 +327,7 @@ impl MemoryRegion {
 
 impl Drop for MemoryRegion {
     fn drop(&mut self) {
-        // SAFETY: registered in `register` (or `read`) and deregistered once.
+        // SAFETY: registered in `register_with` and deregistered once.
         unsafe { ffi::ibv_dereg_mr(self.mr.as_ptr()) };
     }
 }
@@ -523,17 +532,10 @@ impl QueuePair {
         if self.broken {
             return Err(RdmaError::Broken(self.qp_num()));
         }
-        let access = ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE;
         // SAFETY: `dest` is a live, exclusively borrowed buffer for the whole
         // of this call; the region is dropped (deregistered) before return,
         // so the device cannot write it afterwards, even after a timeout.
-        let mr = unsafe { ffi::ibv_reg_mr(self.dev.pd.as_ptr(), dest.as_mut_ptr().cast(), dest.len(), access.0 as i32) };
-        let local = MemoryRegion {
-            dev: Arc::clone(&self.dev),
-            mr: NonNull::new(mr).ok_or_else(|| last_os_error("ibv_reg_mr"))?,
-            addr: dest.as_ptr() as u64,
-            len: dest.len(),
-        };
+        let local = unsafe { self.dev.register_with(dest.as_mut_ptr(), dest.len(), ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE)? };
         let result = self.post_read_and_wait(d, &local, timeout);
         drop(local);
         if result.is_err() {
