@@ -7,17 +7,16 @@
 //! longer be trusted, a closed connection; nothing it sends can corrupt a
 //! stored block, because a PUT block is checked before it is inserted.
 
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kvplane_protocol::io::{read_bytes, read_header, skip, write_frame};
 use kvplane_protocol::{
-    checksum, decode_body, encode, Block, ErrorCode, Features, Frame, FrameHeader, HelloAck, Message, Meta, Opcode, PayloadSlot,
+    checksum, decode_body, encode, Block, ErrorCode, Features, Frame, FrameHeader, HelloAck, KvError, Message, Meta, Opcode, PayloadSlot,
     ProtocolError, Request, Response, ShmBlock, ShmGet, ShmPut, StatEntry, MAX_CLUSTER_WAIT_MS, MIN_VERSION, VERSION,
 };
-use std::os::fd::AsRawFd;
-
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
@@ -25,11 +24,8 @@ use tokio::task::JoinSet;
 
 use super::metrics::Op;
 use super::NodeState;
+use crate::memory::BlockMut;
 use crate::shm::SharedRegion;
-
-/// Bytes a PUT_SHM copies before checksumming them: small enough to stay
-/// in the first-level cache between the copy and the checksum.
-const SHM_CHUNK: usize = 32 << 10;
 
 /// Receive buffer per connection: many small frames per system call, while
 /// block payloads larger than it are read straight into block memory.
@@ -340,11 +336,7 @@ where
     async fn put(&mut self, slots: Vec<PayloadSlot>) -> Result<Vec<Result<(), ErrorCode>>, ConnectionEnd> {
         let mut results = Vec::with_capacity(slots.len());
         for slot in slots {
-            let allocated = match &self.state.tier {
-                Some(tier) => tier.allocate(&self.state.cache, slot.len as usize).await,
-                None => self.state.cache.allocate(slot.len as usize),
-            };
-            let mut block = match allocated {
+            let mut block = match self.allocate(slot.len as usize).await {
                 Ok(b) => b,
                 Err(e) => {
                     skip(&mut self.reader, slot.len as u64).await?;
@@ -358,17 +350,32 @@ where
                 results.push(Err(ErrorCode::BadChecksum));
                 continue;
             }
-            // Keys are copied out of the frame's meta buffer: a stored slice
-            // would keep the whole buffer alive as long as any key lives.
-            let key = Bytes::copy_from_slice(&slot.key);
-            let block = block.freeze();
-            if let Some(tier) = &self.state.tier {
-                tier.stored(&key, &block).await;
-            }
-            self.state.cache.insert(key, block, slot.crc);
+            self.store(&slot.key, block, slot.crc).await;
             results.push(Ok(()));
         }
         Ok(results)
+    }
+
+    /// A pool block for a PUT (through the second tier, which may take what
+    /// the allocation evicts).
+    async fn allocate(&self, len: usize) -> Result<BlockMut, KvError> {
+        match &self.state.tier {
+            Some(tier) => tier.allocate(&self.state.cache, len).await,
+            None => self.state.cache.allocate(len),
+        }
+    }
+
+    /// Makes a checked block visible under `key` (and offers it to the
+    /// second tier).
+    async fn store(&self, key: &[u8], block: BlockMut, crc: u32) {
+        // Keys are copied out of the frame's meta buffer: a stored slice
+        // would keep the whole buffer alive as long as any key lives.
+        let key = Bytes::copy_from_slice(key);
+        let block = block.freeze();
+        if let Some(tier) = &self.state.tier {
+            tier.stored(&key, &block).await;
+        }
+        self.state.cache.insert(key, block, crc);
     }
 
     async fn answer(&self, request: Request, started: Instant) -> Response {
@@ -521,32 +528,23 @@ where
         };
         let mut results = Vec::with_capacity(entries.len());
         for e in entries {
-            let allocated = match &self.state.tier {
-                Some(tier) => tier.allocate(&self.state.cache, e.len as usize).await,
-                None => self.state.cache.allocate(e.len as usize),
-            };
-            let mut block = match allocated {
+            // A range outside the memory is refused before anything is
+            // allocated (an allocation may evict).
+            if region.check(e.offset, e.len as usize).is_err() {
+                results.push(Err(ErrorCode::Invalid));
+                continue;
+            }
+            let mut block = match self.allocate(e.len as usize).await {
                 Ok(b) => b,
                 Err(err) => {
                     results.push(Err(ErrorCode::from(&err)));
                     continue;
                 }
             };
-            // Copied and checksummed a chunk at a time, so the checksum reads
-            // bytes still in cache instead of making a second pass over memory.
-            let mut crc = 0u32;
-            let mut copied = Ok(());
-            for (i, chunk) in block.as_mut_slice().chunks_mut(SHM_CHUNK).enumerate() {
-                copied = region.copy_out(e.offset + (i * SHM_CHUNK) as u64, chunk);
-                if copied.is_err() {
-                    break;
-                }
-                crc = crc32c::crc32c_append(crc, chunk);
-            }
-            if copied.is_err() {
+            let Ok(crc) = region.copy_out_checksummed(e.offset, block.as_mut_slice()) else {
                 results.push(Err(ErrorCode::Invalid));
                 continue;
-            }
+            };
             // 0: the client gave no checksum (it would cost it a pass over
             // the block); the node's own, of its copy, is what is stored.
             if e.crc != 0 && crc != e.crc {
@@ -554,12 +552,7 @@ where
                 results.push(Err(ErrorCode::BadChecksum));
                 continue;
             }
-            let key = Bytes::copy_from_slice(&e.key);
-            let block = block.freeze();
-            if let Some(tier) = &self.state.tier {
-                tier.stored(&key, &block).await;
-            }
-            self.state.cache.insert(key, block, crc);
+            self.store(&e.key, block, crc).await;
             results.push(Ok(()));
         }
         Response::PutShm { results }

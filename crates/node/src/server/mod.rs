@@ -207,11 +207,6 @@ impl Node {
         self.state.stats()
     }
 
-    /// The slot table this node serves (cluster mode).
-    pub fn cluster_table(&self) -> Option<Arc<kvplane_protocol::placement::SlotTable>> {
-        self.state.cluster.as_ref().map(|c| Arc::new(c.table().table().clone()))
-    }
-
     /// Leaves the cluster by handing every block on to the owners of its
     /// key in the table without this node (which keeps serving meanwhile),
     /// then revoking its registration. Call before [`Node::shutdown`].
