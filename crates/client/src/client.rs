@@ -156,17 +156,13 @@ impl Client {
     }
 
     async fn get_over_socket(&self, conn: &Connection, chunk: Vec<Bytes>) -> Result<Vec<Result<Bytes, KvError>>, KvError> {
-        let mut results = Vec::with_capacity(chunk.len());
-        {
-            let n = chunk.len();
-            match conn.call(Request::Get { keys: chunk }).await? {
-                Response::Get { results: r } if r.len() == n => {
-                    results.extend(r.into_iter().map(|r| r.map(|b| b.data).map_err(|c| c.into_kv_error(""))))
-                }
-                other => return Err(unexpected("GET", n, &other)),
+        let n = chunk.len();
+        match conn.call(Request::Get { keys: chunk }).await? {
+            Response::Get { results } if results.len() == n => {
+                Ok(results.into_iter().map(|r| r.map(|b| b.data).map_err(|c| c.into_kv_error(""))).collect())
             }
+            other => Err(unexpected("GET", n, &other)),
         }
-        Ok(results)
     }
 
     /// Which keys are present.

@@ -150,11 +150,12 @@ impl ClusterClient {
         let mut groups: HashMap<u32, Vec<usize>> = HashMap::new();
         let mut needed = vec![0usize; n];
         for (i, (key, _)) in entries.iter().enumerate() {
-            let owners: Vec<u32> = writable_owners(&table, key);
-            needed[i] = self.nodes.config.write_quorum.unwrap_or(owners.len()).max(1);
-            for o in owners {
+            let mut owners = 0;
+            for o in writable_owners(&table, key) {
                 groups.entry(o).or_default().push(i);
+                owners += 1;
             }
+            needed[i] = self.nodes.config.write_quorum.unwrap_or(owners).max(1);
         }
         let mut stored = vec![0usize; n];
         let mut errors: Vec<Option<KvError>> = vec![None; n];
@@ -210,15 +211,16 @@ impl ClusterClient {
     /// Fetches each key from its first owner that has it.
     pub async fn get(&self, keys: Vec<Bytes>) -> Result<Vec<Result<Bytes, KvError>>, KvError> {
         let table = self.table();
-        let candidates: Vec<Vec<u32>> = keys.iter().map(|k| readable_owners(&table, k)).collect();
         let mut out: Vec<Result<Bytes, KvError>> = (0..keys.len()).map(|_| Err(KvError::NotFound)).collect();
+        // Per key: how many owners failed, and the first failure.
+        let mut failed = vec![0usize; keys.len()];
         let mut failure: Vec<Option<KvError>> = vec![None; keys.len()];
         let mut pending: Vec<usize> = (0..keys.len()).collect();
         let mut round = 0;
         while !pending.is_empty() {
             let mut groups: HashMap<u32, Vec<usize>> = HashMap::new();
             for &i in &pending {
-                if let Some(&o) = candidates[i].get(round) {
+                if let Some(o) = readable_owners(&table, &keys[i]).nth(round) {
                     groups.entry(o).or_default().push(i);
                 }
             }
@@ -253,6 +255,7 @@ impl ClusterClient {
                         Ok(b) => out[i] = Ok(b),
                         Err(KvError::NotFound) => next.push(i),
                         Err(e) => {
+                            failed[i] += 1;
                             failure[i].get_or_insert(e);
                             next.push(i);
                         }
@@ -262,9 +265,10 @@ impl ClusterClient {
             pending = next;
             round += 1;
         }
-        // Not found anywhere: not-found, unless no owner could say so.
+        // Not found anywhere: not-found when an owner said so, else the
+        // first owner's failure.
         for i in pending {
-            let answered_absent = candidates[i].len() > usize::from(failure[i].is_some());
+            let answered_absent = readable_owners(&table, &keys[i]).count() > failed[i];
             if !answered_absent {
                 if let Some(e) = failure[i].take() {
                     out[i] = Err(e);
@@ -278,12 +282,11 @@ impl ClusterClient {
     pub async fn exists(&self, keys: Vec<Bytes>) -> Result<Vec<bool>, KvError> {
         let table = self.table();
         let mut found = vec![false; keys.len()];
-        let candidates: Vec<Vec<u32>> = keys.iter().map(|k| readable_owners(&table, k)).collect();
-        let most = candidates.iter().map(Vec::len).max().unwrap_or(0);
+        let most = table.replicas() as usize;
         for round in 0..most {
             let mut groups: HashMap<u32, Vec<usize>> = HashMap::new();
-            for (i, c) in candidates.iter().enumerate() {
-                if let (false, Some(&o)) = (found[i], c.get(round)) {
+            for (i, k) in keys.iter().enumerate() {
+                if let (false, Some(o)) = (found[i], readable_owners(&table, k).nth(round)) {
                     groups.entry(o).or_default().push(i);
                 }
             }
@@ -332,8 +335,8 @@ impl ClusterClient {
         let mut matched = 0;
         let mut granted: Option<Duration> = None;
         while matched < keys.len() {
-            let Some(&owner) = readable_owners(&table, &keys[matched]).first() else { break };
-            let run = keys[matched..].iter().take_while(|k| readable_owners(&table, k).first() == Some(&owner)).count();
+            let Some(owner) = readable_owners(&table, &keys[matched]).next() else { break };
+            let run = keys[matched..].iter().take_while(|k| readable_owners(&table, k).next() == Some(owner)).count();
             let client = self.nodes.client(&table.members()[owner as usize].endpoint).await?;
             let m = client.match_prefix(keys[matched..matched + run].to_vec(), lease).await?;
             matched += m.matched;
@@ -348,19 +351,21 @@ impl ClusterClient {
     }
 }
 
-/// Owners a PUT or DELETE goes to: every listed owner not down.
-fn writable_owners(table: &SlotTable, key: &[u8]) -> Vec<u32> {
-    table.owners_of(key).iter().copied().filter(|&o| table.members()[o as usize].state != MemberState::Down).collect()
+/// Owners a PUT or DELETE goes to: every listed owner not down. (An
+/// iterator over the table's slice: no allocation per key.)
+fn writable_owners<'a>(table: &'a SlotTable, key: &[u8]) -> impl Iterator<Item = u32> + 'a {
+    table.owners_of(key).iter().copied().filter(|&o| table.members()[o as usize].state != MemberState::Down)
 }
 
 /// Owners to read from, in order: up ones first (primary first), then
-/// draining ones (they hold their keys until they have handed them on).
-fn readable_owners(table: &SlotTable, key: &[u8]) -> Vec<u32> {
+/// draining or joining ones (a draining owner holds its keys until it has
+/// handed them on).
+fn readable_owners<'a>(table: &'a SlotTable, key: &[u8]) -> impl Iterator<Item = u32> + 'a {
     let owners = table.owners_of(key);
-    let state = |o: u32| table.members()[o as usize].state;
-    let mut out: Vec<u32> = owners.iter().copied().filter(|&o| state(o) == MemberState::Up).collect();
-    out.extend(owners.iter().copied().filter(|&o| matches!(state(o), MemberState::Draining | MemberState::Joining)));
-    out
+    let state = |o: &u32| table.members()[*o as usize].state;
+    let up = owners.iter().copied().filter(move |o| state(o) == MemberState::Up);
+    let rest = owners.iter().copied().filter(move |o| matches!(state(o), MemberState::Draining | MemberState::Joining));
+    up.chain(rest)
 }
 
 /// Keeps one CLUSTER_TABLE outstanding at a time, moving to another member
