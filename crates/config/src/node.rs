@@ -120,41 +120,23 @@ pub enum AtBound {
     Skip,
 }
 
-fn default_hot_reads() -> u32 {
-    2
-}
-fn default_max_in_flight() -> ByteSize {
-    ByteSize(64 << 20)
-}
-fn default_deadline_ms() -> u64 {
-    2000
-}
-fn default_writers() -> u32 {
-    2
-}
-
-/// The second tier's settings.
+/// The second tier's settings. A field left out takes its value from
+/// [`TieringConfig::default`].
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
-#[serde(rename_all = "camelCase")]
+#[serde(rename_all = "camelCase", default)]
 pub struct TieringConfig {
     /// Which PUTs are copied into the second tier.
-    #[serde(default)]
     pub mode: IngestMode,
     /// `hot` mode: reads from the memory tier before a block is copied.
-    #[serde(default = "default_hot_reads")]
     pub hot_reads: u32,
     /// Bytes on their way to the second tier at most (and at most an eighth
     /// of the memory tier: queued blocks keep their memory until written).
-    #[serde(default = "default_max_in_flight")]
     pub max_in_flight: ByteSize,
     /// What a PUT does at that bound.
-    #[serde(default)]
     pub at_bound: AtBound,
     /// Time one request may spend on the second tier, retries included.
-    #[serde(default = "default_deadline_ms")]
     pub deadline_ms: u64,
     /// Concurrent batches written to the second tier.
-    #[serde(default = "default_writers")]
     pub writers: u32,
     /// The backend plugin to use (by name); default: the one declared.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -169,36 +151,23 @@ impl Default for TieringConfig {
     fn default() -> Self {
         TieringConfig {
             mode: IngestMode::All,
-            hot_reads: default_hot_reads(),
-            max_in_flight: default_max_in_flight(),
+            hot_reads: 2,
+            max_in_flight: ByteSize(64 << 20),
             at_bound: AtBound::Block,
-            deadline_ms: default_deadline_ms(),
-            writers: default_writers(),
+            deadline_ms: 2000,
+            writers: 2,
             backend: None,
             retry: None,
         }
     }
 }
 
-fn default_cluster_name() -> String {
-    "kvplane".into()
-}
-fn default_replicas() -> u32 {
-    2
-}
-fn default_lease_ttl_seconds() -> u64 {
-    10
-}
-fn default_weight() -> u32 {
-    100
-}
-
-/// Cluster mode.
+/// Cluster mode. A field left out takes its value from
+/// [`ClusterConfig::default`].
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
-#[serde(rename_all = "camelCase")]
+#[serde(rename_all = "camelCase", default)]
 pub struct ClusterConfig {
     /// Nodes with the same name (and etcd) form one cluster.
-    #[serde(default = "default_cluster_name")]
     pub name: String,
     /// This node's id; default: the `POD_NAME` environment variable, else the host name.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -211,16 +180,13 @@ pub struct ClusterConfig {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub zone: Option<String>,
     /// Relative share of keys.
-    #[serde(default = "default_weight")]
     pub weight: u32,
     /// Owners per key.
-    #[serde(default = "default_replicas")]
     pub replicas: u32,
     /// Owners that must store a PUT before the client is answered; default: `replicas`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub write_quorum: Option<u32>,
     /// A node whose lease is not renewed for this long leaves the cluster.
-    #[serde(default = "default_lease_ttl_seconds")]
     pub lease_ttl_seconds: u64,
     /// The key-placement plugin (by name); default: the one declared, else
     /// the native ring.
@@ -231,14 +197,14 @@ pub struct ClusterConfig {
 impl Default for ClusterConfig {
     fn default() -> Self {
         ClusterConfig {
-            name: default_cluster_name(),
+            name: "kvplane".into(),
             node_id: None,
             advertise: None,
             zone: None,
-            weight: default_weight(),
-            replicas: default_replicas(),
+            weight: 100,
+            replicas: 2,
             write_quorum: None,
-            lease_ttl_seconds: default_lease_ttl_seconds(),
+            lease_ttl_seconds: 10,
             placement: None,
         }
     }
