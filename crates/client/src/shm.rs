@@ -77,7 +77,8 @@ impl SharedMemory {
         self.ptr.as_ptr()
     }
 
-    pub(crate) fn check(&self, offset: usize, len: usize) -> Result<(), KvError> {
+    /// `Ok` when `offset..offset + len` lies inside the memory.
+    pub fn check(&self, offset: usize, len: usize) -> Result<(), KvError> {
         match offset.checked_add(len) {
             Some(end) if end <= self.len => Ok(()),
             _ => Err(KvError::Invalid(format!("bytes {offset}..{offset}+{len} are outside the {}-byte shared memory", self.len))),

@@ -418,11 +418,9 @@ impl PinnedRegion {
     }
 
     fn place(&self, offset: usize, len: usize) -> Result<*mut u8, GpuError> {
-        match offset.checked_add(len) {
-            // SAFETY: `offset` is within the mapping of `memory.len()` bytes.
-            Some(end) if end <= self.memory.len() => Ok(unsafe { self.memory.as_ptr().add(offset) }),
-            _ => Err(GpuError::Invalid(format!("bytes {offset}..{offset}+{len} are outside the {}-byte region", self.memory.len()))),
-        }
+        self.memory.check(offset, len).map_err(|e| GpuError::Invalid(e.to_string()))?;
+        // SAFETY: `offset..offset + len` is within the mapping (checked above).
+        Ok(unsafe { self.memory.as_ptr().add(offset) })
     }
 
     /// Stores device blocks: each entry is (key, device pointer, length).
