@@ -9,44 +9,9 @@
 
 use crate::config::Settings;
 
-/// Mirrors the WIT `error` variant so this module stays WIT-free.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Fail {
-    NotFound,
-    Timeout(String),
-    Unavailable(String),
-    Invalid(String),
-    Capacity(String),
-    Internal(String),
-    Unsupported(String),
-    Busy { retry_after_ms: u64, message: String },
-    Denied(String),
-}
-
-impl Fail {
-    /// The same error with `context: ` before its message.
-    fn context(self, context: &str) -> Fail {
-        let with = |m: String| format!("{context}: {m}");
-        match self {
-            Fail::NotFound => Fail::NotFound,
-            Fail::Timeout(m) => Fail::Timeout(with(m)),
-            Fail::Unavailable(m) => Fail::Unavailable(with(m)),
-            Fail::Invalid(m) => Fail::Invalid(with(m)),
-            Fail::Capacity(m) => Fail::Capacity(with(m)),
-            Fail::Internal(m) => Fail::Internal(with(m)),
-            Fail::Unsupported(m) => Fail::Unsupported(with(m)),
-            Fail::Busy { retry_after_ms, message } => Fail::Busy { retry_after_ms, message: with(message) },
-            Fail::Denied(m) => Fail::Denied(with(m)),
-        }
-    }
-}
-
-/// The contract's `call-options` of one store call.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct CallOptions {
-    pub ttl_ms: Option<u64>,
-    pub namespace: Option<String>,
-}
+/// The error and the contract's `call-options`, as every backend plugin
+/// has them.
+pub use kvplane_backend_core::{CallOptions, Fail};
 
 /// The four operations, named as EIC's client names them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

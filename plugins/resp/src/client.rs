@@ -8,28 +8,9 @@
 
 use crate::resp::{self, ErrorClass, Expiry, Reply, MAX_LINE};
 
-/// Mirrors the WIT `error` variant so this module stays WIT-free.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Fail {
-    NotFound,
-    Timeout(String),
-    Unavailable(String),
-    Invalid(String),
-    Capacity(String),
-    Internal(String),
-    Unsupported(String),
-    Busy { retry_after_ms: u64, message: String },
-    Denied(String),
-}
-
-/// The per-call options of the contract's `call-options`.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct CallOptions {
-    /// `SET ... PX ttl-ms`, overriding the config's `ttl-seconds`.
-    pub ttl_ms: Option<u64>,
-    /// Keys live under `prefix + namespace + ":"`.
-    pub namespace: Option<String>,
-}
+/// A call's `ttl-ms` is `SET ... PX`, overriding the config's
+/// `ttl-seconds`; its `namespace` puts keys under `prefix + namespace + ":"`.
+pub use kvplane_backend_core::{CallOptions, Fail};
 
 /// The `transport.connection` operations the client needs, one to one.
 pub trait Conn {
@@ -89,9 +70,7 @@ impl Settings {
             seen.push(name);
             match name.as_str() {
                 "endpoint" => {
-                    let ok =
-                        value.rsplit_once(':').is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p != 0));
-                    if !ok {
+                    if !kvplane_backend_core::is_host_port(value) {
                         return Err(invalid("expected host:port with a port in 1..=65535"));
                     }
                     endpoint = Some(value.clone());

@@ -17,28 +17,9 @@ use serde_json::Value;
 
 use crate::proto::{self, code, Reply, Stored};
 
-/// Mirrors the WIT `error` variant so this module stays WIT-free.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Fail {
-    NotFound,
-    Timeout(String),
-    Unavailable(String),
-    Invalid(String),
-    Capacity(String),
-    Internal(String),
-    Unsupported(String),
-    Busy { retry_after_ms: u64, message: String },
-    Denied(String),
-}
-
-/// The per-call options of the contract's `call-options`.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct CallOptions {
-    /// Refused: vineyardd keeps objects until they are deleted.
-    pub ttl_ms: Option<u64>,
-    /// Names live under `prefix + namespace + ":"`.
-    pub namespace: Option<String>,
-}
+/// A call's `ttl-ms` is refused (vineyardd keeps objects until they are
+/// deleted); its `namespace` puts names under `prefix + namespace + ":"`.
+pub use kvplane_backend_core::{CallOptions, Fail};
 
 /// The `transport.connection` operations the client needs, one to one.
 pub trait Conn {
@@ -98,9 +79,7 @@ impl Settings {
                     if endpoint.is_some() {
                         return Err(invalid("given more than once"));
                     }
-                    let ok =
-                        value.rsplit_once(':').is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p != 0));
-                    if !ok {
+                    if !kvplane_backend_core::is_host_port(value) {
                         return Err(invalid("expected host:port (vineyardd's rpc_socket_port) with a port in 1..=65535"));
                     }
                     endpoint = Some(value.clone());
