@@ -21,7 +21,6 @@ use std::time::Instant;
 use bytes::Bytes;
 use kvplane_config::AtBound;
 use kvplane_protocol::KvError;
-use kvplane_runtime::bindings::CallOptions;
 use kvplane_runtime::worlds::Operation;
 use tokio::sync::{mpsc, oneshot, Notify};
 
@@ -225,7 +224,7 @@ async fn write_batch(shared: &TierShared, batch: &mut Vec<(Vec<u8>, Bytes)>) {
     loop {
         let started = Instant::now();
         let n = pending.len();
-        let result = shared.backend.put(pending.clone(), CallOptions { ttl_ms: None, namespace: None }).await;
+        let result = shared.backend.put(pending.clone(), super::NO_OPTIONS).await;
         shared.metrics.record(Operation::Put, started.elapsed());
         let results = match result {
             Ok(r) => r,

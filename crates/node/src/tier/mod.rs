@@ -33,6 +33,9 @@ use crate::memory::{Block, BlockMut};
 use ingest::{Budget, Ingest};
 use retry::{plugin_error, Attempts, Next, Retrier};
 
+/// The second tier's calls use the store's configured namespace and TTL.
+pub(crate) const NO_OPTIONS: CallOptions = CallOptions { ttl_ms: None, namespace: None };
+
 /// `reads` of a block the memory tier got from the second tier: it is
 /// already there, so neither `hot` nor `on-evict` copies it back.
 pub const FROM_SECOND_TIER: u32 = u32::MAX;
@@ -116,11 +119,21 @@ pub(crate) struct TierShared {
 impl TierShared {
     /// Deletes now (the caller has ordered it behind earlier writes).
     async fn delete_now(&self, keys: Vec<Vec<u8>>) -> Result<Vec<Result<(), KvError>>, KvError> {
+        self.whole_batch(Operation::Delete, || self.backend.delete(keys.clone(), NO_OPTIONS)).await
+    }
+
+    /// Calls `call` (one batch) until no key failed transiently, as the
+    /// retry policy allows: the answers, or the error it gave up on.
+    async fn whole_batch<T, F, Fut>(&self, op: Operation, mut call: F) -> Result<Vec<Result<T, KvError>>, KvError>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<Vec<Result<T, KvError>>, kvplane_runtime::PluginError>>,
+    {
         let mut attempts = Attempts::new();
         loop {
             let started = Instant::now();
-            let result = self.backend.delete(keys.clone(), CallOptions { ttl_ms: None, namespace: None }).await;
-            self.metrics.record(Operation::Delete, started.elapsed());
+            let result = call().await;
+            self.metrics.record(op, started.elapsed());
             let error = match result {
                 Ok(results) => match results.iter().find_map(|r| r.as_ref().err().filter(|e| retry::transient(e))) {
                     None => return Ok(results),
@@ -128,8 +141,8 @@ impl TierShared {
                 },
                 Err(e) => plugin_error(&e),
             };
-            self.metrics.error(Operation::Delete, &error);
-            match self.retrier.next(Operation::Delete, true, &mut attempts, &error).await {
+            self.metrics.error(op, &error);
+            match self.retrier.next(op, true, &mut attempts, &error).await {
                 Next::RetryAfter(wait) => {
                     self.metrics.retries.fetch_add(1, Ordering::Relaxed);
                     tokio::time::sleep(wait).await;
@@ -292,7 +305,7 @@ impl SecondTier {
                 break;
             }
             let started = Instant::now();
-            let (blocks, result) = self.shared.backend.get(entries, CallOptions { ttl_ms: None, namespace: None }).await;
+            let (blocks, result) = self.shared.backend.get(entries, NO_OPTIONS).await;
             self.shared.metrics.record(Operation::Get, started.elapsed());
             let results = match result {
                 Ok(r) => r,
@@ -370,35 +383,16 @@ impl SecondTier {
     /// Whether each key (absent from the memory tier) is in the second tier.
     pub(crate) async fn exists(&self, keys: Vec<Vec<u8>>) -> Vec<Result<bool, KvError>> {
         let n = keys.len();
-        let mut attempts = Attempts::new();
-        loop {
-            let started = Instant::now();
-            let result = self.shared.backend.exists(keys.clone(), CallOptions { ttl_ms: None, namespace: None }).await;
-            self.shared.metrics.record(Operation::Exists, started.elapsed());
-            let error = match result {
-                Ok(results) => match results.iter().find_map(|r| r.as_ref().err().filter(|e| retry::transient(e))) {
-                    None => {
-                        return results
-                            .into_iter()
-                            .map(|r| match r {
-                                Ok(b) => Ok(b),
-                                Err(KvError::NotFound) => Ok(false),
-                                Err(e) => self.fail(e).map(|()| false),
-                            })
-                            .collect()
-                    }
-                    Some(e) => e.clone(),
-                },
-                Err(e) => plugin_error(&e),
-            };
-            self.shared.metrics.error(Operation::Exists, &error);
-            match self.shared.retrier.next(Operation::Exists, true, &mut attempts, &error).await {
-                Next::RetryAfter(wait) => {
-                    self.shared.metrics.retries.fetch_add(1, Ordering::Relaxed);
-                    tokio::time::sleep(wait).await;
-                }
-                Next::GiveUp => return (0..n).map(|_| self.fail(error.clone()).map(|()| false)).collect(),
-            }
+        match self.shared.whole_batch(Operation::Exists, || self.shared.backend.exists(keys.clone(), NO_OPTIONS)).await {
+            Ok(results) => results
+                .into_iter()
+                .map(|r| match r {
+                    Ok(b) => Ok(b),
+                    Err(KvError::NotFound) => Ok(false),
+                    Err(e) => self.fail(e).map(|()| false),
+                })
+                .collect(),
+            Err(error) => (0..n).map(|_| self.fail(error.clone()).map(|()| false)).collect(),
         }
     }
 
