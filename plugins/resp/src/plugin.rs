@@ -117,6 +117,12 @@ fn with_client<T>(count: usize, f: impl FnOnce(&mut Client<HostDial>) -> Vec<Res
     })
 }
 
+/// The keys (moved, not copied) and the host buffers of a batch, so that
+/// the client can borrow the buffers next to the keys.
+fn split(entries: Vec<(Vec<u8>, Buffer)>) -> (Vec<Vec<u8>>, Vec<Buffer>) {
+    entries.into_iter().unzip()
+}
+
 struct Resp;
 
 impl Guest for Resp {
@@ -140,13 +146,15 @@ impl Guest for Resp {
     }
 
     fn put(entries: Vec<(Vec<u8>, Buffer)>, o: WitOptions) -> Vec<Result<(), Error>> {
-        let borrowed: Vec<(Vec<u8>, &Buffer)> = entries.iter().map(|(k, b)| (k.clone(), b)).collect();
-        with_client(entries.len(), |client| client.put(&borrowed, &options(o)))
+        let (keys, payloads) = split(entries);
+        let borrowed: Vec<(Vec<u8>, &Buffer)> = keys.into_iter().zip(&payloads).collect();
+        with_client(borrowed.len(), |client| client.put(&borrowed, &options(o)))
     }
 
     fn get(entries: Vec<(Vec<u8>, Buffer)>, o: WitOptions) -> Vec<Result<u64, Error>> {
-        let borrowed: Vec<(Vec<u8>, &Buffer)> = entries.iter().map(|(k, b)| (k.clone(), b)).collect();
-        with_client(entries.len(), |client| client.get(&borrowed, &options(o)))
+        let (keys, destinations) = split(entries);
+        let borrowed: Vec<(Vec<u8>, &Buffer)> = keys.into_iter().zip(&destinations).collect();
+        with_client(borrowed.len(), |client| client.get(&borrowed, &options(o)))
     }
 
     fn exists(keys: Vec<Vec<u8>>, o: WitOptions) -> Vec<Result<bool, Error>> {
