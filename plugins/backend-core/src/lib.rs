@@ -46,6 +46,11 @@ pub struct CallOptions {
     pub namespace: Option<String>,
 }
 
+/// The same error for each of `n` keys: a batch refused as a whole.
+pub fn all<T>(n: usize, e: Fail) -> Vec<Result<T, Fail>> {
+    (0..n).map(|_| Err(e.clone())).collect()
+}
+
 /// Whether `value` is `host:port` with a non-empty host and a port in
 /// 1..=65535 (an IPv6 host in brackets included: the port is after the
 /// last `:`).
@@ -65,6 +70,12 @@ mod tests {
         for bad in ["redis", ":6379", "h:0", "h:65536", "h:", "h:port", "h:-1", ""] {
             assert!(!is_host_port(bad), "{bad}");
         }
+    }
+
+    #[test]
+    fn all_answers_every_key() {
+        assert_eq!(all::<()>(2, Fail::NotFound), vec![Err(Fail::NotFound), Err(Fail::NotFound)]);
+        assert!(all::<u64>(0, Fail::NotFound).is_empty());
     }
 
     #[test]

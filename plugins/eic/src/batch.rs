@@ -9,9 +9,10 @@
 
 use crate::config::Settings;
 
-/// The error and the contract's `call-options`, as every backend plugin
-/// has them.
-pub use kvplane_backend_core::{CallOptions, Fail};
+/// The error, the contract's `call-options` and `all` (the same error for
+/// each key of a call refused before the driver ran), as every backend
+/// plugin has them.
+pub use kvplane_backend_core::{all, CallOptions, Fail};
 
 /// The four operations, named as EIC's client names them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,11 +83,6 @@ pub fn get_answers(dest_lens: &[u64], got: Vec<Result<u64, Fail>>) -> Vec<Result
             other => other,
         })
         .collect()
-}
-
-/// The same error for each of `n` keys: a call refused before the driver ran.
-pub fn all<T>(n: usize, e: Fail) -> Vec<Result<T, Fail>> {
-    (0..n).map(|_| Err(e.clone())).collect()
 }
 
 #[cfg(test)]

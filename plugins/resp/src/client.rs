@@ -7,6 +7,7 @@
 //! a real `redis-server`. The WIT adapter in `lib.rs` only forwards calls.
 
 use crate::resp::{self, ErrorClass, Expiry, Reply, MAX_LINE};
+use kvplane_backend_core::all;
 
 /// A call's `ttl-ms` is `SET ... PX`, overriding the config's
 /// `ttl-seconds`; its `namespace` puts keys under `prefix + namespace + ":"`.
@@ -345,26 +346,25 @@ impl<D: Dial> Client<D> {
         if count == 0 {
             return Vec::new();
         }
-        let all = |e: Fail| -> Vec<Result<T, Fail>> { (0..count).map(|_| Err(e.clone())).collect() };
         let prefix = match call_prefix(&self.settings, options) {
             Ok(p) => p,
-            Err(e) => return all(e),
+            Err(e) => return all(count, e),
         };
         if self.conn.is_none() {
             match self.handshake() {
                 Ok(conn) => self.conn = Some(conn),
-                Err(e) => return all(e),
+                Err(e) => return all(count, e),
             }
         }
         let Some(conn) = self.conn.as_mut() else {
-            return all(Fail::Internal("no connection after a successful connect".to_owned()));
+            return all(count, Fail::Internal("no connection after a successful connect".to_owned()));
         };
         let mut outbox = Outbox { conn, pending: Vec::new() };
         // Nothing reaches the server before the flush, so a failed write or
         // flush fails every key: none of them is known to be applied.
         if let Err(e) = send(&mut outbox, &prefix).and_then(|()| outbox.finish()) {
             self.drop_connection(&e);
-            return all(e);
+            return all(count, e);
         }
         let mut results = Vec::with_capacity(count);
         for i in 0..count {
@@ -386,8 +386,7 @@ impl<D: Dial> Client<D> {
     pub fn put(&mut self, entries: &[(Vec<u8>, &<D::Conn as Conn>::Payload)], options: &CallOptions) -> Vec<Result<(), Fail>> {
         let expiry = match options.ttl_ms {
             Some(ms) if !(1..=MAX_TTL_MS).contains(&ms) => {
-                let why = format!("ttl-ms {ms}: Redis accepts PX 1..={MAX_TTL_MS}");
-                return entries.iter().map(|_| Err(Fail::Invalid(why.clone()))).collect();
+                return all(entries.len(), Fail::Invalid(format!("ttl-ms {ms}: Redis accepts PX 1..={MAX_TTL_MS}")));
             }
             Some(ms) => Some(Expiry::Millis(ms)),
             None => self.settings.ttl_seconds.map(Expiry::Seconds),

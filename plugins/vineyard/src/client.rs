@@ -16,6 +16,7 @@
 use serde_json::Value;
 
 use crate::proto::{self, code, Reply, Stored};
+use kvplane_backend_core::all;
 
 /// A call's `ttl-ms` is refused (vineyardd keeps objects until they are
 /// deleted); its `namespace` puts names under `prefix + namespace + ":"`.
@@ -307,7 +308,7 @@ impl<D: Dial> Client<D> {
     pub fn exists(&mut self, keys: &[Vec<u8>], options: &CallOptions) -> Vec<Result<bool, Fail>> {
         let names = match self.names(keys.iter(), options) {
             Ok(n) => n,
-            Err(e) => return keys.iter().map(|_| Err(e.clone())).collect(),
+            Err(e) => return all(keys.len(), e),
         };
         let mut results: Pending<bool> = vec![None; keys.len()];
         let ids = self.lookup(&names, &mut results);
@@ -322,7 +323,7 @@ impl<D: Dial> Client<D> {
     pub fn delete(&mut self, keys: &[Vec<u8>], options: &CallOptions) -> Vec<Result<(), Fail>> {
         let names = match self.names(keys.iter(), options) {
             Ok(n) => n,
-            Err(e) => return keys.iter().map(|_| Err(e.clone())).collect(),
+            Err(e) => return all(keys.len(), e),
         };
         let mut results: Pending<()> = vec![None; keys.len()];
         let ids = self.lookup(&names, &mut results);
@@ -363,18 +364,20 @@ impl<D: Dial> Client<D> {
     /// an object of [`proto::TYPENAME`] naming it, persisted and given the
     /// key's name; the object the name held before is deleted after.
     pub fn put(&mut self, entries: &[(Vec<u8>, &<D::Conn as Conn>::Payload)], options: &CallOptions) -> Vec<Result<(), Fail>> {
-        let all = |e: Fail| entries.iter().map(|_| Err(e.clone())).collect();
         if let Some(ms) = options.ttl_ms {
-            return all(Fail::Unsupported(format!(
-                "ttl-ms {ms}: vineyardd keeps objects until they are deleted (builtin:vineyard does not announce ttl)"
-            )));
+            return all(
+                entries.len(),
+                Fail::Unsupported(format!(
+                    "ttl-ms {ms}: vineyardd keeps objects until they are deleted (builtin:vineyard does not announce ttl)"
+                )),
+            );
         }
         if entries.is_empty() {
             return Vec::new();
         }
         let names = match self.names(entries.iter().map(|(k, _)| k), options) {
             Ok(n) => n,
-            Err(e) => return all(e),
+            Err(e) => return all(entries.len(), e),
         };
         let sizes: Vec<u64> = entries.iter().map(|(_, p)| <D::Conn as Conn>::payload_len(p)).collect();
         let mut results: Pending<()> = vec![None; entries.len()];
@@ -389,7 +392,7 @@ impl<D: Dial> Client<D> {
                         blobs[i] = Some(id);
                     }
                 }
-                Err(e) => return all(e),
+                Err(e) => return all(entries.len(), e),
             }
         }
 
@@ -540,7 +543,7 @@ impl<D: Dial> Client<D> {
     pub fn get(&mut self, entries: &[(Vec<u8>, &<D::Conn as Conn>::Dest)], options: &CallOptions) -> Vec<Result<u64, Fail>> {
         let names = match self.names(entries.iter().map(|(k, _)| k), options) {
             Ok(n) => n,
-            Err(e) => return entries.iter().map(|_| Err(e.clone())).collect(),
+            Err(e) => return all(entries.len(), e),
         };
         let mut results: Pending<u64> = vec![None; entries.len()];
         let ids = self.lookup(&names, &mut results);
