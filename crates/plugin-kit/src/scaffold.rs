@@ -24,13 +24,22 @@ fn rust_sources(world: World) -> Vec<(&'static str, String)> {
         World::RetryPolicy => vec![("lib.rs", include_str!("../templates/rust/retry-policy.rs").into())],
         World::PlacementRule => vec![("lib.rs", include_str!("../templates/rust/placement-rule.rs").into())],
         // A backend starts as a copy of builtin:resp, a complete RESP client
-        // to adapt to another store's protocol.
-        World::Backend => vec![
-            ("lib.rs", include_str!("../../../plugins/resp/src/lib.rs").into()),
-            ("client.rs", include_str!("../../../plugins/resp/src/client.rs").into()),
-            ("resp.rs", include_str!("../../../plugins/resp/src/resp.rs").into()),
-            ("plugin.rs", include_str!("../../../plugins/resp/src/plugin.rs").replace("path: \"../../wit\"", "path: \"wit\"")),
-        ],
+        // to adapt to another store's protocol, with the first-party
+        // backends' shared core (plugins/backend-core) as a module of its
+        // own, so the project stands alone.
+        World::Backend => {
+            let standalone = |src: &str| src.replace("kvplane_backend_core", "crate::backend_core");
+            vec![
+                ("lib.rs", format!("{}\npub mod backend_core;\n", include_str!("../../../plugins/resp/src/lib.rs"))),
+                ("backend_core.rs", include_str!("../../../plugins/backend-core/src/lib.rs").into()),
+                ("client.rs", standalone(include_str!("../../../plugins/resp/src/client.rs"))),
+                ("resp.rs", standalone(include_str!("../../../plugins/resp/src/resp.rs"))),
+                (
+                    "plugin.rs",
+                    standalone(include_str!("../../../plugins/resp/src/plugin.rs")).replace("path: \"../../wit\"", "path: \"wit\""),
+                ),
+            ]
+        }
     }
 }
 
