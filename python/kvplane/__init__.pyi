@@ -19,6 +19,7 @@ from ._errors import (
     Internal as Internal,
     Invalid as Invalid,
     NonContiguousBuffer as NonContiguousBuffer,
+    OverlappingBuffers as OverlappingBuffers,
     NotFound as NotFound,
     ReadOnlyBuffer as ReadOnlyBuffer,
     Timeout as Timeout,
@@ -84,10 +85,13 @@ class Client:
         """Reads the value of ``keys[i]`` into ``buffers[i]`` (from its start)
         and answers the number of bytes written, or ``None`` for an absent key.
 
-        Buffers must be writable and C-contiguous (``ReadOnlyBuffer``,
-        ``NonContiguousBuffer`` before any I/O); a value larger than its
-        buffer raises ``BufferTooSmall``. On any error nothing is written to
-        any buffer, and bytes past a value's length are never touched.
+        Buffers must be writable, C-contiguous and apart (``ReadOnlyBuffer``,
+        ``NonContiguousBuffer``, ``OverlappingBuffers`` before any I/O). The
+        client reads each value straight into its buffer (through the memory
+        it shares with a node on the same host, or from the received frame).
+        A value larger than its buffer raises ``BufferTooSmall`` and leaves
+        that buffer unwritten; bytes past a value's length are never touched;
+        when a call raises, other buffers may already hold their values.
         """
 
     def get(self, keys: Sequence[Key]) -> list[bytes | None]:

@@ -71,7 +71,7 @@ class Denied(Error):
 
 class BadBuffer(Error, ValueError):
     """A buffer cannot be used for this call; raised before any I/O, or, for
-    ``BufferTooSmall``, after the read but before anything is written."""
+    ``BufferTooSmall``, after the read, with that buffer left unwritten."""
 
 
 class ReadOnlyBuffer(BadBuffer):
@@ -82,8 +82,12 @@ class NonContiguousBuffer(BadBuffer):
     """The buffer is not one C-contiguous run of memory (a strided slice, a transposed array)."""
 
 
+class OverlappingBuffers(BadBuffer):
+    """Two of ``get_into``'s buffers share memory (two views of one array, say)."""
+
+
 class BufferTooSmall(BadBuffer):
-    """A value is larger than the buffer given for it; nothing was written."""
+    """A value is larger than the buffer given for it; that buffer was not written."""
 
 
 __all__ = [
@@ -100,5 +104,6 @@ __all__ = [
     "BadBuffer",
     "ReadOnlyBuffer",
     "NonContiguousBuffer",
+    "OverlappingBuffers",
     "BufferTooSmall",
 ]

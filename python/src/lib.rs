@@ -15,17 +15,16 @@
 //!   Unix socket with shared memory it copies each block once into the
 //!   region the node reads. The export is released when the last such
 //!   `Bytes` is dropped, so no reference outlives the memory.
-//! - `get_into` copies once more than it needs to: the client crate returns
-//!   each value as a `Bytes` of its own (read from the socket, or copied out
-//!   of shared memory) and this module copies it into the caller's buffer
-//!   (with the GIL released). A GET in `kvplane-client` that takes
-//!   destination slices (its reader task reading payloads into them, or
-//!   `read_at` from shared memory into them) would remove that copy.
+//! - `get_into` hands the client the caller's buffers as destinations
+//!   ([`kvplane_client::Client::get_into`]): through shared memory each value
+//!   is copied once, from the region the node wrote it to, straight into its
+//!   buffer; over a socket, once from the received frame. (Across a cluster,
+//!   once more: the owners are read in parallel first.)
 //!
 //! Buffers are checked before any I/O: a buffer that `get_into` would write
-//! must be writable and C-contiguous, and every answer must fit its buffer
-//! before any of them is written, so a failed call writes nothing at all, and
-//! a successful one writes only the first `len(value)` bytes of each buffer.
+//! must be writable, C-contiguous and share no memory with another of the
+//! call's buffers. A value longer than its buffer leaves that buffer
+//! unwritten, and no buffer is written past its value's length.
 
 #![deny(unsafe_code)]
 
@@ -222,6 +221,13 @@ impl Target {
         }
     }
 
+    async fn get_into(&self, keys: Vec<Bytes>, dests: &mut [&mut [u8]]) -> Result<Vec<Result<usize, KvError>>, KvError> {
+        match self {
+            Target::Node(c) => c.get_into(keys, dests).await,
+            Target::Cluster(c) => c.get_into(keys, dests).await,
+        }
+    }
+
     async fn exists(&self, keys: Vec<Bytes>) -> Result<Vec<bool>, KvError> {
         match self {
             Target::Node(c) => c.exists(keys).await,
@@ -279,11 +285,31 @@ impl Drop for Inner {
 /// A member of a slot table as Python sees it: `(id, endpoint, state)`.
 type MemberRow = (String, String, String);
 
-/// Why a `get_into` wrote nothing.
+/// Refuses destinations that share memory (two views of one array, say):
+/// the client writes them as separate slices, which must not alias.
+fn no_overlap(dests: &[(usize, usize)], keys: &[Bytes]) -> PyResult<()> {
+    let mut order: Vec<usize> = (0..dests.len()).filter(|&i| dests[i].1 > 0).collect();
+    order.sort_unstable_by_key(|&i| dests[i].0);
+    for pair in order.windows(2) {
+        let (a, b) = (pair[0], pair[1]);
+        if dests[a].0 + dests[a].1 > dests[b].0 {
+            let (first, second) = (a.min(b), a.max(b));
+            return Err(raise(
+                "OverlappingBuffers",
+                format!("get_into: buffers[{first}] and buffers[{second}] share memory; each key needs a buffer of its own"),
+                Some(&keys[second]),
+                Some(second),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Why a `get_into` failed.
 enum GetFailure {
     Call(KvError),
     Key(usize, KvError),
-    TooSmall { index: usize, need: usize, have: usize },
+    TooSmall { index: usize, detail: String },
 }
 
 /// A client of one kvplane node, or of a whole cluster.
@@ -436,8 +462,10 @@ impl Client {
     /// how many bytes were written (from the buffer's start), or `None` when
     /// the key is absent. Buffers must be writable and C-contiguous
     /// (`ReadOnlyBuffer`, `NonContiguousBuffer` otherwise, before any I/O);
-    /// a value larger than its buffer raises `BufferTooSmall`. On any error
-    /// nothing is written to any buffer.
+    /// buffers that share memory raise `OverlappingBuffers` (before any I/O);
+    /// a value larger than its buffer raises `BufferTooSmall` and that buffer
+    /// is not written. No buffer is written past its value's length; when a
+    /// call raises, the other buffers may already hold their values.
     #[allow(unsafe_code)]
     fn get_into(&self, py: Python<'_>, keys: Vec<Bound<'_, PyAny>>, buffers: Vec<Bound<'_, PyAny>>) -> PyResult<Vec<Option<usize>>> {
         same_length("get_into", keys.len(), buffers.len())?;
@@ -450,40 +478,35 @@ impl Client {
         // Addresses as integers: the closure runs without the GIL and raw
         // pointers are not Send; the exports outlive it.
         let dests: Vec<(usize, usize)> = exports.iter().map(|b| (b.buf_ptr() as usize, b.len_bytes())).collect();
+        no_overlap(&dests, &keys)?;
         let request = keys.clone();
         let outcome = py.detach(|| -> Result<Vec<Option<usize>>, GetFailure> {
-            let values = inner.block_on(inner.target.get(request)).map_err(GetFailure::Call)?;
-            // Every check before the first write: a failed call writes nothing.
-            for (index, (value, &(_, have))) in values.iter().zip(&dests).enumerate() {
-                match value {
-                    Ok(v) if v.len() > have => return Err(GetFailure::TooSmall { index, need: v.len(), have }),
-                    Ok(_) | Err(KvError::NotFound) => {}
-                    Err(e) => return Err(GetFailure::Key(index, e.clone())),
-                }
-            }
-            Ok(values
-                .iter()
-                .zip(&dests)
-                .map(|(value, &(addr, _))| {
-                    let v = value.as_ref().ok()?;
-                    // SAFETY: `addr` is the start of a writable, C-contiguous
-                    // exported buffer of at least `v.len()` bytes (checked
-                    // above), which stays exported until after this closure.
-                    // The source is the client's own memory, so they do not
-                    // overlap.
-                    unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), addr as *mut u8, v.len()) };
-                    Some(v.len())
+            // SAFETY: each (addr, len) is a writable, C-contiguous exported
+            // buffer, which stays exported until after this closure, and no
+            // two of them overlap (checked above), so these are disjoint
+            // exclusive slices for the duration of the call.
+            let mut slices: Vec<&mut [u8]> =
+                dests.iter().map(|&(addr, len)| unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) }).collect();
+            let values = inner.block_on(inner.target.get_into(request, &mut slices)).map_err(GetFailure::Call)?;
+            values
+                .into_iter()
+                .enumerate()
+                .map(|(index, v)| match v {
+                    Ok(n) => Ok(Some(n)),
+                    Err(KvError::NotFound) => Ok(None),
+                    Err(KvError::Capacity(detail)) => Err(GetFailure::TooSmall { index, detail }),
+                    Err(e) => Err(GetFailure::Key(index, e)),
                 })
-                .collect())
+                .collect()
         });
         drop(exports);
         outcome.map_err(|f| match f {
             GetFailure::Call(e) => kv_error(&e, format!("get_into of {} keys", keys.len()), None, None),
             GetFailure::Key(i, e) => kv_error(&e, format!("get_into: key '{}' (keys[{i}])", show(&keys[i])), Some(&keys[i]), Some(i)),
-            GetFailure::TooSmall { index, need, have } => raise(
+            GetFailure::TooSmall { index, detail } => raise(
                 "BufferTooSmall",
                 format!(
-                    "get_into: buffers[{index}] holds {have} bytes but the value of key '{}' is {need} bytes; nothing was written",
+                    "get_into: buffers[{index}] is too small for the value of key '{}' ({detail}); it was not written",
                     show(&keys[index])
                 ),
                 Some(&keys[index]),

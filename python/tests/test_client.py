@@ -95,7 +95,7 @@ def test_match_prefix_pins_the_matched_blocks_for_the_lease(client: kvplane.Clie
     assert client.get_into(chain[:matched], buffers) == [512] * matched
 
 
-def test_too_small_buffer_raises_and_nothing_is_written(client: kvplane.Client, unique: str) -> None:
+def test_too_small_buffer_raises_and_is_not_written(client: kvplane.Client, unique: str) -> None:
     keys = [f"{unique}small", f"{unique}big"]
     client.put_from(keys, [b"x" * 10, b"y" * 100])
     raw_ok, ok = guarded(64)
@@ -103,12 +103,27 @@ def test_too_small_buffer_raises_and_nothing_is_written(client: kvplane.Client, 
     with pytest.raises(kvplane.BufferTooSmall) as e:
         client.get_into(keys, [ok, small])
     assert e.value.index == 1 and e.value.key == keys[1].encode()
-    assert "buffers[1]" in str(e.value) and keys[1] in str(e.value) and "100" in str(e.value)
+    assert "buffers[1]" in str(e.value) and keys[1] in str(e.value) and "99" in str(e.value)
     assert isinstance(e.value, kvplane.BadBuffer) and isinstance(e.value, ValueError)
-    # Nothing written at all: not in the small buffer, not in the good one
-    # before it, not around either.
-    assert bytes(ok) == bytes(64) and bytes(small) == bytes(99)
+    # The small buffer untouched; the good one holds its value and nothing
+    # past it; nothing around either.
+    assert bytes(small) == bytes(99)
+    assert bytes(ok) == b"x" * 10 + bytes(54)
     assert guards_intact(raw_ok) and guards_intact(raw_small)
+
+
+def test_buffers_sharing_memory_are_refused_before_any_io(client: kvplane.Client, unique: str) -> None:
+    keys = [f"{unique}a", f"{unique}b"]
+    client.put_from(keys, [b"a" * 32, b"b" * 32])
+    whole = bytearray(64)
+    view = memoryview(whole)
+    with pytest.raises(kvplane.OverlappingBuffers) as e:
+        client.get_into(keys, [view[0:40], view[32:64]])
+    assert e.value.index == 1 and "buffers[0] and buffers[1]" in str(e.value)
+    assert whole == bytearray(64)
+    # Adjacent, not overlapping: fine.
+    assert client.get_into(keys, [view[0:32], view[32:64]]) == [32, 32]
+    assert whole == bytearray(b"a" * 32 + b"b" * 32)
 
 
 def test_read_only_and_non_contiguous_buffers_raise_before_any_io(client: kvplane.Client, unique: str) -> None:

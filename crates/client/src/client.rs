@@ -9,7 +9,7 @@ use kvplane_protocol::{Block, ErrorCode, KvError, Limits, PutEntry, Request, Res
 
 use crate::connection::Connection;
 use crate::endpoint::Endpoint;
-use crate::shm::SharedMemory;
+use crate::shm::{Range, SharedMemory};
 
 /// How to reach a node.
 #[derive(Debug, Clone)]
@@ -153,6 +153,42 @@ impl Client {
                 self.largest_block.fetch_max(b.len(), Ordering::Relaxed);
             }
             results.extend(r);
+        }
+        Ok(results)
+    }
+
+    /// Fetches blocks into the caller's memory: the value of `keys[i]` is
+    /// written to the start of `dests[i]`. Per key: the bytes written,
+    /// `Err(KvError::NotFound)`, or `Err(KvError::Capacity)` when the value is
+    /// longer than `dests[i]`, which is then left untouched. No destination is
+    /// written past its value's length.
+    ///
+    /// On a connection with shared memory each key gets exactly its
+    /// destination's length there (the node refuses a longer value itself),
+    /// and the one copy is from the shared memory into the destination;
+    /// over the socket the one copy is from the received frame.
+    pub async fn get_into(&self, keys: Vec<Bytes>, dests: &mut [&mut [u8]]) -> Result<Vec<Result<usize, KvError>>, KvError> {
+        if keys.len() != dests.len() {
+            return Err(KvError::Invalid(format!("get_into: {} keys but {} destinations", keys.len(), dests.len())));
+        }
+        let mut results = Vec::with_capacity(keys.len());
+        let mut dests = dests.iter_mut();
+        for chunk in self.split_keys(keys) {
+            let dests: Vec<&mut &mut [u8]> = dests.by_ref().take(chunk.len()).collect();
+            let conn = self.connection().await?;
+            if let Some(memory) = conn.shared_memory() {
+                if let Some((ranges, r)) = get_shared_into(&conn, memory, &chunk, &dests).await? {
+                    for ((got, range), dest) in r.iter().zip(&ranges).zip(dests) {
+                        if let Ok(len) = *got {
+                            memory.read_at(range.offset, &mut dest[..len])?;
+                        }
+                    }
+                    results.extend(r);
+                    continue;
+                }
+            }
+            let values = self.get_over_socket(&conn, chunk).await?;
+            results.extend(values.into_iter().zip(dests).map(|(value, dest)| value.and_then(|v| copy_into(&v, dest))));
         }
         Ok(results)
     }
@@ -337,6 +373,57 @@ async fn get_shared(
         });
     }
     Ok(Some(out))
+}
+
+/// GET_SHM into ranges of exactly the destinations' lengths. The ranges
+/// come back reserved, for the caller to copy out of; `None` when the memory
+/// has no room for the batch (the caller uses the socket).
+async fn get_shared_into<'m>(
+    conn: &Connection,
+    memory: &'m SharedMemory,
+    keys: &[Bytes],
+    dests: &[&mut &mut [u8]],
+) -> Result<Option<(Vec<Range<'m>>, Vec<Result<usize, KvError>>)>, KvError> {
+    let mut ranges = Vec::with_capacity(keys.len());
+    for dest in dests {
+        match memory.reserve(dest.len().min(u32::MAX as usize)) {
+            Some(r) => ranges.push(r),
+            None => return Ok(None),
+        }
+    }
+    let entries: Vec<ShmGet> = keys
+        .iter()
+        .zip(&ranges)
+        .zip(dests)
+        .map(|((k, r), d)| ShmGet { key: k.clone(), offset: r.offset as u64, capacity: d.len().min(u32::MAX as usize) as u32 })
+        .collect();
+    let n = entries.len();
+    let results = match conn.call(Request::GetShm { entries }).await? {
+        Response::GetShm { results } if results.len() == n => results,
+        other => return Err(unexpected("GET_SHM", n, &other)),
+    };
+    let results = results
+        .into_iter()
+        .zip(dests)
+        .map(|(r, d)| match r {
+            Ok(b) if b.len as usize <= d.len() => Ok(b.len as usize),
+            Ok(b) => Err(KvError::Internal(format!("node wrote {} bytes into a range of {}", b.len, d.len()))),
+            Err(ErrorCode::Capacity) => Err(KvError::Capacity(format!("the value is longer than its destination of {} bytes", d.len()))),
+            Err(code) => Err(code.into_kv_error("")),
+        })
+        .collect();
+    Ok(Some((ranges, results)))
+}
+
+/// Copies a value to the start of `dest`; `Capacity` (and `dest` untouched)
+/// when it does not fit.
+pub(crate) fn copy_into(value: &[u8], dest: &mut [u8]) -> Result<usize, KvError> {
+    let room = dest.len();
+    let dest = dest
+        .get_mut(..value.len())
+        .ok_or_else(|| KvError::Capacity(format!("the value of {} bytes is longer than its destination of {room} bytes", value.len())))?;
+    dest.copy_from_slice(value);
+    Ok(value.len())
 }
 
 fn per_key(r: Result<(), ErrorCode>) -> Result<(), KvError> {

@@ -278,6 +278,18 @@ impl ClusterClient {
         Ok(out)
     }
 
+    /// [`Client::get_into`](crate::Client::get_into) across the cluster:
+    /// each value fetched as [`get`](Self::get) does (the owners are called
+    /// in parallel, so the reads cannot borrow the destinations), then copied
+    /// into its destination.
+    pub async fn get_into(&self, keys: Vec<Bytes>, dests: &mut [&mut [u8]]) -> Result<Vec<Result<usize, KvError>>, KvError> {
+        if keys.len() != dests.len() {
+            return Err(KvError::Invalid(format!("get_into: {} keys but {} destinations", keys.len(), dests.len())));
+        }
+        let values = self.get(keys).await?;
+        Ok(values.into_iter().zip(dests.iter_mut()).map(|(v, dest)| v.and_then(|v| crate::client::copy_into(&v, dest))).collect())
+    }
+
     /// Whether any owner holds each key.
     pub async fn exists(&self, keys: Vec<Bytes>) -> Result<Vec<bool>, KvError> {
         let table = self.table();

@@ -73,6 +73,40 @@ async fn the_client_moves_blocks_through_shared_memory_on_a_unix_socket_by_itsel
     assert_eq!(c2.get(vec![Bytes::from_static(b"a")]).await.unwrap()[0].as_ref().unwrap(), &block(1, 4 * KIB));
 }
 
+/// GET into the caller's memory, through shared memory and over TCP alike:
+/// each value lands at the start of its destination and nothing past it; a
+/// destination too small for its value is left untouched with a typed error
+/// for that key alone; an absent key is not-found.
+#[tokio::test]
+async fn get_into_writes_each_value_into_its_destination_and_nothing_past_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = node(&dir, 64 * MIB, 16 * MIB).await;
+    let local = Client::connect(ClientConfig::new(unix(&n))).await.unwrap();
+    assert!(local.connection().await.unwrap().shared_memory().is_some());
+    let tcp = Client::connect(ClientConfig::new(Endpoint::Tcp(n.tcp_addr().unwrap().to_string()))).await.unwrap();
+    let values = [block(1, 64 * KIB), block(2, 100), block(3, 64 * KIB)];
+    let keys: Vec<Bytes> = [&b"a"[..], b"b", b"c", b"absent"].into_iter().map(Bytes::from_static).collect();
+    let entries = keys.iter().zip(&values).map(|(k, v)| (k.clone(), v.clone())).collect();
+    assert!(local.put(entries).await.unwrap().iter().all(Result::is_ok));
+    for (path, client) in [("shared memory", &local), ("tcp", &tcp)] {
+        // a: room to spare; b: exactly its length; c: one byte short; absent.
+        let mut bufs = [vec![0xEEu8; 64 * KIB + 10], vec![0xEEu8; 100], vec![0xEEu8; 64 * KIB - 1], vec![0xEEu8; 8]];
+        let mut dests: Vec<&mut [u8]> = bufs.iter_mut().map(Vec::as_mut_slice).collect();
+        let got = client.get_into(keys.clone(), &mut dests).await.unwrap();
+        assert_eq!(got[0].as_ref().ok(), Some(&(64 * KIB)), "{path}");
+        assert_eq!(got[1].as_ref().ok(), Some(&100), "{path}");
+        assert!(matches!(got[2], Err(KvError::Capacity(_))), "{path}: {:?}", got[2]);
+        assert!(matches!(got[3], Err(KvError::NotFound)), "{path}: {:?}", got[3]);
+        assert_eq!(&bufs[0][..64 * KIB], &values[0][..], "{path}");
+        assert!(bufs[0][64 * KIB..].iter().all(|&b| b == 0xEE), "{path}: written past the value");
+        assert_eq!(&bufs[1][..], &values[1][..], "{path}");
+        assert!(bufs[2].iter().chain(&bufs[3]).all(|&b| b == 0xEE), "{path}: a refused destination was written");
+    }
+    let mut one = [0u8; 4];
+    let mismatched = local.get_into(keys.clone(), &mut [&mut one[..]]).await;
+    assert!(matches!(mismatched, Err(KvError::Invalid(_))), "{mismatched:?}");
+}
+
 #[tokio::test]
 async fn writing_shared_memory_after_a_put_does_not_change_the_stored_block() {
     let dir = tempfile::tempdir().unwrap();
