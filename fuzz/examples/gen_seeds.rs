@@ -10,6 +10,7 @@ use bytes::Bytes;
 use kvplane_protocol::{
     decode, encode, Block, ErrorCode, Features, Frame, Hello, HelloAck, Limits, PutEntry, Request, Response, StatEntry,
 };
+use kvplane_rdma::{Descriptor, Endpoint, Gid};
 
 fn key(s: &str) -> Bytes {
     Bytes::copy_from_slice(s.as_bytes())
@@ -22,8 +23,19 @@ fn block(s: &str) -> Block {
 fn seeds() -> Vec<(&'static str, Frame)> {
     vec![
         ("hello", Frame::request(0, Request::Hello(Hello { version: 1, features: Features::ALL, token: None }))),
-        ("hello_token", Frame::request(0, Request::Hello(Hello { version: 1, features: Features::PIN_LEASE, token: Some("s3cret".into()) }))),
-        ("put", Frame::request(1, Request::Put { entries: vec![PutEntry { key: key("a"), block: block("alpha") }, PutEntry { key: key("b"), block: block("") }] })),
+        (
+            "hello_token",
+            Frame::request(0, Request::Hello(Hello { version: 1, features: Features::PIN_LEASE, token: Some("s3cret".into()) })),
+        ),
+        (
+            "put",
+            Frame::request(
+                1,
+                Request::Put {
+                    entries: vec![PutEntry { key: key("a"), block: block("alpha") }, PutEntry { key: key("b"), block: block("") }],
+                },
+            ),
+        ),
         ("get", Frame::request(2, Request::Get { keys: vec![key("a"), key("b")] })),
         ("exists", Frame::request(3, Request::Exists { keys: vec![key("a")] })),
         ("delete", Frame::request(4, Request::Delete { keys: vec![key("z")] })),
@@ -39,7 +51,33 @@ fn seeds() -> Vec<(&'static str, Frame)> {
         ("stats_result", Frame::response(6, Response::Stats { entries: vec![StatEntry { name: "hits".into(), value: 42 }] })),
         ("pong", Frame::response(7, Response::Pong)),
         ("error", Frame::response(8, Response::Error { code: ErrorCode::Malformed, message: "malformed key.len".into() })),
+        ("rdma_connect", Frame::request(3, Request::RdmaConnect { endpoint: endpoint([0xff, 0xff, 10, 0, 0, 2], 0x456, 0x1234) })),
+        ("rdma_describe", Frame::request(4, Request::RdmaDescribe { keys: vec![key("k1")], lease_ms: 2_000 })),
+        ("rdma_describe_result", Frame::response(4, Response::RdmaDescribe { results: vec![Ok(hello_descriptor())] })),
     ]
+}
+
+/// A RoCE endpoint whose GID ends in `tail` (an IPv4-mapped address).
+fn endpoint(tail: [u8; 6], qp_num: u32, psn: u32) -> Endpoint {
+    let mut gid = [0u8; 16];
+    gid[10..].copy_from_slice(&tail);
+    Endpoint { gid: Gid(gid), lid: 0, qp_num, psn }
+}
+
+/// The descriptor of docs/protocol.md's worked example (the block `hello`).
+fn hello_descriptor() -> Descriptor {
+    let node = endpoint([0xff, 0xff, 10, 0, 0, 1], 0x123, 0);
+    Descriptor {
+        gid: node.gid,
+        lid: 0,
+        qp_num: node.qp_num,
+        addr: 0x7f3a_0020_0000,
+        rkey: 0x1a2b,
+        len: 5,
+        crc32c: kvplane_protocol::checksum(b"hello"),
+        lease: 1,
+        expires_at_ms: 1_767_225_600_000,
+    }
 }
 
 fn main() {

@@ -15,12 +15,14 @@
 //! | HELLO_ACK | `u16 version, u64 features, u32 max_frame, u32 max_key, u32 max_batch, u32 max_lease_ms` |
 //! | PUT | `u32 count, count × (key, u32 len, u32 crc32c)` — payloads follow |
 //! | GET / EXISTS / DELETE | `u32 count, count × key` |
-//! | MATCH_PREFIX | `u32 lease_ms, u32 count, count × key` |
+//! | MATCH_PREFIX, RDMA_DESCRIBE | `u32 lease_ms, u32 count, count × key` |
 //! | STATS, PING, PONG | empty |
 //! | *_RESULT (put, exists, delete) | `u32 count, count × u16 status` |
 //! | GET_RESULT | `u32 count, count × (u16 status, u32 len, u32 crc32c)` — payloads of the status-0 entries follow |
 //! | MATCH_PREFIX_RESULT | `u32 matched, u32 lease_ms` |
 //! | STATS_RESULT | `u32 count, count × (u16 name_len, name, u64 value)` |
+//! | RDMA_DESCRIBE_RESULT | `u32 count, count × (u16 status, and for status 0 the 68-byte descriptor)` |
+//! | RDMA_CONNECT, RDMA_CONNECT_RESULT | the 30-byte queue pair endpoint |
 //! | ERROR | `u16 code, u16 message_len, message (UTF-8)` |
 
 use bytes::{BufMut, Bytes};
@@ -34,6 +36,8 @@ use crate::limits::{
 use crate::message::{Block, Frame, Hello, HelloAck, Message, PutEntry, Request, Response, StatEntry};
 use crate::message::{ShmBlock, ShmGet, ShmPut};
 use crate::placement::{Member, MemberState, SlotTable};
+use kvplane_rdma::descriptor::ENCODED_LEN as DESCRIPTOR_LEN;
+use kvplane_rdma::{Descriptor, Endpoint, ENDPOINT_LEN};
 
 /// A frame ready to write: header and meta in one buffer, payloads as the
 /// shared buffers they already live in.
@@ -156,10 +160,11 @@ fn encode_request(req: &Request, out: &mut Vec<u8>, payloads: &mut Vec<Bytes>) -
             }
         }
         Request::Get { keys } | Request::Exists { keys } | Request::Delete { keys } => put_keys(out, keys)?,
-        Request::MatchPrefix { keys, lease_ms } => {
+        Request::MatchPrefix { keys, lease_ms } | Request::RdmaDescribe { keys, lease_ms } => {
             out.put_u32_le(*lease_ms);
             put_keys(out, keys)?;
         }
+        Request::RdmaConnect { endpoint } => out.extend_from_slice(&endpoint.encode()),
         Request::Stats | Request::Ping => {}
         Request::ClusterTable { after_version, wait_ms } => {
             out.put_u64_le(*after_version);
@@ -252,6 +257,17 @@ fn encode_response(resp: &Response, out: &mut Vec<u8>, payloads: &mut Vec<Bytes>
             put_statuses(out, results)?
         }
         Response::ShmAttach { size } => out.put_u64_le(*size),
+        Response::RdmaDescribe { results } => {
+            put_count(out, results.len(), "rdma_describe_result.count")?;
+            for r in results {
+                out.put_u16_le(status_of(r));
+                if let Ok(d) = r {
+                    let bytes = d.encode().map_err(|e| ProtocolError::malformed("rdma_describe_result.descriptor", e.to_string()))?;
+                    out.extend_from_slice(&bytes);
+                }
+            }
+        }
+        Response::RdmaConnect { endpoint } => out.extend_from_slice(&endpoint.encode()),
         Response::GetShm { results } => {
             put_count(out, results.len(), "count")?;
             for r in results {
@@ -444,6 +460,39 @@ pub fn decode_body(header: &FrameHeader, meta: Bytes, limits: &Limits) -> Result
             let after_version = r.u64("cluster_table.after_version")?;
             let wait_ms = r.u32("cluster_table.wait_ms")?;
             Meta::Complete(Message::Request(Request::ClusterTable { after_version, wait_ms }))
+        }
+        Opcode::RdmaDescribe => {
+            no_payload("rdma_describe")?;
+            let lease_ms = r.u32("rdma_describe.lease_ms")?;
+            let keys = r.keys(limits, "rdma_describe.count")?;
+            check_unique(keys.iter().map(|k| &k[..]))?;
+            Meta::Complete(Message::Request(Request::RdmaDescribe { keys, lease_ms }))
+        }
+        Opcode::RdmaDescribeResult => {
+            no_payload("rdma_describe_result")?;
+            let count = r.count(limits, "rdma_describe_result.count", 2)?;
+            let mut results = Vec::with_capacity(count);
+            for _ in 0..count {
+                results.push(match ErrorCode::from_u16(r.u16("rdma_describe_result.status")?) {
+                    None => {
+                        let bytes = r.take(DESCRIPTOR_LEN, "rdma_describe_result.descriptor")?;
+                        Ok(Descriptor::decode(bytes)
+                            .map_err(|e| ProtocolError::malformed("rdma_describe_result.descriptor", e.to_string()))?)
+                    }
+                    Some(code) => Err(code),
+                });
+            }
+            Meta::Complete(Message::Response(Response::RdmaDescribe { results }))
+        }
+        Opcode::RdmaConnect => {
+            no_payload("rdma_connect")?;
+            let endpoint = r.endpoint("rdma_connect.endpoint")?;
+            Meta::Complete(Message::Request(Request::RdmaConnect { endpoint }))
+        }
+        Opcode::RdmaConnectResult => {
+            no_payload("rdma_connect_result")?;
+            let endpoint = r.endpoint("rdma_connect_result.endpoint")?;
+            Meta::Complete(Message::Response(Response::RdmaConnect { endpoint }))
         }
         Opcode::ShmAttach => {
             no_payload("shm_attach")?;
@@ -714,6 +763,13 @@ impl Reader {
         let mut a = [0u8; 8];
         a.copy_from_slice(b);
         Ok(u64::from_le_bytes(a))
+    }
+
+    /// A queue pair endpoint in its own wire form.
+    fn endpoint(&mut self, field: &'static str) -> Result<Endpoint, ProtocolError> {
+        let mut raw = [0u8; ENDPOINT_LEN];
+        raw.copy_from_slice(self.take(ENDPOINT_LEN, field)?);
+        Endpoint::decode(&raw).map_err(|e| ProtocolError::malformed(field, e.to_string()))
     }
 
     fn bytes(&mut self, n: usize, field: &'static str) -> Result<Bytes, ProtocolError> {

@@ -35,6 +35,8 @@ pub enum Opcode {
     ShmAttach = 0x0a,
     PutShm = 0x0b,
     GetShm = 0x0c,
+    RdmaDescribe = 0x0d,
+    RdmaConnect = 0x0e,
     HelloAck = 0x81,
     PutResult = 0x82,
     GetResult = 0x83,
@@ -47,6 +49,8 @@ pub enum Opcode {
     ShmAttachResult = 0x8a,
     PutShmResult = 0x8b,
     GetShmResult = 0x8c,
+    RdmaDescribeResult = 0x8d,
+    RdmaConnectResult = 0x8e,
     Error = 0xff,
 }
 
@@ -65,6 +69,8 @@ impl Opcode {
             0x0a => Opcode::ShmAttach,
             0x0b => Opcode::PutShm,
             0x0c => Opcode::GetShm,
+            0x0d => Opcode::RdmaDescribe,
+            0x0e => Opcode::RdmaConnect,
             0x81 => Opcode::HelloAck,
             0x82 => Opcode::PutResult,
             0x83 => Opcode::GetResult,
@@ -77,6 +83,8 @@ impl Opcode {
             0x8a => Opcode::ShmAttachResult,
             0x8b => Opcode::PutShmResult,
             0x8c => Opcode::GetShmResult,
+            0x8d => Opcode::RdmaDescribeResult,
+            0x8e => Opcode::RdmaConnectResult,
             0xff => Opcode::Error,
             _ => return None,
         })
@@ -105,6 +113,11 @@ impl Features {
     /// (`SHM_ATTACH`, `PUT_SHM`, `GET_SHM`): Unix-socket connections only,
     /// since the memory is handed over as a file descriptor.
     pub const SHARED_MEMORY: Features = Features(1 << 2);
+    /// Block bytes may be read with one-sided RDMA READs of the node's pool
+    /// (`RDMA_CONNECT`, `RDMA_DESCRIBE`): offered by a client with an RDMA
+    /// device and by a node that registered its pool with one (both built
+    /// with the `rdma` feature); never part of [`Features::ALL`].
+    pub const RDMA: Features = Features(1 << 3);
 
     pub fn contains(self, other: Features) -> bool {
         self.0 & other.0 == other.0

@@ -6,6 +6,7 @@
 //! anything stored for long must be copied into block memory first.
 
 use bytes::Bytes;
+use kvplane_rdma::{Descriptor, Endpoint};
 
 use super::error::ErrorCode;
 use super::frame::{Features, Opcode};
@@ -163,6 +164,18 @@ pub enum Request {
     GetShm {
         entries: Vec<ShmGet>,
     },
+    /// Asks for what a one-sided RDMA READ of each key's block needs (feature
+    /// `RDMA`, after RDMA_CONNECT): answered per key with a descriptor whose
+    /// lease pins the block for `lease_ms` (clamped by the node), or a status.
+    RdmaDescribe {
+        keys: Vec<Bytes>,
+        lease_ms: u32,
+    },
+    /// Connects the client's queue pair (`endpoint`) to one the node makes
+    /// for this connection; answered with the node's endpoint.
+    RdmaConnect {
+        endpoint: Endpoint,
+    },
 }
 
 /// What a server answers. Per-key results are in request order.
@@ -203,6 +216,14 @@ pub enum Response {
     },
     GetShm {
         results: Vec<Result<ShmBlock, ErrorCode>>,
+    },
+    RdmaDescribe {
+        results: Vec<Result<Descriptor, ErrorCode>>,
+    },
+    /// The node's queue pair for this connection, now connected to the
+    /// client's.
+    RdmaConnect {
+        endpoint: Endpoint,
     },
     /// The request as a whole failed (or, with request id 0 and no request to
     /// blame, the connection is about to close).
@@ -255,6 +276,8 @@ impl Message {
                 Request::ShmAttach => Opcode::ShmAttach,
                 Request::PutShm { .. } => Opcode::PutShm,
                 Request::GetShm { .. } => Opcode::GetShm,
+                Request::RdmaDescribe { .. } => Opcode::RdmaDescribe,
+                Request::RdmaConnect { .. } => Opcode::RdmaConnect,
             },
             Message::Response(r) => match r {
                 Response::HelloAck(_) => Opcode::HelloAck,
@@ -269,6 +292,8 @@ impl Message {
                 Response::ShmAttach { .. } => Opcode::ShmAttachResult,
                 Response::PutShm { .. } => Opcode::PutShmResult,
                 Response::GetShm { .. } => Opcode::GetShmResult,
+                Response::RdmaDescribe { .. } => Opcode::RdmaDescribeResult,
+                Response::RdmaConnect { .. } => Opcode::RdmaConnectResult,
                 Response::Error { .. } => Opcode::Error,
             },
         }

@@ -12,6 +12,7 @@ use kvplane_protocol::{
     DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_KEY_BYTES, DEFAULT_MAX_LEASE_MS, HEADER_LEN, MAX_ERROR_MESSAGE_BYTES, MAX_STATS_ENTRIES,
     MAX_TOKEN_BYTES,
 };
+use kvplane_rdma::{Descriptor, Endpoint, Gid};
 
 fn doc() -> String {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/protocol.md");
@@ -57,7 +58,35 @@ fn examples() -> Vec<(&'static str, Frame)> {
         ("get_result_miss", Frame::response(1, Response::Get { results: vec![Err(ErrorCode::NotFound)] })),
         ("cluster_table", Frame::request(2, Request::ClusterTable { after_version: 7, wait_ms: 30_000 })),
         ("cluster_table_result", Frame::response(2, Response::ClusterTable(Box::new(two_member_table())))),
+        ("rdma_connect", Frame::request(3, Request::RdmaConnect { endpoint: client_endpoint() })),
+        ("rdma_describe", Frame::request(4, Request::RdmaDescribe { keys: vec![key("k1")], lease_ms: 2_000 })),
+        ("rdma_describe_result", Frame::response(4, Response::RdmaDescribe { results: vec![Ok(hello_descriptor())] })),
     ]
+}
+
+/// A RoCE client's queue pair: GID ::ffff:10.0.0.2, queue pair 0x000456.
+fn client_endpoint() -> Endpoint {
+    let mut gid = [0u8; 16];
+    gid[10..].copy_from_slice(&[0xff, 0xff, 10, 0, 0, 2]);
+    Endpoint { gid: Gid(gid), lid: 0, qp_num: 0x456, psn: 0x1234 }
+}
+
+/// The block `hello` at 0x7f3a00200000 of a node at ::ffff:10.0.0.1, queue
+/// pair 0x000123, lease 1 until 1767225600000 ms.
+fn hello_descriptor() -> Descriptor {
+    let mut gid = [0u8; 16];
+    gid[10..].copy_from_slice(&[0xff, 0xff, 10, 0, 0, 1]);
+    Descriptor {
+        gid: Gid(gid),
+        lid: 0,
+        qp_num: 0x123,
+        addr: 0x7f3a_0020_0000,
+        rkey: 0x1a2b,
+        len: 5,
+        crc32c: kvplane_protocol::checksum(b"hello"),
+        lease: 1,
+        expires_at_ms: 1_767_225_600_000,
+    }
 }
 
 /// Two up members, two slots, one owner each, version 8.

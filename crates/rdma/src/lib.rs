@@ -11,6 +11,8 @@
 //! - [`Descriptor`]: what a remote reader needs for one block (GID/LID and
 //!   queue pair of the node, address, rkey, length, CRC-32C, lease and its
 //!   expiry) and its versioned binary form.
+//! - [`Endpoint`]: what a queue pair needs to connect to its peer's, and
+//!   its wire form (exchanged over the kvplane connection, `RDMA_CONNECT`).
 //! - [`Leases`]: the node's table of leases that keep blocks pinned until
 //!   they expire, bounded.
 //! - [`choose`] and [`get`]: the client's choice between RDMA and TCP, and
@@ -30,6 +32,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod descriptor;
+pub mod endpoint;
 pub mod lease;
 pub mod transport;
 #[cfg(feature = "rdma")]
@@ -37,5 +40,6 @@ pub mod transport;
 pub mod verbs;
 
 pub use descriptor::{DecodeError, Descriptor, Gid, UseError};
+pub use endpoint::{Endpoint, ENDPOINT_LEN};
 pub use lease::{Lease, LeaseError, LeaseId, Leases};
 pub use transport::{choose, get, Fallback, Fetched, Path};

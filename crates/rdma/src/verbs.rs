@@ -31,6 +31,7 @@ use std::time::{Duration, Instant};
 use ibverbs_sys as ffi;
 
 use crate::descriptor::{DecodeError, Descriptor, Gid, UseError, ENCODED_LEN};
+pub use crate::endpoint::{Endpoint, ENDPOINT_LEN};
 use crate::lease::Lease;
 
 /// The port every queue pair uses: the first (most devices have one).
@@ -329,48 +330,6 @@ impl Drop for MemoryRegion {
     fn drop(&mut self) {
         // SAFETY: registered in `register_with` and deregistered once.
         unsafe { ffi::ibv_dereg_mr(self.mr.as_ptr()) };
-    }
-}
-
-/// What the peer's queue pair needs to connect to this one.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Endpoint {
-    pub gid: Gid,
-    pub lid: u16,
-    pub qp_num: u32,
-    /// First packet sequence number (24 bits).
-    pub psn: u32,
-}
-
-const ENDPOINT_MAGIC: [u8; 4] = *b"KVQP";
-/// Length of an endpoint on the side channel: magic, gid, lid, qp_num, psn.
-pub const ENDPOINT_LEN: usize = 4 + 16 + 2 + 4 + 4;
-
-impl Endpoint {
-    /// The side channel's form (big-endian, after a 4-byte magic).
-    pub fn encode(&self) -> [u8; ENDPOINT_LEN] {
-        let mut b = [0u8; ENDPOINT_LEN];
-        b[..4].copy_from_slice(&ENDPOINT_MAGIC);
-        b[4..20].copy_from_slice(&self.gid.0);
-        b[20..22].copy_from_slice(&self.lid.to_be_bytes());
-        b[22..26].copy_from_slice(&self.qp_num.to_be_bytes());
-        b[26..30].copy_from_slice(&self.psn.to_be_bytes());
-        b
-    }
-
-    /// Parses [`Endpoint::encode`]'s form; `InvalidData` for anything else.
-    pub fn decode(b: &[u8; ENDPOINT_LEN]) -> io::Result<Endpoint> {
-        if b[..4] != ENDPOINT_MAGIC {
-            return Err(io::Error::new(io::ErrorKind::InvalidData, "peer did not send a queue pair endpoint"));
-        }
-        let mut gid = [0u8; 16];
-        gid.copy_from_slice(&b[4..20]);
-        Ok(Endpoint {
-            gid: Gid(gid),
-            lid: u16::from_be_bytes([b[20], b[21]]),
-            qp_num: u32::from_be_bytes([b[22], b[23], b[24], b[25]]),
-            psn: u32::from_be_bytes([b[26], b[27], b[28], b[29]]),
-        })
     }
 }
 

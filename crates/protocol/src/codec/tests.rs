@@ -46,7 +46,81 @@ fn all_frames() -> Vec<Frame> {
         Frame::response(13, Response::PutShm { results: vec![Ok(()), Err(ErrorCode::BadChecksum)] }),
         Frame::request(14, Request::GetShm { entries: vec![ShmGet { key: key("a"), offset: 0, capacity: 65536 }] }),
         Frame::response(14, Response::GetShm { results: vec![Ok(ShmBlock { len: 5, crc: 9 }), Err(ErrorCode::NotFound)] }),
+        Frame::request(15, Request::RdmaDescribe { keys: vec![key("a"), key("b")], lease_ms: 500 }),
+        Frame::response(15, Response::RdmaDescribe { results: vec![Ok(descriptor()), Err(ErrorCode::NotFound)] }),
+        Frame::response(15, Response::RdmaDescribe { results: vec![] }),
+        Frame::request(16, Request::RdmaConnect { endpoint: endpoint() }),
+        Frame::response(16, Response::RdmaConnect { endpoint: endpoint() }),
     ]
+}
+
+fn descriptor() -> kvplane_rdma::Descriptor {
+    kvplane_rdma::Descriptor {
+        gid: kvplane_rdma::Gid([0xfe, 0x80, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]),
+        lid: 0,
+        qp_num: 0x11,
+        addr: 0x7f00_0000_1000,
+        rkey: 0x1234,
+        len: 5,
+        crc32c: crate::message::checksum(b"hello"),
+        lease: 7,
+        expires_at_ms: 1_000_500,
+    }
+}
+
+fn endpoint() -> kvplane_rdma::Endpoint {
+    kvplane_rdma::Endpoint { gid: kvplane_rdma::Gid([7; 16]), lid: 2, qp_num: 0x11, psn: 0x42 }
+}
+
+#[test]
+fn a_corrupted_rdma_descriptor_is_malformed_naming_the_field() {
+    let frame = Frame::response(1, Response::RdmaDescribe { results: vec![Ok(descriptor())] });
+    let mut wire = encode(&frame).unwrap().to_vec();
+    // The descriptor's `len` (at offset 40 of its 68 bytes, after the
+    // header, the count and the status): changed without resealing it.
+    let at = HEADER_LEN + 4 + 2 + 40;
+    wire[at] ^= 0x01;
+    match decode(&Bytes::from(wire), &Limits::default()) {
+        Err(DecodeError { error: ProtocolError::Malformed { field, reason }, fatal: false, .. }) => {
+            assert_eq!(field, "rdma_describe_result.descriptor");
+            assert!(reason.contains("`check`"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
+
+    // A status 0 with no descriptor after it.
+    let mut wire = encode(&Frame::response(1, Response::RdmaDescribe { results: vec![Err(ErrorCode::NotFound)] })).unwrap().to_vec();
+    let status = HEADER_LEN + 4;
+    wire[status] = 0;
+    match decode(&Bytes::from(wire), &Limits::default()) {
+        Err(DecodeError { error: ProtocolError::Malformed { field, .. }, .. }) => assert_eq!(field, "rdma_describe_result.descriptor"),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn an_rdma_endpoint_wider_than_24_bits_is_malformed_naming_the_field() {
+    let frame = Frame::request(1, Request::RdmaConnect { endpoint: endpoint() });
+    let mut wire = encode(&frame).unwrap().to_vec();
+    // qp_num is at 22..26 of the endpoint, big-endian: set its top byte.
+    wire[HEADER_LEN + 22] = 1;
+    match decode(&Bytes::from(wire), &Limits::default()) {
+        Err(DecodeError { error: ProtocolError::Malformed { field, reason }, fatal: false, .. }) => {
+            assert_eq!(field, "rdma_connect.endpoint");
+            assert!(reason.contains("`qp_num`"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn rdma_describe_refuses_duplicate_keys_and_counts_against_the_batch_limit() {
+    let wire = encode(&Frame::request(1, Request::RdmaDescribe { keys: vec![key("a"), key("a")], lease_ms: 1 })).unwrap().to_vec();
+    let e = decode(&Bytes::from(wire), &Limits::default()).unwrap_err();
+    assert_eq!(e.error, ProtocolError::DuplicateKey { index: 1, first: 0 });
+    let small = Limits { max_batch_keys: 1, ..Limits::default() };
+    let wire = encode(&Frame::request(1, Request::RdmaDescribe { keys: vec![key("a"), key("b")], lease_ms: 1 })).unwrap().to_vec();
+    assert_eq!(decode(&Bytes::from(wire), &small).unwrap_err().error, ProtocolError::TooManyKeys { count: 2, limit: 1 });
 }
 
 /// Three members (one draining), four slots, two owners each.
