@@ -1,0 +1,500 @@
+"""A KV connector for stock vLLM (0.33), loaded through its module path.
+
+    vllm serve MODEL --kv-transfer-config '{
+        "kv_connector": "KVPlaneConnector",
+        "kv_connector_module_path": "kvplane.vllm_connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"endpoint": "127.0.0.1:9600"}}'
+
+What it does:
+
+- Keys. One key per KV block per worker: ``{namespace}@{model}@tp{rank}/{size}
+  @pp{rank}/{size}@g{group}@{block hash}``, the block hash being vLLM's
+  chained block hash (it covers every token before and in the block, and
+  the cache salt and LoRA), in hex. The value is the block's bytes in every
+  layer of its KV-cache group, layer after layer. Workers of other ranks or
+  another model never share a key.
+- Scheduler side. ``get_num_new_matched_tokens`` asks the node with one
+  MATCH_PREFIX for how many leading blocks of the prompt it holds (the keys
+  of tensor- and pipeline-rank 0, group 0) and pins them for
+  ``lease_ms``, so that the load that follows finds them. At least one
+  prompt token is always left to compute. A node that cannot be reached
+  is a miss: the request goes on without kvplane.
+- Worker side. ``start_load_kv`` reads the matched blocks of this step into
+  vLLM's paged KV cache (one batched GET into a staging buffer, then each
+  layer's slice copied into place) before the forward pass; blocks that
+  could not be read are reported by ``get_block_ids_with_load_errors``, so
+  vLLM recomputes them (with ``kv_load_failure_policy: recompute``; vLLM's
+  default, ``fail``, fails the request instead). ``wait_for_save`` stores
+  each prompt block that became full in this step (one batched PUT), so a
+  request's blocks are saved by the time it finishes and vLLM may free
+  them at once.
+- The hybrid allocator: it implements ``SupportsHMA``; every KV-cache group
+  is saved and loaded with its own block ids under its own keys.
+
+``kv_connector_extra_config``:
+
+- ``endpoint`` (required): ``HOST:PORT``, ``unix:///path.sock`` (the node's
+  shared memory is used by itself on the same host), or a list of seeds
+  with ``cluster: true``.
+- ``token``, ``connections``, ``timeout_s`` (5), ``lease_ms`` (30000),
+  ``namespace`` (""), ``retry_after_s`` (1: how long a node that could not
+  be reached is treated as a miss before the next attempt).
+
+KV caches on a GPU are staged through host memory; with CPU KV caches the
+staging buffer is the only copy besides the cache itself.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from vllm.logger import init_logger
+from vllm.v1.kv_cache_interface import group_kernel_blocks
+
+import kvplane
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+__all__ = ["KVPlaneConnector", "KVPlaneConnectorMetadata", "BlockTransfer"]
+
+
+# vLLM's block pool keeps block 0 as its "null block": the id a group
+# (sliding window, Mamba) gives positions it does not keep. Nothing is
+# saved from it or loaded into it.
+NULL_BLOCK_ID = 0
+
+
+@dataclass
+class BlockTransfer:
+    """Blocks of one request to load or save in this step, per KV-cache
+    group: ``hashes[i]`` (hex) lives in vLLM block ``block_ids[g][i]``."""
+
+    req_id: str
+    hashes: list[str]
+    block_ids: list[list[int]]
+
+
+@dataclass
+class KVPlaneConnectorMetadata(KVConnectorMetadata):
+    """What the workers move in one step (built by the scheduler side)."""
+
+    loads: list[BlockTransfer] = field(default_factory=list)
+    saves: list[BlockTransfer] = field(default_factory=list)
+
+
+@dataclass
+class _Settings:
+    endpoint: str | list[str]
+    cluster: bool
+    token: str | None
+    connections: int | None
+    timeout_s: float
+    lease_ms: int
+    namespace: str
+    retry_after_s: float
+
+    @staticmethod
+    def of(extra: dict[str, Any]) -> _Settings:
+        endpoint = extra.get("endpoint")
+        if not endpoint or not isinstance(endpoint, (str, list)):
+            raise ValueError(
+                "kv_connector_extra_config.endpoint: the kvplane node to use is required "
+                '(e.g. "127.0.0.1:9600", "unix:///run/kvplane/node.sock", or a list of seeds with "cluster": true)'
+            )
+
+        def number(name: str, default: float, kind: type = float) -> Any:
+            value = extra.get(name, default)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"kv_connector_extra_config.{name}: expected a number >= 0, got {value!r}")
+            return kind(value)
+
+        connections = extra.get("connections")
+        return _Settings(
+            endpoint=endpoint,
+            cluster=bool(extra.get("cluster", False)),
+            token=extra.get("token"),
+            connections=None if connections is None else number("connections", 0, int),
+            timeout_s=number("timeout_s", 5.0),
+            lease_ms=number("lease_ms", 30_000, int),
+            namespace=str(extra.get("namespace", "")),
+            retry_after_s=number("retry_after_s", 1.0),
+        )
+
+
+class _Node:
+    """The kvplane client, made on first use and made again after a failure
+    (not more often than every ``retry_after_s``), so that a node that is
+    down or restarting costs misses, never a failed request."""
+
+    def __init__(self, settings: _Settings) -> None:
+        self._settings = settings
+        self._lock = threading.Lock()
+        self._client: kvplane.Client | None = None
+        self._down_until = 0.0
+
+    def get(self) -> kvplane.Client | None:
+        with self._lock:
+            if self._client is not None:
+                return self._client
+            if time.monotonic() < self._down_until:
+                return None
+            s = self._settings
+            try:
+                self._client = kvplane.Client(
+                    s.endpoint,
+                    cluster=s.cluster,
+                    connections=s.connections,
+                    token=s.token,
+                    timeout=s.timeout_s,
+                )
+            except kvplane.Error as e:
+                logger.warning("kvplane: cannot reach %s (%s); treating lookups as misses", s.endpoint, e)
+                self._down_until = time.monotonic() + s.retry_after_s
+                return None
+            return self._client
+
+    def failed(self, client: kvplane.Client, error: kvplane.Error) -> None:
+        """After a call on `client` raised `error`: a lost node (unavailable,
+        timed out) drops the client until the next attempt; any other error
+        concerns that call alone."""
+        if not isinstance(error, (kvplane.Unavailable, kvplane.Timeout)):
+            logger.warning("kvplane: %s", error)
+            return
+        with self._lock:
+            if self._client is client:
+                self._client = None
+                self._down_until = time.monotonic() + self._settings.retry_after_s
+        logger.warning("kvplane: call to %s failed: %s", self._settings.endpoint, error)
+        try:
+            client.close()
+        except kvplane.Error:
+            pass
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+
+def _key_prefix(namespace: str, model: str, tp: tuple[int, int], pp: tuple[int, int], group: int) -> str:
+    return f"{namespace}@{model}@tp{tp[0]}/{tp[1]}@pp{pp[0]}/{pp[1]}@g{group}@"
+
+
+def _ranks(vllm_config: VllmConfig) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(rank, size) of this worker in tensor and pipeline parallelism."""
+    from vllm.distributed import parallel_state
+
+    parallel = vllm_config.parallel_config
+    tp_size, pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    if parallel_state.model_parallel_is_initialized():
+        return (
+            (parallel_state.get_tensor_model_parallel_rank(), tp_size),
+            (parallel_state.get_pp_group().rank_in_group, pp_size),
+        )
+    if tp_size * pp_size != 1:
+        raise RuntimeError("kvplane: vLLM's model-parallel groups are not initialized; cannot tell this worker's rank")
+    return (0, 1), (0, 1)
+
+
+class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM KV connector backed by a kvplane node or cluster (see the module
+    documentation)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._settings = _Settings.of(self._kv_transfer_config.kv_connector_extra_config or {})
+        self._node = _Node(self._settings)
+        self._block_size = vllm_config.cache_config.block_size
+        self._groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
+        model = vllm_config.model_config.served_model_name or vllm_config.model_config.model
+        if isinstance(model, list):
+            model = model[0]
+        self._model = str(model)
+        if role == KVConnectorRole.SCHEDULER:
+            parallel = vllm_config.parallel_config
+            tp, pp = (0, parallel.tensor_parallel_size), (0, parallel.pipeline_parallel_size)
+            self._scheduler = _SchedulerSide(self)
+        else:
+            tp, pp = _ranks(vllm_config)
+            self._worker = _WorkerSide(self)
+        self._prefixes = [_key_prefix(self._settings.namespace, self._model, tp, pp, g) for g in range(self._groups)]
+
+    def _keys(self, group: int, hashes: list[str]) -> list[str]:
+        prefix = self._prefixes[group]
+        return [prefix + h for h in hashes]
+
+    # --- scheduler side -------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._scheduler.after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._scheduler.build_meta(scheduler_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        # Saves finish within the step that fills a block: nothing to wait for.
+        self._scheduler.forget(request.request_id)
+        return False, None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._scheduler.forget(request.request_id)
+        return False, None
+
+    # --- worker side ----------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, KVPlaneConnectorMetadata)
+        self._worker.load(metadata.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Every layer was loaded by start_load_kv, before the forward pass.
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        # Saved whole in wait_for_save, once every layer is written.
+        return
+
+    def wait_for_save(self) -> None:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, KVPlaneConnectorMetadata)
+        self._worker.save(metadata.saves)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors()
+
+    def shutdown(self) -> None:
+        self._node.close()
+
+
+@dataclass
+class _Tracked:
+    """A request the scheduler side follows until it finishes."""
+
+    request: Request
+    block_ids: list[list[int]]
+    saved: int  # leading blocks known to be in kvplane
+
+
+class _SchedulerSide:
+    def __init__(self, connector: KVPlaneConnector) -> None:
+        self._c = connector
+        # req id -> (blocks matched in kvplane, blocks computed locally) from
+        # the latest lookup, until the allocation that follows it.
+        self._matched: dict[str, tuple[int, int]] = {}
+        self._loads: list[BlockTransfer] = []
+        self._requests: dict[str, _Tracked] = {}
+
+    def matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        bs = self._c._block_size
+        prompt = request.num_prompt_tokens
+        # Leave at least one prompt token for vLLM to compute.
+        most = min(len(request.block_hashes), (prompt - 1) // bs)
+        local = num_computed_tokens // bs
+        self._matched.pop(request.request_id, None)
+        if most <= local:
+            return 0
+        hashes = [h.hex() for h in request.block_hashes[:most]]
+        client = self._c._node.get()
+        if client is None:
+            return 0
+        try:
+            matched, _lease = client.match_prefix(self._c._keys(0, hashes), lease_ms=self._c._settings.lease_ms)
+        except kvplane.Error as e:
+            self._c._node.failed(client, e)
+            return 0
+        self._matched[request.request_id] = (matched, local)
+        return max(0, matched * bs - num_computed_tokens)
+
+    def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        matched, local = self._matched.pop(request.request_id, (0, 0))
+        block_ids = [list(ids) for ids in blocks.get_block_ids()]
+        tracked = self._requests.get(request.request_id)
+        if tracked is None:
+            tracked = _Tracked(request=request, block_ids=block_ids, saved=matched)
+            self._requests[request.request_id] = tracked
+        else:
+            tracked.block_ids = block_ids
+        if num_external_tokens <= 0:
+            return
+        bs = self._c._block_size
+        first, end = local, local + num_external_tokens // bs
+        hashes = [h.hex() for h in request.block_hashes[first:end]]
+        self._loads.append(
+            BlockTransfer(
+                req_id=request.request_id,
+                hashes=hashes,
+                block_ids=[ids[first:end] for ids in block_ids],
+            )
+        )
+
+    def build_meta(self, out: SchedulerOutput) -> KVPlaneConnectorMetadata:
+        meta = KVPlaneConnectorMetadata(loads=self._loads)
+        self._loads = []
+        # Follow the block ids vLLM hands each request.
+        for new in out.scheduled_new_reqs:
+            tracked = self._requests.get(new.req_id)
+            if tracked is not None:
+                tracked.block_ids = [list(ids) for ids in new.block_ids]
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._requests.get(req_id)
+            new_ids = cached.new_block_ids[i]
+            if tracked is None or new_ids is None:
+                continue
+            if req_id in cached.resumed_req_ids:
+                tracked.block_ids = [list(ids) for ids in new_ids]
+            else:
+                for have, more in zip(tracked.block_ids, new_ids):
+                    have.extend(more)
+        # Save each prompt block that becomes full in this step.
+        bs = self._c._block_size
+        for req_id, tokens in out.num_scheduled_tokens.items():
+            tracked = self._requests.get(req_id)
+            if tracked is None:
+                continue
+            request = tracked.request
+            done = min(request.num_computed_tokens + tokens, request.num_prompt_tokens)
+            full = min(done // bs, len(request.block_hashes), *(len(ids) for ids in tracked.block_ids))
+            if full <= tracked.saved:
+                continue
+            first = tracked.saved
+            meta.saves.append(
+                BlockTransfer(
+                    req_id=req_id,
+                    hashes=[h.hex() for h in request.block_hashes[first:full]],
+                    block_ids=[ids[first:full] for ids in tracked.block_ids],
+                )
+            )
+            tracked.saved = full
+        return meta
+
+    def forget(self, req_id: str) -> None:
+        self._requests.pop(req_id, None)
+        self._matched.pop(req_id, None)
+
+
+class _WorkerSide:
+    def __init__(self, connector: KVPlaneConnector) -> None:
+        self._c = connector
+        # Per group: its layers' caches as (num_blocks, ...) views, in a
+        # fixed (name) order, and one block's size in bytes in each.
+        self._layers: list[list[torch.Tensor]] = []
+        self._block_bytes: list[int] = []
+        self._load_errors: set[int] = set()
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        config = self._c._kv_cache_config
+        num_blocks = config.num_blocks
+        self._layers, self._block_bytes = [], []
+        for group in config.kv_cache_groups:
+            views = []
+            for name in sorted(group.layer_names):
+                cache = kv_caches[name]
+                if isinstance(cache, list):  # Mamba layers: one storage
+                    cache = cache[0]
+                views.append(group_kernel_blocks(cache, num_blocks))
+            self._layers.append(views)
+            self._block_bytes.append(sum(v[0].numel() * v.element_size() for v in views))
+
+    def _staging(self, group: int, count: int) -> torch.Tensor:
+        pin = any(v.is_cuda for v in self._layers[group])
+        return torch.empty((count, self._block_bytes[group]), dtype=torch.uint8, pin_memory=pin)
+
+    def load(self, loads: list[BlockTransfer]) -> None:
+        for transfer in loads:
+            for group, (hashes, block_ids) in enumerate(self._kept(transfer)):
+                if not block_ids:
+                    continue
+                staging = self._staging(group, len(block_ids))
+                got = self._read(self._c._keys(group, hashes), staging)
+                ok = [i for i, n in enumerate(got) if n == self._block_bytes[group]]
+                self._load_errors.update(block_ids[i] for i in set(range(len(block_ids))) - set(ok))
+                if ok:
+                    self._scatter(group, staging, [block_ids[i] for i in ok], ok)
+
+    def _kept(self, transfer: BlockTransfer) -> list[tuple[list[str], list[int]]]:
+        """Per group: the hashes and block ids to move, null blocks left out."""
+        kept = []
+        for group, block_ids in enumerate(transfer.block_ids[: len(self._layers)]):
+            pairs = [(h, b) for h, b in zip(transfer.hashes, block_ids) if b != NULL_BLOCK_ID]
+            kept.append(([h for h, _ in pairs], [b for _, b in pairs]))
+        return kept
+
+    def _read(self, keys: list[str], staging: torch.Tensor) -> list[int | None]:
+        client = self._c._node.get()
+        if client is None:
+            return [None] * len(keys)
+        buffers = [staging[i].numpy() for i in range(len(keys))]
+        try:
+            return client.get_into(keys, buffers)
+        except kvplane.Error as e:
+            self._c._node.failed(client, e)
+            return [None] * len(keys)
+
+    def _scatter(self, group: int, staging: torch.Tensor, block_ids: list[int], rows: list[int]) -> None:
+        index = torch.tensor(block_ids, dtype=torch.long)
+        src = staging[rows]
+        offset = 0
+        for view in self._layers[group]:
+            size = view[0].numel() * view.element_size()
+            part = src[:, offset : offset + size].contiguous().view(view.dtype).reshape((len(rows), *view.shape[1:]))
+            view[index.to(view.device)] = part.to(view.device)
+            offset += size
+
+    def save(self, saves: list[BlockTransfer]) -> None:
+        for transfer in saves:
+            for group, (hashes, block_ids) in enumerate(self._kept(transfer)):
+                if not block_ids:
+                    continue
+                staging = self._staging(group, len(block_ids))
+                index = torch.tensor(block_ids, dtype=torch.long)
+                offset = 0
+                for view in self._layers[group]:
+                    size = view[0].numel() * view.element_size()
+                    rows = view[index.to(view.device)].reshape(len(block_ids), -1).view(torch.uint8)
+                    staging[:, offset : offset + size].copy_(rows)
+                    offset += size
+                keys = self._c._keys(group, hashes)
+                client = self._c._node.get()
+                if client is None:
+                    continue
+                try:
+                    client.put_from(keys, [staging[i].numpy() for i in range(len(keys))])
+                except kvplane.Error as e:
+                    # A save that fails is a future miss, never a failed request.
+                    self._c._node.failed(client, e)
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
