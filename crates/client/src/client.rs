@@ -9,6 +9,7 @@ use kvplane_protocol::{Block, ErrorCode, KvError, Limits, PutEntry, Request, Res
 
 use crate::connection::Connection;
 use crate::endpoint::Endpoint;
+use crate::rdma;
 use crate::shm::{Range, SharedMemory};
 
 /// How to reach a node.
@@ -126,6 +127,14 @@ impl Client {
         for chunk in self.split_keys(keys) {
             let n = chunk.len();
             let conn = self.connection().await?;
+            if let Some(reader) = conn.rdma() {
+                let r = self.get_over_rdma(&conn, reader, chunk).await?;
+                for b in r.iter().flatten() {
+                    self.largest_block.fetch_max(b.len(), Ordering::Relaxed);
+                }
+                results.extend(r);
+                continue;
+            }
             // Through shared memory once the block size is known (from a PUT
             // or an earlier GET): each key needs room reserved up front.
             let largest = self.largest_block.load(Ordering::Relaxed);
@@ -191,6 +200,52 @@ impl Client {
             results.extend(values.into_iter().zip(dests).map(|(value, dest)| value.and_then(|v| copy_into(&v, dest))));
         }
         Ok(results)
+    }
+
+    /// GET with one-sided RDMA READs (both ends offered RDMA): descriptors
+    /// for the batch, a READ per block, and the socket for every key RDMA
+    /// did not serve (see the `rdma` module).
+    async fn get_over_rdma(
+        &self,
+        conn: &Connection,
+        reader: &rdma::Reader,
+        chunk: Vec<Bytes>,
+    ) -> Result<Vec<Result<Bytes, KvError>>, KvError> {
+        let n = chunk.len();
+        let lease_ms = u32::try_from(rdma::LEASE.as_millis()).unwrap_or(u32::MAX);
+        let offers = match conn.call(Request::RdmaDescribe { keys: chunk.clone(), lease_ms }).await {
+            Ok(Response::RdmaDescribe { results }) if results.len() == n => results,
+            Ok(other) => {
+                tracing::debug!(answer = %short(&other), "RDMA_DESCRIBE answered unexpectedly; using the socket");
+                return self.get_over_socket(conn, chunk).await;
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "RDMA_DESCRIBE refused; using the socket");
+                return self.get_over_socket(conn, chunk).await;
+            }
+        };
+        let mut results: Vec<Option<Result<Bytes, KvError>>> = Vec::with_capacity(n);
+        let mut again = Vec::new();
+        for (i, outcome) in reader.fetch(offers).await.into_iter().enumerate() {
+            match outcome {
+                rdma::Outcome::Read(bytes) => results.push(Some(Ok(bytes))),
+                rdma::Outcome::Socket(why) => {
+                    tracing::trace!(key = i, reason = %why, "over the socket");
+                    again.push(i);
+                    results.push(None);
+                }
+            }
+        }
+        if !again.is_empty() {
+            let keys = again.iter().map(|&i| chunk[i].clone()).collect();
+            for (i, got) in again.into_iter().zip(self.get_over_socket(conn, keys).await?) {
+                results[i] = Some(got);
+            }
+        }
+        Ok(results
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|| Err(KvError::Internal("a key answered neither over RDMA nor over the socket".into()))))
+            .collect())
     }
 
     async fn get_over_socket(&self, conn: &Connection, chunk: Vec<Bytes>) -> Result<Vec<Result<Bytes, KvError>>, KvError> {

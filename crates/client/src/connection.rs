@@ -19,6 +19,7 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 use crate::endpoint::Endpoint;
+use crate::rdma;
 use crate::shm::SharedMemory;
 use bytes::Bytes;
 use kvplane_protocol::io::{read_frame, write_frame, ReadError};
@@ -67,6 +68,8 @@ pub struct Connection {
     timeout: Duration,
     reader: JoinHandle<()>,
     shm: Option<Arc<SharedMemory>>,
+    /// A queue pair connected to the node's, when both ends offered RDMA.
+    rdma: Option<rdma::Reader>,
 }
 
 impl Drop for Connection {
@@ -104,7 +107,9 @@ impl Connection {
                 stream.set_nodelay(true).map_err(unavailable)?;
                 let (r, mut w) = stream.into_split();
                 let mut r = BufReader::with_capacity(READ_BUFFER_BYTES, r);
-                let ack = with_timeout(timeout, endpoint, handshake(&mut r, &mut w, endpoint, token, Features::ALL)).await?;
+                // RDMA only when this host has a device (and the feature).
+                let wanted = if rdma::offered() { Features::ALL | Features::RDMA } else { Features::ALL };
+                let ack = with_timeout(timeout, endpoint, handshake(&mut r, &mut w, endpoint, token, wanted)).await?;
                 (Box::new(r), Box::new(w), ack, None)
             }
             Endpoint::Unix(path) => {
@@ -136,7 +141,7 @@ impl Connection {
         let shared =
             Arc::new(Shared { waiters: Mutex::new(HashMap::new()), closed: AtomicBool::new(false), close_reason: Mutex::new(None) });
         let reader = tokio::spawn(read_loop(reader, Arc::clone(&shared), endpoint.clone()));
-        Ok(Connection {
+        let mut conn = Connection {
             endpoint: endpoint.clone(),
             writer: tokio::sync::Mutex::new(writer),
             shared,
@@ -145,7 +150,21 @@ impl Connection {
             timeout,
             reader,
             shm,
-        })
+            rdma: None,
+        };
+        if conn.ack.features.contains(Features::RDMA) {
+            // Any failure leaves the connection on the socket path.
+            match rdma::Reader::connect(&conn).await {
+                Ok(r) => conn.rdma = Some(r),
+                Err(e) => tracing::debug!(%endpoint, error = %e, "no RDMA on this connection; using the socket"),
+            }
+        }
+        Ok(conn)
+    }
+
+    /// The queue pair GETs read through, when both ends offered RDMA.
+    pub(crate) fn rdma(&self) -> Option<&rdma::Reader> {
+        self.rdma.as_ref()
     }
 
     /// Stores blocks the caller wrote into this connection's shared memory:
