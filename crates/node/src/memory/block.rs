@@ -152,6 +152,13 @@ impl Block {
         self.pool.refcount(self.offset).load(Ordering::Relaxed)
     }
 
+    /// Where the block starts in the pool's arena
+    /// ([`MemoryPool::arena_range`](super::MemoryPool::arena_range)).
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub(crate) fn arena_offset(&self) -> usize {
+        self.offset
+    }
+
     /// Whether two handles share the same memory.
     pub fn ptr_eq(&self, other: &Block) -> bool {
         self.ptr == other.ptr

@@ -306,6 +306,13 @@ impl MemoryPool {
         self.capacity_bytes
     }
 
+    /// Start of the arena and its usable length (every block lies inside):
+    /// what the RDMA side registers as one memory region.
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub(crate) fn arena_range(&self) -> (NonNull<u8>, usize) {
+        (self.arena.base(), self.capacity_bytes)
+    }
+
     pub fn max_block_bytes(&self) -> usize {
         1 << self.slab_shift
     }

@@ -25,6 +25,7 @@ use tokio::task::JoinSet;
 use super::metrics::Op;
 use super::NodeState;
 use crate::memory::BlockMut;
+use crate::rdma::ConnRdma;
 use crate::shm::SharedRegion;
 
 /// Receive buffer per connection: many small frames per system call, while
@@ -169,6 +170,8 @@ struct Conn<'a, R, W> {
     local: Option<tokio::net::UnixStream>,
     /// The memory shared with this client, once it asked (SHM_ATTACH).
     shm: Option<SharedRegion>,
+    /// This connection's queue pair, once it asked (RDMA_CONNECT).
+    rdma: ConnRdma,
 }
 
 async fn serve<R, W>(
@@ -190,6 +193,7 @@ where
         shutdown: shutdown.clone(),
         local,
         shm: None,
+        rdma: ConnRdma::default(),
     };
     let timeout = state.config.handshake_timeout;
     match tokio::time::timeout(timeout, conn.handshake()).await {
@@ -275,6 +279,9 @@ where
         let mut offered = Features::ALL;
         if self.local.is_some() && self.state.config.shm_region_bytes > 0 {
             offered = Features(offered.0 | Features::SHARED_MEMORY.0);
+        }
+        if self.state.rdma.offered() {
+            offered = offered | Features::RDMA;
         }
         self.features = hello.features.intersect(offered);
         let ack = HelloAck { version: hello.version.min(VERSION), features: self.features, limits: self.state.config.limits };
@@ -468,6 +475,14 @@ where
                     }
                 }
             },
+            Request::RdmaConnect { endpoint } => self.rdma.connect(&self.state.rdma, self.features.contains(Features::RDMA), &endpoint),
+            Request::RdmaDescribe { keys, lease_ms } => {
+                let agreed = self.features.contains(Features::RDMA);
+                let max = self.state.config.limits.max_lease_ms;
+                let answer = self.rdma.describe(&self.state.rdma, agreed, cache, &keys, lease_ms, max);
+                metrics.record(Op::Get, keys.len(), started.elapsed());
+                answer
+            }
             Request::Hello(_) => Response::Error { code: ErrorCode::Invalid, message: "HELLO after the handshake".into() },
             Request::Put { .. } => Response::Error { code: ErrorCode::Internal, message: "PUT arrived without payload slots".into() },
         }

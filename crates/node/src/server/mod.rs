@@ -26,6 +26,7 @@ use tokio::task::JoinSet;
 use crate::cache::{BlockCache, CacheConfig};
 use crate::cluster::{ClusterNode, ClusterSetup, HandOff};
 use crate::memory::{MemoryPool, PoolConfig};
+use crate::rdma::{Rdma, WallClock};
 use crate::tier::{SecondTier, TierSetup};
 use metrics::Metrics;
 
@@ -97,6 +98,9 @@ pub(crate) struct NodeState {
     pub(crate) cluster: Option<ClusterNode>,
     /// Connections holding shared memory now.
     pub(crate) shm_regions: std::sync::atomic::AtomicUsize,
+    /// Whether RDMA is offered (feature `rdma` and a device), and the leases
+    /// on described blocks.
+    pub(crate) rdma: Rdma,
     draining: AtomicBool,
 }
 
@@ -107,6 +111,7 @@ impl NodeState {
 
     pub(crate) fn stats(&self) -> Vec<(String, u64)> {
         let mut out = self.metrics.snapshot(&self.cache.stats(), &self.cache.pool().stats());
+        out.push(("rdma_leases".into(), self.rdma.leases.len() as u64));
         if let Some(tier) = &self.tier {
             out.extend(tier.stats());
         }
@@ -138,6 +143,7 @@ impl Node {
     pub async fn start_with_registry(config: NodeConfig, mut registry: Registry) -> anyhow::Result<Node> {
         let pool = MemoryPool::new(config.pool.clone()).context("reserving the memory pool (--memory, or memory in the config file)")?;
         let cache = BlockCache::new(pool, config.cache.clone());
+        let rdma = Rdma::start(&cache, WallClock::new(config.cache.clock.clone(), WallClock::system_unix_ms()));
         let (shutdown, _) = watch::channel(false);
         let mut tasks = JoinSet::new();
         let tcp = match config.listen {
@@ -164,8 +170,12 @@ impl Node {
             tier,
             cluster,
             shm_regions: Default::default(),
+            rdma,
             draining: AtomicBool::new(false),
         });
+        if state.rdma.offered() {
+            tasks.spawn(sweep_leases(Arc::downgrade(&state), shutdown.subscribe()));
+        }
         state.metrics.register(&mut registry, Arc::downgrade(&state));
         let admin = match admin_at {
             Some(addr) => {
@@ -246,6 +256,24 @@ impl Node {
             admin.stop().await;
         }
         drained
+    }
+}
+
+/// Lets go of ended RDMA leases (and so of their blocks) as they end, at
+/// least every second, until shutdown or the node is gone.
+async fn sweep_leases(state: std::sync::Weak<NodeState>, mut shutdown: watch::Receiver<bool>) {
+    loop {
+        let wait = match state.upgrade() {
+            Some(s) => {
+                s.rdma.leases.sweep();
+                s.rdma.leases.next_sweep_in().max(Duration::from_millis(1))
+            }
+            None => return,
+        };
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = shutdown.changed() => return,
+        }
     }
 }
 
