@@ -48,8 +48,6 @@ staging buffer is the only copy besides the cache itself.
 
 from __future__ import annotations
 
-import threading
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +62,7 @@ from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import group_kernel_blocks
 
 import kvplane
+from kvplane._reconnecting import ReconnectingClient
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -142,62 +141,6 @@ class _Settings:
         )
 
 
-class _Node:
-    """The kvplane client, made on first use and made again after a failure
-    (not more often than every ``retry_after_s``), so that a node that is
-    down or restarting costs misses, never a failed request."""
-
-    def __init__(self, settings: _Settings) -> None:
-        self._settings = settings
-        self._lock = threading.Lock()
-        self._client: kvplane.Client | None = None
-        self._down_until = 0.0
-
-    def get(self) -> kvplane.Client | None:
-        with self._lock:
-            if self._client is not None:
-                return self._client
-            if time.monotonic() < self._down_until:
-                return None
-            s = self._settings
-            try:
-                self._client = kvplane.Client(
-                    s.endpoint,
-                    cluster=s.cluster,
-                    connections=s.connections,
-                    token=s.token,
-                    timeout=s.timeout_s,
-                )
-            except kvplane.Error as e:
-                logger.warning("kvplane: cannot reach %s (%s); treating lookups as misses", s.endpoint, e)
-                self._down_until = time.monotonic() + s.retry_after_s
-                return None
-            return self._client
-
-    def failed(self, client: kvplane.Client, error: kvplane.Error) -> None:
-        """After a call on `client` raised `error`: a lost node (unavailable,
-        timed out) drops the client until the next attempt; any other error
-        concerns that call alone."""
-        if not isinstance(error, (kvplane.Unavailable, kvplane.Timeout)):
-            logger.warning("kvplane: %s", error)
-            return
-        with self._lock:
-            if self._client is client:
-                self._client = None
-                self._down_until = time.monotonic() + self._settings.retry_after_s
-        logger.warning("kvplane: call to %s failed: %s", self._settings.endpoint, error)
-        try:
-            client.close()
-        except kvplane.Error:
-            pass
-
-    def close(self) -> None:
-        with self._lock:
-            client, self._client = self._client, None
-        if client is not None:
-            client.close()
-
-
 def _key_prefix(namespace: str, model: str, tp: tuple[int, int], pp: tuple[int, int], group: int) -> str:
     return f"{namespace}@{model}@tp{tp[0]}/{tp[1]}@pp{pp[0]}/{pp[1]}@g{group}@"
 
@@ -225,7 +168,15 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._settings = _Settings.of(self._kv_transfer_config.kv_connector_extra_config or {})
-        self._node = _Node(self._settings)
+        self._node = ReconnectingClient(
+            self._settings.endpoint,
+            cluster=self._settings.cluster,
+            connections=self._settings.connections,
+            token=self._settings.token,
+            timeout_s=self._settings.timeout_s,
+            retry_after_s=self._settings.retry_after_s,
+            log=logger,
+        )
         self._block_size = vllm_config.cache_config.block_size
         self._groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
         model = vllm_config.model_config.served_model_name or vllm_config.model_config.model

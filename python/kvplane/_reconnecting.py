@@ -1,0 +1,79 @@
+"""A client that engines can hold for their whole life.
+
+An engine must keep serving when its kvplane node is down, restarting or
+unreachable: a lost cache is a miss, never a failed request. So the engine
+connectors do not hold a `kvplane.Client` directly (it connects when made,
+and a call on a lost connection raises); they hold this, which makes the
+client on first use, drops it when a call finds the node gone, and makes it
+again on a later call, not more often than every `retry_after_s`, so a
+node that is down costs one connection attempt per interval, not one per
+request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+import kvplane
+
+
+class ReconnectingClient:
+    def __init__(
+        self,
+        endpoint: str | Sequence[str],
+        *,
+        cluster: bool = False,
+        connections: int | None = None,
+        token: str | None = None,
+        timeout_s: float = 5.0,
+        retry_after_s: float = 1.0,
+        log: logging.Logger | None = None,
+    ) -> None:
+        self._endpoint = endpoint
+        self._options = {"cluster": cluster, "connections": connections, "token": token, "timeout": timeout_s}
+        self._retry_after_s = retry_after_s
+        self._log = log or logging.getLogger(__name__)
+        self._lock = threading.Lock()
+        self._client: kvplane.Client | None = None
+        self._down_until = 0.0
+
+    def get(self) -> kvplane.Client | None:
+        """The client, or None while the node is taken to be down."""
+        with self._lock:
+            if self._client is not None:
+                return self._client
+            if time.monotonic() < self._down_until:
+                return None
+            try:
+                self._client = kvplane.Client(self._endpoint, **self._options)
+            except kvplane.Error as e:
+                self._log.warning("kvplane: cannot reach %s (%s); treating lookups as misses", self._endpoint, e)
+                self._down_until = time.monotonic() + self._retry_after_s
+                return None
+            return self._client
+
+    def failed(self, client: kvplane.Client, error: kvplane.Error) -> None:
+        """After a call on `client` raised `error`: a lost node (unavailable,
+        timed out) drops the client until the next attempt; any other error
+        concerns that call alone."""
+        if not isinstance(error, (kvplane.Unavailable, kvplane.Timeout)):
+            self._log.warning("kvplane: %s", error)
+            return
+        with self._lock:
+            if self._client is client:
+                self._client = None
+                self._down_until = time.monotonic() + self._retry_after_s
+        self._log.warning("kvplane: call to %s failed: %s", self._endpoint, error)
+        try:
+            client.close()
+        except kvplane.Error:
+            pass
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()

@@ -1,0 +1,280 @@
+"""A ``kvplane://`` remote connector for stock LMCache (0.5), loaded as one
+of its ``remote_storage_plugins``::
+
+    remote_storage_plugins: ["kvplane"]
+    extra_config:
+      remote_storage_plugin.kvplane.module_path: kvplane.lmcache_connector
+      remote_storage_plugin.kvplane.class_name: KVPlaneConnectorAdapter
+      remote_storage_plugin.kvplane.url: "kvplane://127.0.0.1:9600"
+
+URLs: ``kvplane://HOST:PORT`` (one node), ``kvplane:///run/kvplane/node.sock``
+(a node's Unix socket on this host; block bytes then move through the
+memory it shares), ``kvplane://H1:P1,H2:P2`` (a cluster, from those
+seeds). Query parameters: ``token``, ``connections``, ``timeout_s`` (5),
+``lease_ms`` (30000: how long a pinned lookup keeps the chunks from
+eviction), ``retry_after_s`` (1). The deprecated ``remote_url:
+kvplane://...`` works too, with the same two ``module_path`` /
+``class_name`` entries.
+
+Each chunk is stored under ``CacheEngineKey.to_string()`` (model, world
+size, worker, chunk hash, dtype) as the chunk's bytes alone: LMCache's
+metadata of a chunk (shapes, dtypes, format) is the engine's own, so a GET
+reads straight into a chunk LMCache allocates, and a shorter (last) chunk
+is recognised by its length. Every call is batched where LMCache offers a
+batched form: one PUT for ``batched_put``, one GET into LMCache's buffers
+for ``batched_get`` and ``batched_get_non_blocking``, and one MATCH_PREFIX
+for ``batched_async_contains`` (with ``pin``, a lease keeps the matched
+chunks until the GET that follows). Calls run on worker threads, so
+LMCache's event loop never waits on the network. A node that cannot be
+reached makes lookups misses and puts no-ops, never an error in LMCache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from lmcache.logging import init_logger
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.memory_management import MemoryObj
+from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorContext
+from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
+
+import kvplane
+from kvplane._reconnecting import ReconnectingClient
+
+logger = init_logger(__name__)
+
+__all__ = ["KVPlaneConnectorAdapter", "KVPlaneRemoteConnector", "parse_url"]
+
+SCHEME = "kvplane://"
+
+
+@dataclass
+class Target:
+    """Where a ``kvplane://`` URL points, and how to talk to it."""
+
+    endpoint: str | list[str]
+    cluster: bool = False
+    token: str | None = None
+    connections: int | None = None
+    timeout_s: float = 5.0
+    lease_ms: int = 30_000
+    retry_after_s: float = 1.0
+
+
+def parse_url(url: str) -> Target:
+    """Parses a ``kvplane://`` URL; a ValueError names what is wrong."""
+    if not url.startswith(SCHEME):
+        raise ValueError(f"{url!r}: a kvplane URL starts with {SCHEME}")
+    parts = urlsplit(url)
+    query = {k: v[-1] for k, v in parse_qs(parts.query, strict_parsing=False).items()}
+    unknown = set(query) - {"token", "connections", "timeout_s", "lease_ms", "retry_after_s"}
+    if unknown:
+        raise ValueError(f"{url!r}: unknown parameter(s) {', '.join(sorted(unknown))}")
+
+    def number(name: str, kind: type) -> Any:
+        try:
+            value = kind(query[name])
+        except ValueError:
+            raise ValueError(f"{url!r}: {name}={query[name]!r} is not a number") from None
+        if value < 0:
+            raise ValueError(f"{url!r}: {name} must not be negative")
+        return value
+
+    target = Target(endpoint="", token=query.get("token"))
+    for name, kind in (("connections", int), ("timeout_s", float), ("lease_ms", int), ("retry_after_s", float)):
+        if name in query:
+            setattr(target, name, number(name, kind))
+    if parts.netloc:
+        hosts = [h for h in parts.netloc.split(",") if h]
+        for h in hosts:
+            host, _, port = h.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"{url!r}: {h!r} is not HOST:PORT")
+        target.endpoint = hosts if len(hosts) > 1 else hosts[0]
+        target.cluster = len(hosts) > 1
+    elif parts.path.startswith("/"):
+        target.endpoint = f"unix://{parts.path}"
+    else:
+        raise ValueError(f"{url!r}: no HOST:PORT and no socket path")
+    return target
+
+
+class KVPlaneConnectorAdapter(ConnectorAdapter):
+    """Makes a `KVPlaneRemoteConnector` for ``kvplane://`` URLs and for the
+    ``plugin://kvplane`` name LMCache gives a remote storage plugin."""
+
+    def __init__(self) -> None:
+        super().__init__(SCHEME)
+
+    def can_parse(self, url: str) -> bool:
+        return url.startswith(SCHEME) or url == "plugin://kvplane" or url.startswith("plugin://kvplane.")
+
+    def create_connector(self, context: ConnectorContext) -> RemoteConnector:
+        url = context.url
+        if not url.startswith(SCHEME):
+            name = context.plugin_name or "kvplane"
+            setting = f"remote_storage_plugin.{name}.url"
+            url = (context.config.extra_config or {}).get(setting) if context.config is not None else None
+            if not url:
+                raise ValueError(f"extra_config.{setting}: the kvplane node to use is required (kvplane://HOST:PORT)")
+        return KVPlaneRemoteConnector(parse_url(url), context)
+
+
+class KVPlaneRemoteConnector(RemoteConnector):
+    """LMCache's remote connector interface over a kvplane node or cluster
+    (see the module documentation)."""
+
+    def __init__(self, target: Target, context: ConnectorContext) -> None:
+        super().__init__(context.config, context.metadata)
+        self._target = target
+        self._loop = context.loop
+        self._local = context.local_cpu_backend
+        self._node = ReconnectingClient(
+            target.endpoint,
+            cluster=target.cluster,
+            connections=target.connections,
+            token=target.token,
+            timeout_s=target.timeout_s,
+            retry_after_s=target.retry_after_s,
+            log=logger,
+        )
+
+    def __repr__(self) -> str:
+        return f"<KVPlaneRemoteConnector {self._target.endpoint}>"
+
+    def _call(self, op: str, default: Any, *args: Any) -> Any:
+        """`client.op(*args)` on this thread; `default` when the node is
+        down or the call fails (logged)."""
+        client = self._node.get()
+        if client is None:
+            return default
+        try:
+            return getattr(client, op)(*args)
+        except kvplane.Error as e:
+            self._node.failed(client, e)
+            return default
+
+    # --- lookups --------------------------------------------------------------------
+
+    async def exists(self, key: CacheEngineKey) -> bool:
+        return await asyncio.to_thread(self.exists_sync, key)
+
+    def exists_sync(self, key: CacheEngineKey) -> bool:
+        return self._call("exists", [False], [key.to_string()])[0]
+
+    def support_batched_contains(self) -> bool:
+        return True
+
+    def batched_contains(self, keys: list[CacheEngineKey]) -> int:
+        return self._prefix(keys, 0)
+
+    def support_batched_async_contains(self) -> bool:
+        return True
+
+    async def batched_async_contains(self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False) -> int:
+        return await asyncio.to_thread(self._prefix, keys, self._target.lease_ms if pin else 0)
+
+    def _prefix(self, keys: list[CacheEngineKey], lease_ms: int) -> int:
+        """How many leading chunks the node holds (one MATCH_PREFIX),
+        pinned for `lease_ms`."""
+        if not keys:
+            return 0
+        matched, _lease = self._call("match_prefix", (0, 0), [k.to_string() for k in keys], lease_ms)
+        return matched
+
+    # --- reads ----------------------------------------------------------------------
+
+    async def get(self, key: CacheEngineKey) -> MemoryObj | None:
+        return (await self.batched_get([key]))[0]
+
+    def support_batched_get(self) -> bool:
+        return True
+
+    async def batched_get(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        return await asyncio.to_thread(self._read, keys)
+
+    def support_batched_get_non_blocking(self) -> bool:
+        return True
+
+    async def batched_get_non_blocking(self, lookup_id: str, keys: list[CacheEngineKey]) -> list[MemoryObj]:
+        """The leading chunks that were read; the chunks after the first miss
+        are given back to LMCache's allocator."""
+        objs = await asyncio.to_thread(self._read, keys)
+        prefix: list[MemoryObj] = []
+        missed = False
+        for obj in objs:
+            if obj is None:
+                missed = True
+            elif missed:
+                obj.ref_count_down()
+            else:
+                prefix.append(obj)
+        return prefix
+
+    def _read(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        """One GET of `keys` straight into chunks allocated from LMCache's
+        local CPU backend; a chunk not read is given back."""
+        objs: list[MemoryObj | None] = [
+            self._local.allocate(self.meta_shapes, self.meta_dtypes, self.meta_fmt) for _ in keys
+        ]
+        wanted = [i for i, o in enumerate(objs) if o is not None]
+        if len(wanted) < len(keys):
+            logger.warning("kvplane: LMCache's CPU backend had no room for %d of %d chunks", len(keys) - len(wanted), len(keys))
+        lengths = self._call(
+            "get_into",
+            [None] * len(wanted),
+            [keys[i].to_string() for i in wanted],
+            [_bytes(objs[i]) for i in wanted],
+        )
+        results: list[MemoryObj | None] = [None] * len(keys)
+        for i, n in zip(wanted, lengths):
+            obj = objs[i]
+            assert obj is not None
+            if not n:
+                obj.ref_count_down()
+                continue
+            try:
+                results[i] = self.reshape_partial_chunk(obj, n)
+            except ValueError as e:
+                # A value that is no whole number of tokens: not a chunk of
+                # this engine's shape. A miss, and said.
+                logger.warning("kvplane: key %s: %s", keys[i].to_string(), e)
+                obj.ref_count_down()
+        return results
+
+    # --- writes ---------------------------------------------------------------------
+
+    async def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
+        await self.batched_put([key], [memory_obj])
+
+    def support_batched_put(self) -> bool:
+        return True
+
+    async def batched_put(self, keys: list[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
+        # Sent from the chunks' own memory; a put that fails is a future
+        # miss (logged), never an error in LMCache.
+        await asyncio.to_thread(
+            self._call, "put_from", None, [k.to_string() for k in keys], [_bytes(o) for o in memory_objs]
+        )
+
+    def remove_sync(self, key: CacheEngineKey) -> bool:
+        return self._call("delete", [False], [key.to_string()])[0]
+
+    async def list(self) -> list[str]:
+        # kvplane nodes do not enumerate their keys (a cluster holds
+        # millions, spread over members); LMCache uses this for tooling only.
+        logger.warning("kvplane: list() is not supported; answering no keys")
+        return []
+
+    async def close(self) -> None:
+        self._node.close()
+
+
+def _bytes(obj: MemoryObj) -> memoryview:
+    """The chunk's memory itself (LMCache's CPU buffer), as a buffer."""
+    view = obj.byte_array
+    return view if isinstance(view, memoryview) else memoryview(view)
