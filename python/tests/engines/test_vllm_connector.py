@@ -16,7 +16,7 @@ fetched from a model hub. Every node is a real `kvplane node` process.
 
 from __future__ import annotations
 
-import os
+import json
 from pathlib import Path
 
 import pytest
@@ -59,7 +59,14 @@ LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 LAYER_SHAPE = (NUM_BLOCKS, 2, BLOCK, 2, 16)
 
 
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "vllm" / "kv-transfer-config.json"
+
+
 def vllm_config(endpoint: str, **extra: object) -> VllmConfig:
+    """The configuration `vllm serve --kv-transfer-config` gets from
+    examples/vllm/kv-transfer-config.json, pointed at `endpoint`."""
+    transfer = json.loads(EXAMPLE.read_text())
+    transfer["kv_connector_extra_config"].update(endpoint=endpoint, retry_after_s=0, **extra)
     return VllmConfig(
         model_config=ModelConfig(model=MODEL, skip_tokenizer_init=True, dtype="float32", max_model_len=1024, seed=0),
         cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
@@ -67,13 +74,7 @@ def vllm_config(endpoint: str, **extra: object) -> VllmConfig:
             max_num_seqs=8, max_num_batched_tokens=1024, max_model_len=1024, is_encoder_decoder=False
         ),
         device_config=DeviceConfig("cpu"),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="KVPlaneConnector",
-            kv_connector_module_path="kvplane.vllm_connector",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"endpoint": endpoint, "timeout_s": 5, "retry_after_s": 0, **extra},
-        ),
+        kv_transfer_config=KVTransferConfig(**transfer),
     )
 
 
