@@ -382,8 +382,8 @@ async fn put_shared(
         memory.write_at(r.offset, data)?;
         // No checksum (crc 0): the range is this call's alone and the bytes
         // come from immutable `Bytes`, so nothing can change them before the
-        // node copies them; it checksums its copy itself. That spares a pass
-        // over every block.
+        // node copies them; it checksums its own copy when a reader needs
+        // the checksum. That spares a pass over every block.
         entries.push(ShmPut { key: key.clone(), offset: r.offset as u64, len: data.len() as u32, crc: 0 });
     }
     let n = entries.len();

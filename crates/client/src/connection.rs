@@ -169,7 +169,8 @@ impl Connection {
 
     /// Stores blocks the caller wrote into this connection's shared memory:
     /// each entry is (key, offset, length). The node copies each block out
-    /// and checksums its copy; no checksum is computed here (it would cost
+    /// and checksums its copy when a reader first needs the checksum; no
+    /// checksum is computed here (it would cost
     /// a pass over every block), so a block the caller changes while the PUT
     /// is served is stored as the node read it. [`Connection::put_from_shared_checked`]
     /// sends checksums the node verifies.

@@ -108,7 +108,8 @@ impl LeaseTable {
             })?
         };
         cache.match_prefix(&[key], Some(ttl));
-        Ok(Pinned { block: hit.block, crc: hit.crc, lease })
+        let crc = hit.crc();
+        Ok(Pinned { block: hit.block, crc, lease })
     }
 
     /// Lets go of every lease that has ended: their blocks may be evicted

@@ -154,6 +154,42 @@ async fn writing_shared_memory_after_a_put_does_not_change_the_stored_block() {
     assert!(conn.get_into_shared(&[(Bytes::from_static(b"kept"), 4 * MIB - 100, 64 * KIB)]).await.unwrap()[0].is_err());
 }
 
+/// A PUT_SHM without a checksum is not checksummed when it is served: the
+/// checksum is computed later, when a GET needs it, and it is the checksum of
+/// the node's copy: what the client wrote to its memory after the PUT was
+/// answered reaches neither the bytes nor the checksum a reader gets.
+#[tokio::test]
+async fn an_unchecked_puts_checksum_is_of_the_nodes_copy_whenever_it_is_computed() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = node(&dir, 64 * MIB, 4 * MIB).await;
+    let conn = Connection::open(&unix(&n), None, PATIENCE).await.unwrap();
+    let memory = Arc::clone(conn.shared_memory().unwrap());
+    let want = block(9, 256 * KIB);
+    memory.write_at(0, &want).unwrap();
+    let r = conn.put_from_shared(&[(Bytes::from_static(b"lazy"), 0, 256 * KIB)]).await.unwrap();
+    assert!(r[0].is_ok(), "{r:?}");
+    // The client scribbles over the range once the PUT is answered.
+    memory.write_at(0, &[0xEE; 256 * KIB]).unwrap();
+
+    // GET_SHM answers the checksum of the stored bytes.
+    let get = [kvplane_protocol::ShmGet { key: Bytes::from_static(b"lazy"), offset: MIB as u64, capacity: (256 * KIB) as u32 }];
+    match conn.call(Request::GetShm { entries: get.to_vec() }).await.unwrap() {
+        kvplane_protocol::Response::GetShm { results } => {
+            let got = results[0].expect("stored");
+            assert_eq!((got.len as usize, got.crc), (want.len(), crc32c::crc32c(&want)));
+        }
+        other => panic!("{other:?}"),
+    }
+    let mut back = vec![0u8; 256 * KIB];
+    memory.read_at(MIB, &mut back).unwrap();
+    assert_eq!(Bytes::from(back), want);
+
+    // And over the socket, whose payloads the client checks against the
+    // checksum that travels with them.
+    let socket = Client::connect(ClientConfig { shared_memory: false, ..ClientConfig::new(unix(&n)) }).await.unwrap();
+    assert_eq!(socket.get(vec![Bytes::from_static(b"lazy")]).await.unwrap()[0].as_ref().unwrap(), &want);
+}
+
 /// A hand-made client: handshake asking for shared memory, SHM_ATTACH, and
 /// the raw memfd the node passes — what a hostile client holds.
 struct RawLocal {

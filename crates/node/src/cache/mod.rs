@@ -76,8 +76,6 @@ impl Default for CacheConfig {
 #[derive(Debug, Clone)]
 pub struct CachedBlock {
     pub block: Block,
-    /// CRC32C of the block, as given to [`BlockCache::insert`].
-    pub crc: u32,
     /// GET hits on this block since it was stored, this one included.
     pub reads: u32,
 }
@@ -88,9 +86,24 @@ pub struct CachedBlock {
 pub struct Evicted {
     pub key: Bytes,
     pub block: Block,
-    pub crc: u32,
     /// GET hits while it was cached (as [`CachedBlock::reads`]).
     pub reads: u32,
+}
+
+impl CachedBlock {
+    /// CRC-32C of the block: as given to [`BlockCache::insert`], or computed
+    /// from its bytes on first use after [`BlockCache::insert_unchecked`]
+    /// (see [`Block::crc`]).
+    pub fn crc(&self) -> u32 {
+        self.block.crc()
+    }
+}
+
+impl Evicted {
+    /// As [`CachedBlock::crc`].
+    pub fn crc(&self) -> u32 {
+        self.block.crc()
+    }
 }
 
 /// One step of making room for a block.
@@ -198,9 +211,20 @@ impl BlockCache {
     /// Stores (or replaces) `key`. A replaced block's memory returns to the
     /// pool when its last reader drops it. A replacement keeps the key's pin:
     /// the lease promised the key to an engine, whichever copy it reads.
+    ///
+    /// `crc` is the block's CRC-32C, known already (checked against the
+    /// bytes, or computed from them): it is recorded with the block.
     pub fn insert(&self, key: Bytes, block: Block, crc: u32) {
+        block.set_crc(crc);
+        self.insert_unchecked(key, block);
+    }
+
+    /// As [`BlockCache::insert`], for a block whose checksum nobody has
+    /// computed: it is computed from the stored bytes when something first
+    /// needs it ([`CachedBlock::crc`]), and never when nothing does.
+    pub fn insert_unchecked(&self, key: Bytes, block: Block) {
         let hash = self.hash(&key);
-        let released = self.shard(hash).insert(hash, key, block, crc);
+        let released = self.shard(hash).insert(hash, key, block);
         // Dropped here, outside the shard lock: the last drop takes the
         // pool's lock.
         drop(released);
@@ -210,8 +234,9 @@ impl BlockCache {
     /// its `reads` stay at `u32::MAX`, so the tiering modes that copy read
     /// or evicted blocks into the second tier know it is there already.
     pub fn insert_from_lower_tier(&self, key: Bytes, block: Block, crc: u32) {
+        block.set_crc(crc);
         let hash = self.hash(&key);
-        let released = self.shard(hash).insert_with_reads(hash, key, block, crc, u32::MAX);
+        let released = self.shard(hash).insert_with_reads(hash, key, block, u32::MAX);
         drop(released);
     }
 
@@ -269,7 +294,13 @@ impl BlockCache {
         for slot in self.shards.iter() {
             lock(slot).entries(&mut out);
         }
-        out
+        // Checksums not yet known are computed here, outside every lock.
+        out.into_iter()
+            .map(|(k, b)| {
+                let crc = b.crc();
+                (k, b, crc)
+            })
+            .collect()
     }
 
     pub fn stats(&self) -> CacheStats {

@@ -23,8 +23,9 @@ pub(super) struct Entry {
     /// Hash of `key` under the cache's hasher; kept so the table can grow
     /// and the ghost can remember the key without hashing again.
     pub(super) hash: u64,
+    /// Its CRC-32C is kept with the block ([`Block::crc`]), computed when
+    /// first needed, not here.
     pub(super) block: Block,
-    pub(super) crc: u32,
     /// `Some` while the pin is counted in [`Shard::pinned`]. It can be in the
     /// past for a moment (until the expiry heap catches up); eviction
     /// compares it with the clock, so such a pin no longer protects anything.
@@ -99,7 +100,7 @@ impl Shard {
         };
         let entry = self.nodes[idx as usize].entry.as_mut()?;
         entry.reads = entry.reads.saturating_add(1);
-        let found = CachedBlock { block: entry.block.clone(), crc: entry.crc, reads: entry.reads };
+        let found = CachedBlock { block: entry.block.clone(), reads: entry.reads };
         self.policy.touch(&mut self.nodes, idx);
         self.counters.hits += 1;
         Some(found)
@@ -111,12 +112,12 @@ impl Shard {
 
     /// Stores or replaces; returns the block the caller must drop once the
     /// shard is unlocked (the replaced one, or the new one if it was refused).
-    pub(super) fn insert(&mut self, hash: u64, key: Bytes, block: Block, crc: u32) -> Option<Block> {
-        self.insert_with_reads(hash, key, block, crc, 0)
+    pub(super) fn insert(&mut self, hash: u64, key: Bytes, block: Block) -> Option<Block> {
+        self.insert_with_reads(hash, key, block, 0)
     }
 
     /// As `insert`, starting the entry's read count at `reads`.
-    pub(super) fn insert_with_reads(&mut self, hash: u64, key: Bytes, block: Block, crc: u32, reads: u32) -> Option<Block> {
+    pub(super) fn insert_with_reads(&mut self, hash: u64, key: Bytes, block: Block, reads: u32) -> Option<Block> {
         self.counters.inserts += 1;
         if let Some(idx) = self.find(hash, &key) {
             // Unlink first: the queues charge an entry's size when it is
@@ -126,7 +127,6 @@ impl Shard {
                 return Some(block);
             };
             self.bytes = self.bytes - entry.block.len() as u64 + block.len() as u64;
-            entry.crc = crc;
             entry.reads = reads;
             let old = std::mem::replace(&mut entry.block, block);
             self.policy.relink(&mut self.nodes, idx);
@@ -144,16 +144,16 @@ impl Shard {
             }
         };
         self.bytes += block.len() as u64;
-        self.nodes[idx as usize].entry = Some(Entry { key, hash, block, crc, pin_until: None, freq: 0, in_main: false, reads });
+        self.nodes[idx as usize].entry = Some(Entry { key, hash, block, pin_until: None, freq: 0, in_main: false, reads });
         let nodes = &self.nodes;
         self.table.insert_unique(hash, idx, |&i| nodes[i as usize].entry.as_ref().map_or(0, |e| e.hash));
         self.policy.insert(&mut self.nodes, idx);
         None
     }
 
-    /// Appends every entry (key, block, checksum) to `out`.
-    pub(super) fn entries(&self, out: &mut Vec<(Bytes, Block, u32)>) {
-        out.extend(self.nodes.iter().filter_map(|n| n.entry.as_ref()).map(|e| (e.key.clone(), e.block.clone(), e.crc)));
+    /// Appends every entry (key, block) to `out`.
+    pub(super) fn entries(&self, out: &mut Vec<(Bytes, Block)>) {
+        out.extend(self.nodes.iter().filter_map(|n| n.entry.as_ref()).map(|e| (e.key.clone(), e.block.clone())));
     }
 
     /// Returns the removed block so it is dropped outside the lock.
@@ -175,7 +175,7 @@ impl Shard {
         let idx = self.policy.victim(&mut self.nodes, |e| e.pin_until.is_none_or(|until| until <= now) && e.block.ref_count() <= 1)?;
         let entry = self.free_slot(idx)?;
         self.counters.evictions += 1;
-        Some(Evicted { key: entry.key, block: entry.block, crc: entry.crc, reads: entry.reads })
+        Some(Evicted { key: entry.key, block: entry.block, reads: entry.reads })
     }
 
     /// Whether `key` is present; if so and `until` is later than both `now`

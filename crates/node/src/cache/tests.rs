@@ -81,7 +81,7 @@ fn config_defaults_to_sixteen_shards_and_s3_fifo() {
     let cache = BlockCache::new(pool(MIB), CacheConfig { shards: 0, ..config });
     assert_eq!(cache.policy(), EvictionPolicy::S3Fifo);
     let crc = put_ok(&cache, &key(1), 7);
-    assert_eq!(cache.get(&key(1)).map(|c| c.crc), Some(crc), "zero shards is taken as one");
+    assert_eq!(cache.get(&key(1)).map(|c| c.crc()), Some(crc), "zero shards is taken as one");
 }
 
 #[test]
@@ -97,7 +97,7 @@ fn insert_get_contains_remove_follow_map_semantics_and_are_counted() {
     assert_eq!((stats.hits, stats.misses), (0, 0), "contains counts nothing");
 
     let got = cache.get(&k1).expect("k1 present");
-    assert_eq!((got.block.len(), got.crc), (BLOCK, crc1));
+    assert_eq!((got.block.len(), got.crc()), (BLOCK, crc1));
     assert!(all(&got.block, 0xAA));
     assert!(cache.get(&k3).is_none());
     assert_eq!(
@@ -132,7 +132,7 @@ fn replacing_a_key_swaps_the_block_and_frees_the_old_one_when_its_last_reader_dr
         let crc2 = put(&cache, &k, 2000, 2).expect("replace");
 
         let now = cache.get(&k).expect("still present");
-        assert_eq!((now.block.len(), now.crc), (2000, crc2));
+        assert_eq!((now.block.len(), now.crc()), (2000, crc2));
         assert!(all(&now.block, 2));
         assert!(all(&held.block, 1), "{policy}: the old reader sees the old bytes");
         let stats = cache.stats();
@@ -375,7 +375,7 @@ fn a_block_being_read_is_never_reused_under_the_reader() {
             put_ok(&cache, &key(i), 0xEE);
         }
         assert!(all(&held.block, 0x5A), "{policy}: a replaced and removed block was reused under its reader");
-        assert_eq!(crc32c::crc32c(&held.block), held.crc);
+        assert_eq!(crc32c::crc32c(&held.block), held.crc());
 
         let pool = Arc::clone(cache.pool());
         let entries = cache.stats().entries;
@@ -408,7 +408,7 @@ fn verify(found: &CachedBlock, key: u64) {
     for (i, &b) in bytes.iter().enumerate().skip(16) {
         assert_eq!(b, pattern_byte(key, version, i), "key {key} version {version}: byte {i} corrupted");
     }
-    assert_eq!(crc32c::crc32c(bytes), found.crc, "key {key}: crc does not match the bytes");
+    assert_eq!(crc32c::crc32c(bytes), found.crc(), "key {key}: crc does not match the bytes");
 }
 
 fn stress_key(k: u64) -> Bytes {

@@ -17,6 +17,9 @@ use std::sync::Arc;
 
 use super::MemoryPool;
 
+/// Marks a block's checksum slot as holding a checksum (a CRC may be 0).
+const KNOWN_CRC: u64 = 1 << 32;
+
 /// Clones beyond this are a leak, not a workload; aborting like `Arc` does
 /// beats wrapping the count and freeing memory that is still in use.
 const MAX_REFCOUNT: u32 = i32::MAX as u32;
@@ -157,6 +160,37 @@ impl Block {
     #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
     pub(crate) fn arena_offset(&self) -> usize {
         self.offset
+    }
+
+    /// The CRC-32C of the block's bytes: computed on first use and kept
+    /// beside the block (in the pool's per-block metadata) for every later
+    /// one, or the checksum [`Block::set_crc`] recorded. A block's bytes
+    /// never change once it is shared, so computing it late gives what
+    /// computing it when the block was written would have; a PUT that no
+    /// one needs the checksum of never pays for it.
+    pub fn crc(&self) -> u32 {
+        match self.known_crc() {
+            Some(crc) => crc,
+            None => {
+                let crc = crc32c::crc32c(self.as_slice());
+                self.set_crc(crc);
+                crc
+            }
+        }
+    }
+
+    /// The checksum if it was computed or recorded already.
+    pub fn known_crc(&self) -> Option<u32> {
+        // Relaxed: the value is a function of bytes that no longer change;
+        // a reader that misses a concurrent store computes the same value.
+        let v = self.pool.crc_slot(self.offset).load(Ordering::Relaxed);
+        (v & KNOWN_CRC != 0).then_some(v as u32)
+    }
+
+    /// Records the block's checksum, known already (verified against the
+    /// bytes by the caller), so that [`Block::crc`] does not compute it.
+    pub fn set_crc(&self, crc: u32) {
+        self.pool.crc_slot(self.offset).store(KNOWN_CRC | u64::from(crc), Ordering::Relaxed);
     }
 
     /// Whether two handles share the same memory.

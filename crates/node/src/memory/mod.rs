@@ -31,7 +31,7 @@ mod block;
 
 use std::fmt;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 pub use block::{Block, BlockMut};
@@ -215,6 +215,9 @@ pub struct MemoryPool {
     /// One count per `min_block_bytes` slot, indexed by the slot a block
     /// starts at: the shared reference count of [`Block`] clones.
     refcounts: Box<[AtomicU32]>,
+    /// Per slot like `refcounts`: the CRC-32C of the block that starts
+    /// there, once known ([`Block::crc`]); 0 while not computed.
+    crcs: Box<[AtomicU64]>,
     state: Mutex<PoolState>,
 }
 
@@ -273,6 +276,7 @@ impl MemoryPool {
         // Low addresses first, so a lightly used pool stays compact.
         let free_slabs = (0..slab_count as u32).rev().collect();
         let refcounts = (0..capacity / min).map(|_| AtomicU32::new(0)).collect();
+        let crcs = (0..capacity / min).map(|_| AtomicU64::new(0)).collect();
         tracing::info!(
             capacity_bytes = capacity,
             min_block_bytes = min,
@@ -288,6 +292,7 @@ impl MemoryPool {
             slab_shift: max.trailing_zeros(),
             classes,
             refcounts,
+            crcs,
             state: Mutex::new(PoolState {
                 slabs,
                 free_slabs,
@@ -379,6 +384,8 @@ impl MemoryPool {
         // Ordering: the block is handed to this thread only; the mutex above
         // already orders it after the release that freed the slot.
         self.refcount(offset).store(1, Ordering::Relaxed);
+        // The slot's last occupant's checksum is not this block's.
+        self.crc_slot(offset).store(0, Ordering::Relaxed);
         // SAFETY: `take` returned an offset of a block inside the arena
         // (slab index < slab_count, block index < blocks per slab), so the
         // pointer stays within the mapping and is non-null.
@@ -402,6 +409,11 @@ impl MemoryPool {
 
     fn refcount(&self, offset: usize) -> &AtomicU32 {
         &self.refcounts[offset >> self.min_shift]
+    }
+
+    /// The block at `offset`'s checksum: `KNOWN_CRC | crc`, or 0.
+    fn crc_slot(&self, offset: usize) -> &AtomicU64 {
+        &self.crcs[offset >> self.min_shift]
     }
 
     /// A poisoned lock means a panic elsewhere while the lists were being

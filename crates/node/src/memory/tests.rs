@@ -209,3 +209,29 @@ fn concurrent_allocation_hands_each_block_to_one_owner() {
     let st = pool.stats();
     assert_eq!((st.blocks, st.used_bytes, st.slabs_free), (0, 0, st.slabs_total));
 }
+
+#[test]
+fn a_blocks_checksum_is_computed_once_when_first_needed_and_not_inherited() {
+    let pool = pool(4 * MIB, 4 * KIB, 64 * KIB);
+    let mut b = pool.allocate(10 * KIB).unwrap();
+    b.as_mut_slice().fill(7);
+    let b = b.freeze();
+    assert_eq!(b.known_crc(), None, "nothing computed at write time");
+    let want = crc32c::crc32c(&[7u8; 10 * KIB]);
+    assert_eq!(b.crc(), want);
+    assert_eq!(b.clone().known_crc(), Some(want), "kept for every handle");
+    let offset = b.arena_offset();
+    drop(b);
+
+    // The next block in that memory starts without a checksum.
+    let mut again = pool.allocate(10 * KIB).unwrap();
+    again.as_mut_slice().fill(8);
+    let again = again.freeze();
+    assert_eq!(again.arena_offset(), offset, "the freed block is reused");
+    assert_eq!(again.known_crc(), None);
+    assert_eq!(again.crc(), crc32c::crc32c(&[8u8; 10 * KIB]));
+
+    // A recorded checksum is taken as given (0 included).
+    again.set_crc(0);
+    assert_eq!((again.known_crc(), again.crc()), (Some(0), 0));
+}

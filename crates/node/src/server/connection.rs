@@ -357,7 +357,7 @@ where
                 results.push(Err(ErrorCode::BadChecksum));
                 continue;
             }
-            self.store(&slot.key, block, slot.crc).await;
+            self.store(&slot.key, block, Some(slot.crc)).await;
             results.push(Ok(()));
         }
         Ok(results)
@@ -373,8 +373,10 @@ where
     }
 
     /// Makes a checked block visible under `key` (and offers it to the
-    /// second tier).
-    async fn store(&self, key: &[u8], block: BlockMut, crc: u32) {
+    /// second tier). `crc`: its CRC-32C when known (checked against the
+    /// bytes); `None` leaves it to be computed from the stored bytes when
+    /// first needed.
+    async fn store(&self, key: &[u8], block: BlockMut, crc: Option<u32>) {
         // Keys are copied out of the frame's meta buffer: a stored slice
         // would keep the whole buffer alive as long as any key lives.
         let key = Bytes::copy_from_slice(key);
@@ -382,7 +384,10 @@ where
         if let Some(tier) = &self.state.tier {
             tier.stored(&key, &block).await;
         }
-        self.state.cache.insert(key, block, crc);
+        match crc {
+            Some(crc) => self.state.cache.insert(key, block, crc),
+            None => self.state.cache.insert_unchecked(key, block),
+        }
     }
 
     async fn answer(&self, request: Request, started: Instant) -> Response {
@@ -536,7 +541,10 @@ where
     }
 
     /// PUT_SHM: each block copied out of the shared memory into a pool
-    /// block, checked against its checksum on that copy, then stored.
+    /// block, checked against the client's checksum on that copy when it
+    /// gave one, then stored. Without one (crc 0) the copy is stored as
+    /// read, and its checksum is computed from it when first needed (a GET
+    /// answers it): the PUT pays for the copy alone.
     async fn put_shm(&self, entries: Vec<ShmPut>) -> Response {
         let Some(region) = &self.shm else {
             return Response::Error { code: ErrorCode::Invalid, message: "PUT_SHM before SHM_ATTACH".into() };
@@ -556,13 +564,19 @@ where
                     continue;
                 }
             };
-            let Ok(crc) = region.copy_out_checksummed(e.offset, block.as_mut_slice()) else {
+            // 0: the client gave no checksum (it would cost it a pass over
+            // the block). Either way the checksum is of the node's own copy,
+            // which the client can no longer change.
+            let copied = if e.crc == 0 {
+                region.copy_out(e.offset, block.as_mut_slice()).map(|()| None)
+            } else {
+                region.copy_out_checksummed(e.offset, block.as_mut_slice()).map(Some)
+            };
+            let Ok(crc) = copied else {
                 results.push(Err(ErrorCode::Invalid));
                 continue;
             };
-            // 0: the client gave no checksum (it would cost it a pass over
-            // the block); the node's own, of its copy, is what is stored.
-            if e.crc != 0 && crc != e.crc {
+            if crc.is_some_and(|crc| crc != e.crc) {
                 self.state.metrics.checksum_failures.inc_by(1);
                 results.push(Err(ErrorCode::BadChecksum));
                 continue;
@@ -609,7 +623,8 @@ where
                     if let Some(tier) = &self.state.tier {
                         tier.read_hit(k, &hit).await;
                     }
-                    results.push(Ok(Block::with_crc(hit.block.into_bytes(), hit.crc)));
+                    let crc = hit.crc();
+                    results.push(Ok(Block::with_crc(hit.block.into_bytes(), crc)));
                 }
                 None => {
                     missing.push(i);
@@ -621,7 +636,10 @@ where
             let wanted: Vec<&[u8]> = missing.iter().map(|&i| keys[i].as_ref()).collect();
             for (i, r) in missing.iter().zip(tier.read_through(cache, &wanted).await) {
                 results[*i] = match r {
-                    Ok(Some(found)) => Ok(Block::with_crc(found.block.into_bytes(), found.crc)),
+                    Ok(Some(found)) => {
+                        let crc = found.crc();
+                        Ok(Block::with_crc(found.block.into_bytes(), crc))
+                    }
                     Ok(None) => Err(ErrorCode::NotFound),
                     Err(e) => Err(ErrorCode::from(&e)),
                 };

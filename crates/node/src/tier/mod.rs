@@ -325,7 +325,7 @@ impl SecondTier {
                         self.shared.metrics.read_bytes.fetch_add(len as u64, Ordering::Relaxed);
                         let key = Bytes::copy_from_slice(keys[i]);
                         cache.insert_from_lower_tier(key, block.clone(), crc);
-                        out[i] = Ok(Some(CachedBlock { block, crc, reads: FROM_SECOND_TIER }));
+                        out[i] = Ok(Some(CachedBlock { block, reads: FROM_SECOND_TIER }));
                     }
                     Err(KvError::NotFound) => {
                         self.shared.metrics.misses.fetch_add(1, Ordering::Relaxed);
