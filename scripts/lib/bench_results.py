@@ -1,0 +1,65 @@
+"""Results of the benchmark scripts: one JSON object per line, each a run of
+one client program against one target (`label`, `run`, `op`, `block_size`,
+`gb_per_s`, ...).
+
+As a library: `Results` answers medians over runs and ratios between two
+labels, the median of each run's own ratio (the two sides of a ratio ran one
+right after the other, so a load that comes and goes shifts both).
+
+As a command, `merge BARRIER TARGET OP SIZE BATCH CLIENTS`: sums the JSON
+lines (`blocks`, `seconds`, `p50_us`, `p99_us`) that the client processes of
+one run wrote to BARRIER/out.* into one result line on stdout.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import statistics
+import sys
+
+
+def human(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
+class Results:
+    def __init__(self, path: str) -> None:
+        with open(path) as f:
+            self.rows = [json.loads(line) for line in f if line.strip()]
+        self.sizes = sorted({r["block_size"] for r in self.rows})
+
+    def has(self, label: str) -> bool:
+        return any(r["label"] == label for r in self.rows)
+
+    def runs_of(self, label: str, op: str, size: int) -> dict[int, dict]:
+        return {r["run"]: r for r in self.rows if r["label"] == label and r["op"] == op and r["block_size"] == size}
+
+    def median(self, label: str, op: str, size: int) -> float | None:
+        rs = self.runs_of(label, op, size)
+        return statistics.median(r["gb_per_s"] for r in rs.values()) if rs else None
+
+    def ratio(self, a: str, b: str, op: str, size: int) -> float | None:
+        """Median over runs of a's rate / b's rate in the same run."""
+        ra, rb = self.runs_of(a, op, size), self.runs_of(b, op, size)
+        both = sorted(set(ra) & set(rb))
+        return statistics.median(ra[i]["gb_per_s"] / rb[i]["gb_per_s"] for i in both) if both else None
+
+
+def merge(barrier: str, target: str, op: str, size: str, batch: str, clients: str) -> dict:
+    outs = [json.loads(open(f).read()) for f in sorted(glob.glob(barrier + "/out.*"))]
+    blocks = sum(o["blocks"] for o in outs)
+    seconds = max(o["seconds"] for o in outs)
+    block = int(size)
+    return {
+        "target": target, "op": op, "block_size": block, "batch": int(batch), "clients": int(clients),
+        "blocks": blocks, "bytes": blocks * block, "seconds": seconds, "gb_per_s": blocks * block / seconds / 1e9,
+        "blocks_per_s": blocks / seconds, "p50_us": max(o["p50_us"] for o in outs),
+        "p99_us": max(o["p99_us"] for o in outs), "misses": 0,
+    }
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 8 or sys.argv[1] != "merge":
+        sys.exit("usage: bench_results.py merge BARRIER TARGET OP SIZE BATCH CLIENTS")
+    print(json.dumps(merge(*sys.argv[2:])))

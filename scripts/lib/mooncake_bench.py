@@ -1,0 +1,79 @@
+"""store SEGMENT_BYTES: mount a segment and serve until SIGTERM.
+client OP SIZE BATCH BLOCKS INDEX CLIENTS SECONDS BARRIER_DIR: batched put
+(upsert: the same keys again and again, as a kvplane PUT overwrites) or get
+of this client's stride of the keys, timed from the moment every client is
+ready; prints one JSON line."""
+import ctypes, glob, json, mmap, os, signal, sys, time
+from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+
+def store(segment, local_buffer):
+    s = MooncakeDistributedStore()
+    rc = s.setup("127.0.0.1", os.environ["MC_METADATA"], segment, local_buffer, "tcp", "", os.environ["MC_MASTER"])
+    if rc != 0:
+        sys.exit(f"MooncakeDistributedStore.setup answered {rc}")
+    return s
+
+def serve(segment):
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    s = store(segment, 16 << 20)
+    open(os.environ["MC_READY"], "w").close()
+    signal.sigwait({signal.SIGTERM, signal.SIGINT})
+    s.close()
+
+def client(op, size, batch, blocks, index, clients, seconds, barrier):
+    area = mmap.mmap(-1, size * batch)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(area))
+    one = bytes(i * 31 % 251 for i in range(size))
+    for j in range(batch):
+        area[j * size:(j + 1) * size] = one
+    s = store(0, 16 << 20)
+    if s.register_buffer(base, size * batch) != 0:
+        sys.exit("register_buffer failed")
+    ptrs = [base + j * size for j in range(batch)]
+    mine = [f"bench/{i:08}" for i in range(index, blocks, clients)] or [f"bench/{index:08}"]
+    chunks = [mine[i:i + batch] for i in range(0, len(mine), batch)]
+    cfg = ReplicateConfig()
+    cfg.replica_num = 1
+    def put(keys):
+        rcs = s.batch_upsert_from(keys, ptrs[:len(keys)], [size] * len(keys), cfg)
+        bad = [(k, r) for k, r in zip(keys, rcs) if r < 0]
+        if bad:
+            sys.exit(f"batch_upsert_from: {bad[:3]}")
+    def get(keys):
+        rcs = s.batch_get_into(keys, ptrs[:len(keys)], [size] * len(keys))
+        bad = [(k, r) for k, r in zip(keys, rcs) if r != size]
+        if bad:
+            sys.exit(f"batch_get_into: {bad[:3]}")
+    if op == "get":
+        for c in chunks:
+            put(c)
+    open(os.path.join(barrier, f"ready.{index}"), "w").close()
+    while len(glob.glob(os.path.join(barrier, "ready.*"))) < clients:
+        time.sleep(0.001)
+    run = get if op == "get" else put
+    started = time.perf_counter()
+    end = started + seconds
+    moved, lat, stop = 0, [], False
+    while not stop:
+        for c in chunks:
+            t = time.perf_counter()
+            run(c)
+            now = time.perf_counter()
+            lat.append(now - t)
+            moved += len(c)
+            if now >= end:
+                stop = True
+                break
+    elapsed = time.perf_counter() - started
+    lat.sort()
+    print(json.dumps({"blocks": moved, "seconds": elapsed, "p50_us": lat[len(lat) // 2] * 1e6,
+                      "p99_us": lat[min(len(lat) - 1, round((len(lat) - 1) * 0.99))] * 1e6}), flush=True)
+    s.unregister_buffer(base)
+    s.close()
+
+if __name__ == "__main__":
+    a = sys.argv[1:]
+    if a[0] == "store":
+        serve(int(a[1]))
+    else:
+        client(a[1], int(a[2]), int(a[3]), int(a[4]), int(a[5]), int(a[6]), float(a[7]), a[8])

@@ -1,0 +1,90 @@
+"""One Python client program's run for scripts/bench-python.
+
+    pyclient_bench.py TARGET ENDPOINT OP SIZE BATCH BLOCKS SECONDS
+
+TARGET: `kvplane` (the kvplane package: put_from / get_into on one
+connection) or `redis` (redis-py, a pipeline of SET or GET per batch, no
+transaction). OP: put or get (a GET run stores the keys first, untimed).
+BLOCKS distinct keys are moved BATCH at a time, cyclically, for SECONDS;
+every GET's length is checked. Prints one JSON line."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def main(target: str, endpoint: str, op: str, size: int, batch: int, blocks: int, seconds: float) -> None:
+    area = bytearray(bytes(i * 31 % 251 for i in range(size)) * batch)
+    view = memoryview(area)
+    buffers = [view[j * size : (j + 1) * size] for j in range(batch)]
+    keys = [f"bench/{i:08}" for i in range(blocks)]
+    chunks = [keys[i : i + batch] for i in range(0, len(keys), batch)]
+
+    if target == "kvplane":
+        import kvplane
+
+        client = kvplane.Client(endpoint, connections=1)
+
+        def put(ks: list[str]) -> None:
+            client.put_from(ks, buffers[: len(ks)])
+
+        def get(ks: list[str]) -> None:
+            got = client.get_into(ks, buffers[: len(ks)])
+            if got != [size] * len(ks):
+                sys.exit(f"get_into answered {got[:3]}...")
+    elif target == "redis":
+        import redis
+
+        host, port = endpoint.rsplit(":", 1)
+        client = redis.Redis(host=host, port=int(port))
+
+        def put(ks: list[str]) -> None:
+            pipe = client.pipeline(transaction=False)
+            for k, b in zip(ks, buffers):
+                pipe.set(k, b)
+            pipe.execute()
+
+        def get(ks: list[str]) -> None:
+            pipe = client.pipeline(transaction=False)
+            for k in ks:
+                pipe.get(k)
+            got = pipe.execute()
+            if any(v is None or len(v) != size for v in got):
+                sys.exit("a GET came back missing or short")
+    else:
+        sys.exit(f"unknown target {target!r}")
+
+    if op == "get":
+        for c in chunks:
+            put(c)
+    run = get if op == "get" else put
+    started = time.perf_counter()
+    end = started + seconds
+    moved, lat, stop = 0, [], False
+    while not stop:
+        for c in chunks:
+            t = time.perf_counter()
+            run(c)
+            now = time.perf_counter()
+            lat.append(now - t)
+            moved += len(c)
+            if now >= end:
+                stop = True
+                break
+    elapsed = time.perf_counter() - started
+    lat.sort()
+    print(json.dumps({
+        "target": target, "op": op, "block_size": size, "batch": batch, "clients": 1,
+        "blocks": moved, "bytes": moved * size, "seconds": elapsed, "gb_per_s": moved * size / elapsed / 1e9,
+        "blocks_per_s": moved / elapsed, "p50_us": lat[len(lat) // 2] * 1e6,
+        "p99_us": lat[min(len(lat) - 1, round((len(lat) - 1) * 0.99))] * 1e6, "misses": 0,
+    }), flush=True)
+
+
+if __name__ == "__main__":
+    a = sys.argv[1:]
+    if len(a) != 7:
+        sys.exit(__doc__)
+    main(a[0], a[1], a[2], int(a[3]), int(a[4]), int(a[5]), float(a[6]))
