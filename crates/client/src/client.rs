@@ -175,7 +175,8 @@ impl Client {
     /// On a connection with shared memory each key gets exactly its
     /// destination's length there (the node refuses a longer value itself),
     /// and the one copy is from the shared memory into the destination;
-    /// over the socket the one copy is from the received frame.
+    /// over the socket each value is read from the socket straight into its
+    /// destination ([`Connection::get_into`]).
     pub async fn get_into(&self, keys: Vec<Bytes>, dests: &mut [&mut [u8]]) -> Result<Vec<Result<usize, KvError>>, KvError> {
         if keys.len() != dests.len() {
             return Err(KvError::Invalid(format!("get_into: {} keys but {} destinations", keys.len(), dests.len())));
@@ -196,8 +197,8 @@ impl Client {
                     continue;
                 }
             }
-            let values = self.get_over_socket(&conn, chunk).await?;
-            results.extend(values.into_iter().zip(dests).map(|(value, dest)| value.and_then(|v| copy_into(&v, dest))));
+            let mut dests: Vec<&mut [u8]> = dests.into_iter().map(|d| &mut **d).collect();
+            results.extend(conn.get_into(chunk, &mut dests).await?);
         }
         Ok(results)
     }

@@ -11,21 +11,36 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kvplane_protocol::{
-    decode_body, encode, Features, Frame, FrameHeader, Hello, HelloAck, KvError, Limits, Message, Meta, Request, Response, ShmGet, ShmPut,
-    HEADER_LEN, VERSION,
+    decode_body, encode, ErrorCode, Features, Frame, FrameHeader, Hello, HelloAck, KvError, Limits, Message, Meta, Request, Response, ShmGet,
+    ShmPut, HEADER_LEN, VERSION,
 };
 use tokio::io::{AsyncRead, AsyncWrite, BufReader};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 use crate::endpoint::Endpoint;
+use crate::into::{read_get_into, Destinations, Lease};
 use crate::rdma;
 use crate::shm::SharedMemory;
 use bytes::Bytes;
-use kvplane_protocol::io::{read_frame, write_frame, ReadError};
+use kvplane_protocol::io::{read_frame, read_meta, read_payloads, write_frame, ReadError};
 
 type Writer = Box<dyn AsyncWrite + Send + Unpin>;
-type Waiters = HashMap<u64, oneshot::Sender<Result<Response, KvError>>>;
+type Waiters = HashMap<u64, Waiter>;
+
+/// A caller waiting for the answer to its request.
+struct Waiter {
+    tx: oneshot::Sender<Result<Answer, KvError>>,
+    /// For a GET: where the caller wants each block read to.
+    into: Option<Arc<Destinations>>,
+}
+
+enum Answer {
+    Response(Response),
+    /// A GET answer read into the caller's destinations: per key, the bytes
+    /// written or the key's error.
+    Into(Vec<Result<usize, ErrorCode>>),
+}
 
 /// Answers from a node are read with generous limits: the node enforces its
 /// own, and refusing its answer would only lose data already sent.
@@ -52,8 +67,8 @@ impl Shared {
     fn fail_all(&self, error: KvError) {
         self.closed.store(true, Ordering::Release);
         *self.close_reason.lock().unwrap_or_else(|e| e.into_inner()) = Some(error.clone());
-        for (_, tx) in self.lock().drain() {
-            let _ = tx.send(Err(error.clone()));
+        for (_, waiter) in self.lock().drain() {
+            let _ = waiter.tx.send(Err(error.clone()));
         }
     }
 }
@@ -247,6 +262,41 @@ impl Connection {
     /// Sends one request and waits for its answer. An `Error` answer becomes
     /// the matching [`KvError`].
     pub async fn call(&self, request: Request) -> Result<Response, KvError> {
+        match self.exchange(request, None).await? {
+            Answer::Response(r) => Ok(r),
+            Answer::Into(_) => Err(KvError::Internal(format!("{} answered a plain request as a GET into memory", self.endpoint))),
+        }
+    }
+
+    /// GET with each value read from the socket straight into `dests[i]`
+    /// (see the `into` module): per key, the bytes written, not-found, or
+    /// `Capacity` when the value is longer than its destination (left
+    /// untouched). No byte is written into `dests` after this returns, even
+    /// when its future is dropped before.
+    pub async fn get_into(&self, keys: Vec<Bytes>, dests: &mut [&mut [u8]]) -> Result<Vec<Result<usize, KvError>>, KvError> {
+        let n = keys.len();
+        if n != dests.len() {
+            return Err(KvError::Invalid(format!("get_into: {n} keys but {} destinations", dests.len())));
+        }
+        let lease = Lease::new(dests);
+        let answer = self.exchange(Request::Get { keys }, Some(Arc::clone(&lease.destinations))).await;
+        drop(lease);
+        match answer? {
+            Answer::Into(results) if results.len() == n => Ok(results
+                .into_iter()
+                .map(|r| {
+                    r.map_err(|code| match code {
+                        ErrorCode::Capacity => KvError::Capacity("the value is longer than its destination".into()),
+                        code => code.into_kv_error(""),
+                    })
+                })
+                .collect()),
+            Answer::Into(results) => Err(KvError::Internal(format!("{} answered a GET of {n} keys with {} results", self.endpoint, results.len()))),
+            Answer::Response(other) => Err(KvError::Internal(format!("{} answered a GET with {:?}", self.endpoint, Message::Response(other).opcode()))),
+        }
+    }
+
+    async fn exchange(&self, request: Request, into: Option<Arc<Destinations>>) -> Result<Answer, KvError> {
         if !self.is_open() {
             let reason = self.shared.close_reason.lock().unwrap_or_else(|e| e.into_inner()).clone();
             return Err(reason.unwrap_or_else(|| KvError::Unavailable(format!("connection to {} is closed", self.endpoint))));
@@ -255,7 +305,7 @@ impl Connection {
         let encoded = encode(&Frame::request(id, request)).map_err(|e| KvError::Invalid(e.to_string()))?;
         let (tx, rx) = oneshot::channel();
         // Registered before the write, so the reader always finds the waiter.
-        self.shared.lock().insert(id, tx);
+        self.shared.lock().insert(id, Waiter { tx, into });
         let sent = {
             let mut w = self.writer.lock().await;
             write_frame(&mut *w, &encoded).await
@@ -275,7 +325,7 @@ impl Connection {
             }
         }?;
         match answer {
-            Response::Error { code, message } => Err(code.into_kv_error(message)),
+            Answer::Response(Response::Error { code, message }) => Err(code.into_kv_error(message)),
             other => Ok(other),
         }
     }
@@ -371,27 +421,42 @@ fn read_error(endpoint: &Endpoint, e: ReadError) -> KvError {
 async fn read_loop<R: AsyncRead + Unpin>(mut reader: R, shared: Arc<Shared>, endpoint: Endpoint) {
     let limits = answer_limits();
     let reason = loop {
-        match read_frame(&mut reader, &limits).await {
-            Ok(Some(Frame { request_id, message: Message::Response(resp) })) => {
-                if request_id == 0 {
-                    // Not tied to a request: the node is closing the connection.
-                    if let Response::Error { code, message } = resp {
-                        break code.into_kv_error(format!("{endpoint} closed the connection: {message}"));
-                    }
-                    continue;
-                }
-                let waiter = shared.lock().remove(&request_id);
-                if let Some(tx) = waiter {
-                    let _ = tx.send(Ok(resp));
-                } else {
-                    tracing::debug!(request_id, %endpoint, "answer for a request nobody waits for (timed out)");
-                }
-            }
-            Ok(Some(other)) => {
-                break KvError::Internal(format!("{endpoint} sent a request frame ({:?}) to a client", other.message.opcode()))
-            }
+        let (header, meta) = match read_meta(&mut reader, &limits).await {
+            Ok(Some(m)) => m,
             Ok(None) => break KvError::Unavailable(format!("{endpoint} closed the connection")),
             Err(e) => break read_error(&endpoint, e),
+        };
+        let request_id = header.request_id;
+        // A GET answer for a caller that lent its memory: read there.
+        let into = match &meta {
+            Meta::Get(_) => shared.lock().get(&request_id).and_then(|w| w.into.clone()),
+            _ => None,
+        };
+        let answer = match (meta, into) {
+            (Meta::Get(slots), Some(dests)) => match read_get_into(&mut reader, slots, &dests).await {
+                Ok(results) => Answer::Into(results),
+                Err(e) => break KvError::Unavailable(format!("read from {endpoint}: {e}")),
+            },
+            (meta, _) => match read_payloads(&mut reader, &header, meta).await {
+                Ok(Frame { message: Message::Response(resp), .. }) => Answer::Response(resp),
+                Ok(other) => {
+                    break KvError::Internal(format!("{endpoint} sent a request frame ({:?}) to a client", other.message.opcode()))
+                }
+                Err(e) => break read_error(&endpoint, e),
+            },
+        };
+        if request_id == 0 {
+            // Not tied to a request: the node is closing the connection.
+            if let Answer::Response(Response::Error { code, message }) = answer {
+                break code.into_kv_error(format!("{endpoint} closed the connection: {message}"));
+            }
+            continue;
+        }
+        let waiter = shared.lock().remove(&request_id);
+        if let Some(w) = waiter {
+            let _ = w.tx.send(Ok(answer));
+        } else {
+            tracing::debug!(request_id, %endpoint, "answer for a request nobody waits for (timed out)");
         }
     };
     shared.fail_all(reason);

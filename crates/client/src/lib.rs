@@ -20,6 +20,8 @@ mod client;
 mod cluster;
 mod connection;
 mod endpoint;
+#[allow(unsafe_code)] // the reader task writes into memory the caller lent; see the module docs.
+mod into;
 // Without the feature no connection ever has a reader, so the READ path is
 // unused outside its tests.
 #[cfg_attr(not(feature = "rdma"), allow(dead_code))]

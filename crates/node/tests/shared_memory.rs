@@ -107,6 +107,35 @@ async fn get_into_writes_each_value_into_its_destination_and_nothing_past_it() {
     assert!(matches!(mismatched, Err(KvError::Invalid(_))), "{mismatched:?}");
 }
 
+/// A GET into caller memory over the socket whose call is dropped before
+/// the answer arrives: the reader task, which reads answers from the socket
+/// straight into the destinations, must not write a byte into them after the
+/// call is gone, and the connection goes on serving.
+#[tokio::test]
+async fn a_dropped_get_into_never_writes_into_its_destinations_afterwards() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = node(&dir, 256 * MIB, 0).await;
+    let tcp = Client::connect(ClientConfig::new(Endpoint::Tcp(n.tcp_addr().unwrap().to_string()))).await.unwrap();
+    let conn = tcp.connection().await.unwrap();
+    let keys: Vec<Bytes> = (0..32).map(|i| Bytes::from(format!("big{i}"))).collect();
+    assert!(tcp.put(keys.iter().map(|k| (k.clone(), block(9, 2 * MIB))).collect()).await.unwrap().iter().all(Result::is_ok));
+    let mut bufs: Vec<Vec<u8>> = (0..32).map(|_| vec![0xEE; 2 * MIB]).collect();
+    {
+        let mut dests: Vec<&mut [u8]> = bufs.iter_mut().map(Vec::as_mut_slice).collect();
+        // Polled once (the request goes out), then dropped: 64 MiB cannot
+        // have come back by then.
+        let gone = tokio::time::timeout(Duration::ZERO, conn.get_into(keys.clone(), &mut dests)).await;
+        assert!(gone.is_err(), "the call was dropped before its answer");
+    }
+    // Answers come in order: once a later call on the same connection is
+    // answered, the dropped call's answer has been read (and discarded).
+    let mut one = vec![0u8; 2 * MIB];
+    let got = conn.get_into(vec![keys[0].clone()], &mut [&mut one[..]]).await.unwrap();
+    assert_eq!(got[0].as_ref().ok(), Some(&(2 * MIB)));
+    assert_eq!(one, block(9, 2 * MIB));
+    assert!(bufs.iter().all(|b| b.iter().all(|&x| x == 0xEE)), "a destination was written after its call was dropped");
+}
+
 #[tokio::test]
 async fn writing_shared_memory_after_a_put_does_not_change_the_stored_block() {
     let dir = tempfile::tempdir().unwrap();

@@ -117,6 +117,17 @@ impl From<io::Error> for ReadError {
 /// checksum fails becomes a per-key `bad-checksum` result rather than an
 /// error for the whole batch. `Ok(None)` on a clean end of stream.
 pub async fn read_frame<R: AsyncRead + Unpin + ?Sized>(r: &mut R, limits: &Limits) -> Result<Option<Frame>, ReadError> {
+    match read_meta(r, limits).await? {
+        None => Ok(None),
+        Some((header, meta)) => read_payloads(r, &header, meta).await.map(Some),
+    }
+}
+
+/// The first half of [`read_frame`]: the header and the decoded meta, with
+/// the payloads (if any) still to be read from `r`, so that a reader that
+/// knows where a GET answer's blocks belong can read them there itself. A
+/// meta that does not decode has its payloads skipped before the error.
+pub async fn read_meta<R: AsyncRead + Unpin + ?Sized>(r: &mut R, limits: &Limits) -> Result<Option<(FrameHeader, Meta)>, ReadError> {
     let header = match read_header(r).await? {
         None => return Ok(None),
         Some(Ok(h)) => h,
@@ -127,13 +138,19 @@ pub async fn read_frame<R: AsyncRead + Unpin + ?Sized>(r: &mut R, limits: &Limit
         return Err(fail(ProtocolError::FrameTooLarge { declared: header.frame_len(), limit: limits.max_frame_bytes as u64 }, true));
     }
     let meta = read_bytes(r, header.meta_len as usize).await?;
-    let meta = match decode_body(&header, meta, limits) {
-        Ok(m) => m,
+    match decode_body(&header, meta, limits) {
+        Ok(m) => Ok(Some((header, m))),
         Err(e) => {
             skip(r, header.payload_len() as u64).await?;
-            return Err(fail(e, false));
+            Err(fail(e, false))
         }
-    };
+    }
+}
+
+/// The second half of [`read_frame`]: the payloads `meta` announces, into
+/// one buffer, each checked against its checksum.
+pub async fn read_payloads<R: AsyncRead + Unpin + ?Sized>(r: &mut R, header: &FrameHeader, meta: Meta) -> Result<Frame, ReadError> {
+    let fail = |error, fatal| ReadError::Decode(DecodeError { error, request_id: Some(header.request_id), fatal });
     let message = match meta {
         Meta::Complete(m) => m,
         Meta::Put(slots) => {
@@ -165,5 +182,5 @@ pub async fn read_frame<R: AsyncRead + Unpin + ?Sized>(r: &mut R, limits: &Limit
             Message::Response(Response::Get { results })
         }
     };
-    Ok(Some(Frame { request_id: header.request_id, message }))
+    Ok(Frame { request_id: header.request_id, message })
 }

@@ -1,0 +1,138 @@
+//! GET answers read from the socket straight into the caller's memory.
+//!
+//! Why: an engine reads KV blocks into its own cache tensor. Reading a GET
+//! answer into a receive buffer and copying each block out costs a pass
+//! over every byte, as much as the socket read itself at these sizes; here
+//! the connection's reader task reads each payload into the destination the
+//! caller gave for its key.
+//!
+//! The reader task is not the caller, so the destinations are lent to it as
+//! raw addresses behind a lock, and the lending ends in [`Lease::drop`]:
+//! whether the call completed, failed or was cancelled (its future dropped),
+//! that drop takes the lock and withdraws them, and the reader touches a
+//! destination only while holding the lock and seeing it still lent (one
+//! non-blocking read at a time, then the lock is let go). So no byte is
+//! written into a destination after the call that owns it has returned. A
+//! payload whose destination is withdrawn or too small is read and dropped.
+
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::Poll;
+
+use kvplane_protocol::{checksum, ErrorCode, PayloadSlot};
+use tokio::io::{AsyncRead, ReadBuf};
+
+/// The destinations of one GET: (address, length) per key, `None` once
+/// withdrawn.
+pub(crate) struct Destinations {
+    lent: Mutex<Option<Vec<(usize, usize)>>>,
+}
+
+impl Destinations {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Vec<(usize, usize)>>> {
+        self.lent.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Lends `dests` to the reader for as long as the lease lives (its lifetime
+/// ties the lease to the borrow of the destinations).
+pub(crate) struct Lease<'a> {
+    pub(crate) destinations: Arc<Destinations>,
+    _borrow: std::marker::PhantomData<&'a mut [u8]>,
+}
+
+impl<'a> Lease<'a> {
+    pub(crate) fn new<'b: 'a>(dests: &'a mut [&'b mut [u8]]) -> Lease<'a> {
+        let lent = dests.iter_mut().map(|d| (d.as_mut_ptr() as usize, d.len())).collect();
+        Lease { destinations: Arc::new(Destinations { lent: Mutex::new(Some(lent)) }), _borrow: std::marker::PhantomData }
+    }
+}
+
+impl Drop for Lease<'_> {
+    fn drop(&mut self) {
+        // Waits for a read in progress to finish; none starts afterwards.
+        *self.destinations.lock() = None;
+    }
+}
+
+/// Reads the payloads of a GET answer whose slots are `slots`, each into
+/// its key's destination: per key, the bytes written, or the key's error
+/// (`capacity` when the value is longer than the destination, or the
+/// destination was withdrawn; `bad-checksum` when the bytes read do not
+/// match the block's checksum).
+pub(crate) async fn read_get_into<R: AsyncRead + Unpin + ?Sized>(
+    r: &mut R,
+    slots: Vec<Result<PayloadSlot, ErrorCode>>,
+    dests: &Destinations,
+) -> std::io::Result<Vec<Result<usize, ErrorCode>>> {
+    let mut results = Vec::with_capacity(slots.len());
+    for (i, slot) in slots.into_iter().enumerate() {
+        let s = match slot {
+            Ok(s) => s,
+            Err(code) => {
+                results.push(Err(code));
+                continue;
+            }
+        };
+        let len = s.len as usize;
+        let fits = dests.lock().as_ref().is_some_and(|d| d.get(i).is_some_and(|&(_, room)| len <= room));
+        if !fits {
+            kvplane_protocol::io::skip(r, len as u64).await?;
+            results.push(Err(ErrorCode::Capacity));
+            continue;
+        }
+        results.push(match read_one(r, dests, i, len).await? {
+            false => Err(ErrorCode::Capacity),
+            true => {
+                let guard = dests.lock();
+                match guard.as_ref() {
+                    // SAFETY: as in `read_one`: lent, so alive and this
+                    // call's alone; `len` bytes of it were just written.
+                    Some(d) => match checksum(unsafe { std::slice::from_raw_parts(d[i].0 as *const u8, len) }) == s.crc {
+                        true => Ok(len),
+                        false => Err(ErrorCode::BadChecksum),
+                    },
+                    None => Err(ErrorCode::Capacity),
+                }
+            }
+        });
+    }
+    Ok(results)
+}
+
+/// Reads `len` bytes into destination `i`; false (the rest read and
+/// dropped) when the destinations were withdrawn on the way.
+async fn read_one<R: AsyncRead + Unpin + ?Sized>(r: &mut R, dests: &Destinations, i: usize, len: usize) -> std::io::Result<bool> {
+    let mut done = 0;
+    while done < len {
+        let n = std::future::poll_fn(|cx| {
+            let guard = dests.lock();
+            let Some(d) = guard.as_ref() else { return Poll::Ready(Ok(None)) };
+            let (addr, room) = d[i];
+            debug_assert!(len <= room);
+            // SAFETY: the destination is lent (the lock is held and it was
+            // not withdrawn), so the `&mut [u8]` it came from is borrowed by
+            // the call waiting for this answer and by nothing else; `done <
+            // len <= room` keeps the slice inside it.
+            let dst = unsafe { std::slice::from_raw_parts_mut((addr as *mut u8).add(done), len - done) };
+            let mut buf = ReadBuf::new(dst);
+            match Pin::new(&mut *r).poll_read(cx, &mut buf) {
+                Poll::Ready(Ok(())) => Poll::Ready(Ok(Some(buf.filled().len()))),
+                Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
+                Poll::Pending => Poll::Pending,
+            }
+        })
+        .await?;
+        match n {
+            None => {
+                kvplane_protocol::io::skip(r, (len - done) as u64).await?;
+                return Ok(false);
+            }
+            Some(0) => {
+                return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, format!("stream ended {done} bytes into a {len}-byte block")))
+            }
+            Some(n) => done += n,
+        }
+    }
+    Ok(true)
+}
