@@ -11,8 +11,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kvplane_protocol::{
-    decode_body, encode, ErrorCode, Features, Frame, FrameHeader, Hello, HelloAck, KvError, Limits, Message, Meta, Request, Response, ShmGet,
-    ShmPut, HEADER_LEN, VERSION,
+    decode_body, encode, ErrorCode, Features, Frame, FrameHeader, Hello, HelloAck, KvError, Limits, Message, Meta, Request, Response,
+    ShmGet, ShmPut, HEADER_LEN, VERSION,
 };
 use tokio::io::{AsyncRead, AsyncWrite, BufReader};
 use tokio::sync::oneshot;
@@ -291,8 +291,12 @@ impl Connection {
                     })
                 })
                 .collect()),
-            Answer::Into(results) => Err(KvError::Internal(format!("{} answered a GET of {n} keys with {} results", self.endpoint, results.len()))),
-            Answer::Response(other) => Err(KvError::Internal(format!("{} answered a GET with {:?}", self.endpoint, Message::Response(other).opcode()))),
+            Answer::Into(results) => {
+                Err(KvError::Internal(format!("{} answered a GET of {n} keys with {} results", self.endpoint, results.len())))
+            }
+            Answer::Response(other) => {
+                Err(KvError::Internal(format!("{} answered a GET with {:?}", self.endpoint, Message::Response(other).opcode())))
+            }
         }
     }
 

@@ -129,7 +129,10 @@ async fn read_one<R: AsyncRead + Unpin + ?Sized>(r: &mut R, dests: &Destinations
                 return Ok(false);
             }
             Some(0) => {
-                return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, format!("stream ended {done} bytes into a {len}-byte block")))
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    format!("stream ended {done} bytes into a {len}-byte block"),
+                ))
             }
             Some(n) => done += n,
         }
