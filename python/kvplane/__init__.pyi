@@ -62,7 +62,8 @@ class Client:
         """Connects now, so that a wrong address or token fails here.
 
         ``connections``: per node (default 4 for a node, 2 per member for a
-        cluster). ``token``: for nodes started with ``--token-file``.
+        cluster); over TCP a batch of more than 512 KiB is split over them
+        and its parts sent at once. ``token``: for nodes started with ``--token-file``.
         ``timeout``: seconds allowed for connecting and for each answer.
         ``write_quorum`` (cluster only): owners that must store a block
         before ``put_from`` succeeds; default every owner.

@@ -97,6 +97,9 @@ pub struct BenchConfig {
     pub blocks: usize,
     pub batch: usize,
     pub clients: usize,
+    /// `kvplane` and `cluster`: connections in each client's pool (per
+    /// node); a large batch is split over them.
+    pub connections: usize,
     pub op: BenchOp,
     /// GET runs store every key first (untimed). Off: the keys must already
     /// be where the target reads them from (a node's second tier seeded by
@@ -165,10 +168,11 @@ pub(crate) enum Conn {
     },
 }
 
-async fn kvplane_client(endpoint: &str, token: Option<String>, shared_memory: bool) -> anyhow::Result<kvplane_client::Client> {
+async fn kvplane_client(endpoint: &str, cfg: &BenchConfig) -> anyhow::Result<kvplane_client::Client> {
     let parsed = endpoint.parse().map_err(anyhow::Error::from)?;
     let mut config = kvplane_client::ClientConfig::new(parsed);
-    config.connections = 1;
+    config.connections = cfg.connections.max(1);
+    let (token, shared_memory) = (cfg.token.clone(), cfg.shared_memory);
     config.token = token;
     config.shared_memory = shared_memory;
     kvplane_client::Client::connect(config).await.with_context(|| format!("connecting to {endpoint}"))
@@ -178,12 +182,12 @@ async fn kvplane_client(endpoint: &str, token: Option<String>, shared_memory: bo
 const CLUSTER_PATIENCE: Duration = Duration::from_secs(30);
 
 /// A cluster client whose slot table lists every node of `endpoint`.
-async fn cluster_client(endpoint: &str, token: Option<String>) -> anyhow::Result<kvplane_client::ClusterClient> {
+async fn cluster_client(endpoint: &str, token: Option<String>, connections: usize) -> anyhow::Result<kvplane_client::ClusterClient> {
     let seeds =
         endpoint.split(',').map(|e| e.parse().map_err(anyhow::Error::from)).collect::<anyhow::Result<Vec<kvplane_client::Endpoint>>>()?;
     let expected = seeds.len();
     let mut config = kvplane_client::ClusterConfig::new(seeds);
-    config.connections = 1;
+    config.connections = connections.max(1);
     config.token = token;
     let client =
         kvplane_client::ClusterClient::connect(config).await.with_context(|| format!("connecting to the cluster of {endpoint}"))?;
@@ -238,11 +242,11 @@ impl Conn {
             Target::Kvplane => {
                 let mut clients = Vec::new();
                 for endpoint in cfg.endpoint.split(',') {
-                    clients.push(kvplane_client(endpoint, cfg.token.clone(), cfg.shared_memory).await?);
+                    clients.push(kvplane_client(endpoint, cfg).await?);
                 }
                 Conn::Kvplane(clients)
             }
-            Target::Cluster => Conn::Cluster(cluster_client(&cfg.endpoint, cfg.token.clone()).await?),
+            Target::Cluster => Conn::Cluster(cluster_client(&cfg.endpoint, cfg.token.clone(), cfg.connections).await?),
             Target::Raw => Conn::Raw(raw::RawClient::connect(&cfg.endpoint).await?),
             Target::Redis => Conn::Redis(redis::RedisClient::connect(&cfg.endpoint).await?),
             Target::Vineyard => Conn::Vineyard(vineyard::VineyardClient::connect(&cfg.endpoint).await?),

@@ -29,6 +29,7 @@ fn shape(target: Target, endpoint: String, op: BenchOp, block_size: usize, block
         blocks,
         batch: 8,
         clients: 2,
+        connections: 1,
         op,
         seed: true,
         duration: Duration::from_millis(500),

@@ -33,9 +33,13 @@ pub struct BenchArgs {
     /// Blocks per request.
     #[arg(long, default_value_t = 16)]
     batch: usize,
-    /// Concurrent connections, each with one batch in flight.
+    /// Concurrent clients, each with one batch in flight.
     #[arg(long, default_value_t = 2)]
     clients: usize,
+    /// kvplane: connections in each client's pool, over which a large batch
+    /// is split (the Python package's default is 4).
+    #[arg(long, default_value_t = 1)]
+    connections: usize,
     #[arg(long, default_value = "put")]
     op: BenchOp,
     /// GET: do not store the keys first; they are already where the target
@@ -75,6 +79,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         blocks: args.blocks,
         batch: args.batch,
         clients: args.clients,
+        connections: args.connections.max(1),
         op: args.op,
         seed: !args.no_seed,
         duration: Duration::from_secs_f64(args.seconds.max(0.1)),

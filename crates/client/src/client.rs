@@ -102,7 +102,6 @@ impl Client {
             self.largest_block.fetch_max(data.len(), Ordering::Relaxed);
         }
         for chunk in self.split_put(entries) {
-            let n = chunk.len();
             let conn = self.connection().await?;
             if let Some(memory) = conn.shared_memory() {
                 if let Some(r) = put_shared(&conn, memory, &chunk).await? {
@@ -111,13 +110,46 @@ impl Client {
                 }
             }
             // Over the socket each block travels with its checksum.
-            let entries = chunk.into_iter().map(|(key, data)| PutEntry { key, block: Block::new(data) }).collect();
-            match conn.call(Request::Put { entries }).await? {
-                Response::Put { results: r } if r.len() == n => results.extend(r.into_iter().map(per_key)),
-                other => return Err(unexpected("PUT", n, &other)),
-            }
+            let bytes = chunk.iter().map(|(_, data)| data.len()).sum();
+            let parts = self.stripe(chunk, bytes);
+            let calls = self.connections_for(conn, parts.len()).await?.into_iter().zip(parts).map(|(conn, part)| async move {
+                let n = part.len();
+                let entries = part.into_iter().map(|(key, data)| PutEntry { key, block: Block::new(data) }).collect();
+                match conn.call(Request::Put { entries }).await? {
+                    Response::Put { results } if results.len() == n => Ok(results.into_iter().map(per_key).collect::<Vec<_>>()),
+                    other => Err(unexpected("PUT", n, &other)),
+                }
+            });
+            results.extend(futures::future::try_join_all(calls).await?.into_iter().flatten());
         }
         Ok(results)
+    }
+
+    /// Splits a batch of `bytes` over up to one connection of the pool per
+    /// [`STRIPE_BYTES`], in contiguous runs, to be sent at once: one socket
+    /// stream carries a large batch at one core's copy rate, two or more
+    /// keep more cores of both ends busy.
+    fn stripe<T>(&self, items: Vec<T>, bytes: usize) -> Vec<Vec<T>> {
+        let k = (bytes / STRIPE_BYTES).min(self.slots.len()).min(items.len()).max(1);
+        if k == 1 {
+            return vec![items];
+        }
+        let (base, extra) = (items.len() / k, items.len() % k);
+        let mut parts = Vec::with_capacity(k);
+        let mut items = items.into_iter();
+        for i in 0..k {
+            parts.push(items.by_ref().take(base + usize::from(i < extra)).collect());
+        }
+        parts
+    }
+
+    /// `first` and `more - 1` further connections of the pool.
+    async fn connections_for(&self, first: Arc<Connection>, count: usize) -> Result<Vec<Arc<Connection>>, KvError> {
+        let mut conns = vec![first];
+        while conns.len() < count {
+            conns.push(self.connection().await?);
+        }
+        Ok(conns)
     }
 
     /// Fetches blocks; a missing key is `Err(KvError::NotFound)` in its slot.
@@ -197,8 +229,14 @@ impl Client {
                     continue;
                 }
             }
-            let mut dests: Vec<&mut [u8]> = dests.into_iter().map(|d| &mut **d).collect();
-            results.extend(conn.get_into(chunk, &mut dests).await?);
+            let dests: Vec<&mut [u8]> = dests.into_iter().map(|d| &mut **d).collect();
+            let bytes = dests.iter().map(|d| d.len()).sum();
+            let parts = self.stripe(chunk.into_iter().zip(dests).collect(), bytes);
+            let calls = self.connections_for(conn, parts.len()).await?.into_iter().zip(parts).map(|(conn, part)| async move {
+                let (keys, mut dests): (Vec<Bytes>, Vec<&mut [u8]>) = part.into_iter().unzip();
+                conn.get_into(keys, &mut dests).await
+            });
+            results.extend(futures::future::try_join_all(calls).await?.into_iter().flatten());
         }
         Ok(results)
     }
@@ -208,7 +246,7 @@ impl Client {
     /// did not serve (see the `rdma` module).
     async fn get_over_rdma(
         &self,
-        conn: &Connection,
+        conn: &Arc<Connection>,
         reader: &rdma::Reader,
         chunk: Vec<Bytes>,
     ) -> Result<Vec<Result<Bytes, KvError>>, KvError> {
@@ -249,14 +287,21 @@ impl Client {
             .collect())
     }
 
-    async fn get_over_socket(&self, conn: &Connection, chunk: Vec<Bytes>) -> Result<Vec<Result<Bytes, KvError>>, KvError> {
-        let n = chunk.len();
-        match conn.call(Request::Get { keys: chunk }).await? {
-            Response::Get { results } if results.len() == n => {
-                Ok(results.into_iter().map(|r| r.map(|b| b.data).map_err(|c| c.into_kv_error(""))).collect())
+    /// GET over the socket, striped over the pool by the expected size (the
+    /// largest block seen so far, per key).
+    async fn get_over_socket(&self, conn: &Arc<Connection>, chunk: Vec<Bytes>) -> Result<Vec<Result<Bytes, KvError>>, KvError> {
+        let bytes = self.largest_block.load(Ordering::Relaxed).saturating_mul(chunk.len());
+        let parts = self.stripe(chunk, bytes);
+        let calls = self.connections_for(Arc::clone(conn), parts.len()).await?.into_iter().zip(parts).map(|(conn, part)| async move {
+            let n = part.len();
+            match conn.call(Request::Get { keys: part }).await? {
+                Response::Get { results } if results.len() == n => {
+                    Ok(results.into_iter().map(|r| r.map(|b| b.data).map_err(|c| c.into_kv_error(""))).collect::<Vec<_>>())
+                }
+                other => Err(unexpected("GET", n, &other)),
             }
-            other => Err(unexpected("GET", n, &other)),
-        }
+        });
+        Ok(futures::future::try_join_all(calls).await?.into_iter().flatten().collect())
     }
 
     /// Which keys are present.
@@ -362,6 +407,10 @@ impl Client {
         keys.chunks(max_keys).map(<[Bytes]>::to_vec).collect()
     }
 }
+
+/// Bytes per connection above which a batch over the socket is split over
+/// several connections of the pool (see [`Client::stripe`]).
+const STRIPE_BYTES: usize = 512 << 10;
 
 /// PUT through shared memory: each block copied into a reserved range, then
 /// PUT_SHM. `None` when the memory has no room for the batch (the caller

@@ -107,6 +107,37 @@ async fn get_into_writes_each_value_into_its_destination_and_nothing_past_it() {
     assert!(matches!(mismatched, Err(KvError::Invalid(_))), "{mismatched:?}");
 }
 
+/// Over TCP a large batch is split over several connections of the pool and
+/// sent at once; each key's answer still lands in its own slot, in order,
+/// for PUT, GET and GET into caller memory alike.
+#[tokio::test]
+async fn a_large_batch_is_striped_over_the_pool_and_answers_stay_in_key_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = node(&dir, 256 * MIB, 0).await;
+    let config = ClientConfig { connections: 4, ..ClientConfig::new(Endpoint::Tcp(n.tcp_addr().unwrap().to_string())) };
+    let c = Client::connect(config).await.unwrap();
+    // 32 x 64 KiB = 2 MiB: four stripes of 512 KiB. Distinct contents, and
+    // one key in the middle deleted before the reads.
+    let entries: Vec<(Bytes, Bytes)> = (0..32u8).map(|i| (Bytes::from(format!("s{i}")), block(i, 64 * KIB))).collect();
+    assert!(c.put(entries.clone()).await.unwrap().iter().all(Result::is_ok));
+    assert_eq!(stat(&n, "connections_total"), 4, "the PUT went out over every connection of the pool");
+    assert_eq!(c.delete(vec![Bytes::from_static(b"s17")]).await.unwrap(), [true]);
+    let keys: Vec<Bytes> = entries.iter().map(|(k, _)| k.clone()).collect();
+    let got = c.get(keys.clone()).await.unwrap();
+    let mut bufs: Vec<Vec<u8>> = (0..32).map(|_| vec![0u8; 64 * KIB]).collect();
+    let mut dests: Vec<&mut [u8]> = bufs.iter_mut().map(Vec::as_mut_slice).collect();
+    let into = c.get_into(keys, &mut dests).await.unwrap();
+    for (i, (k, v)) in entries.iter().enumerate() {
+        if k == "s17" {
+            assert!(matches!(got[i], Err(KvError::NotFound)) && matches!(into[i], Err(KvError::NotFound)), "{k:?}");
+            continue;
+        }
+        assert_eq!(got[i].as_ref().unwrap(), v, "{k:?}");
+        assert_eq!(into[i].as_ref().ok(), Some(&(64 * KIB)), "{k:?}");
+        assert_eq!(&bufs[i][..], &v[..], "{k:?}");
+    }
+}
+
 /// A GET into caller memory over the socket whose call is dropped before
 /// the answer arrives: the reader task, which reads answers from the socket
 /// straight into the destinations, must not write a byte into them after the
