@@ -26,6 +26,10 @@ use bytes::Bytes;
 use kvplane_protocol::io::{read_frame, read_meta, read_payloads, write_frame, ReadError};
 
 type Writer = Box<dyn AsyncWrite + Send + Unpin>;
+/// The read half, buffered: many small answers per system call, while a GET
+/// read into caller memory takes block bytes past the buffer, straight from
+/// the stream ([`read_get_into`]).
+type Reader = BufReader<Box<dyn AsyncRead + Send + Unpin>>;
 type Waiters = HashMap<u64, Waiter>;
 
 /// A caller waiting for the answer to its request.
@@ -113,7 +117,7 @@ impl Connection {
     ) -> Result<Connection, KvError> {
         let unavailable = |e: std::io::Error| KvError::Unavailable(format!("connect to {endpoint}: {e}"));
         let too_slow = || KvError::Timeout(format!("connect to {endpoint}: no answer in {timeout:?}"));
-        let (reader, writer, ack, shm): (Box<dyn AsyncRead + Send + Unpin>, Writer, HelloAck, Option<Arc<SharedMemory>>) = match endpoint {
+        let (reader, writer, ack, shm): (Reader, Writer, HelloAck, Option<Arc<SharedMemory>>) = match endpoint {
             Endpoint::Tcp(addr) => {
                 let stream = tokio::time::timeout(timeout, tokio::net::TcpStream::connect(addr))
                     .await
@@ -121,11 +125,11 @@ impl Connection {
                     .map_err(unavailable)?;
                 stream.set_nodelay(true).map_err(unavailable)?;
                 let (r, mut w) = stream.into_split();
-                let mut r = BufReader::with_capacity(READ_BUFFER_BYTES, r);
+                let mut r: Reader = BufReader::with_capacity(READ_BUFFER_BYTES, Box::new(r));
                 // RDMA only when this host has a device (and the feature).
                 let wanted = if rdma::offered() { Features::ALL | Features::RDMA } else { Features::ALL };
                 let ack = with_timeout(timeout, endpoint, handshake(&mut r, &mut w, endpoint, token, wanted)).await?;
-                (Box::new(r), Box::new(w), ack, None)
+                (r, Box::new(w), ack, None)
             }
             Endpoint::Unix(path) => {
                 let mut stream = tokio::time::timeout(timeout, tokio::net::UnixStream::connect(path))
@@ -150,7 +154,7 @@ impl Connection {
                     None
                 };
                 let (r, w) = stream.into_split();
-                (Box::new(BufReader::with_capacity(READ_BUFFER_BYTES, r)), Box::new(w), ack, shm)
+                (BufReader::with_capacity(READ_BUFFER_BYTES, Box::new(r)), Box::new(w), ack, shm)
             }
         };
         let shared =
@@ -422,7 +426,7 @@ fn read_error(endpoint: &Endpoint, e: ReadError) -> KvError {
     }
 }
 
-async fn read_loop<R: AsyncRead + Unpin>(mut reader: R, shared: Arc<Shared>, endpoint: Endpoint) {
+async fn read_loop(mut reader: Reader, shared: Arc<Shared>, endpoint: Endpoint) {
     let limits = answer_limits();
     let reason = loop {
         let (header, meta) = match read_meta(&mut reader, &limits).await {

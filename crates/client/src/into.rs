@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::task::Poll;
 
 use kvplane_protocol::{checksum, ErrorCode, PayloadSlot};
-use tokio::io::{AsyncRead, ReadBuf};
+use tokio::io::{AsyncBufRead, AsyncRead, BufReader, ReadBuf};
 
 /// The destinations of one GET: (address, length) per key, `None` once
 /// withdrawn.
@@ -60,8 +60,8 @@ impl Drop for Lease<'_> {
 /// (`capacity` when the value is longer than the destination, or the
 /// destination was withdrawn; `bad-checksum` when the bytes read do not
 /// match the block's checksum).
-pub(crate) async fn read_get_into<R: AsyncRead + Unpin + ?Sized>(
-    r: &mut R,
+pub(crate) async fn read_get_into<S: AsyncRead + Unpin>(
+    r: &mut BufReader<S>,
     slots: Vec<Result<PayloadSlot, ErrorCode>>,
     dests: &Destinations,
 ) -> std::io::Result<Vec<Result<usize, ErrorCode>>> {
@@ -100,9 +100,11 @@ pub(crate) async fn read_get_into<R: AsyncRead + Unpin + ?Sized>(
     Ok(results)
 }
 
-/// Reads `len` bytes into destination `i`; false (the rest read and
-/// dropped) when the destinations were withdrawn on the way.
-async fn read_one<R: AsyncRead + Unpin + ?Sized>(r: &mut R, dests: &Destinations, i: usize, len: usize) -> std::io::Result<bool> {
+/// Reads `len` bytes into destination `i`: what the buffer already holds,
+/// then straight from the stream (a block never passes through the
+/// buffer); false (the rest read and dropped) when the destinations were
+/// withdrawn on the way.
+async fn read_one<S: AsyncRead + Unpin>(r: &mut BufReader<S>, dests: &Destinations, i: usize, len: usize) -> std::io::Result<bool> {
     let mut done = 0;
     while done < len {
         let n = std::future::poll_fn(|cx| {
@@ -115,8 +117,15 @@ async fn read_one<R: AsyncRead + Unpin + ?Sized>(r: &mut R, dests: &Destinations
             // the call waiting for this answer and by nothing else; `done <
             // len <= room` keeps the slice inside it.
             let dst = unsafe { std::slice::from_raw_parts_mut((addr as *mut u8).add(done), len - done) };
+            let buffered = r.buffer();
+            if !buffered.is_empty() {
+                let n = buffered.len().min(dst.len());
+                dst[..n].copy_from_slice(&buffered[..n]);
+                Pin::new(&mut *r).consume(n);
+                return Poll::Ready(Ok(Some(n)));
+            }
             let mut buf = ReadBuf::new(dst);
-            match Pin::new(&mut *r).poll_read(cx, &mut buf) {
+            match Pin::new(r.get_mut()).poll_read(cx, &mut buf) {
                 Poll::Ready(Ok(())) => Poll::Ready(Ok(Some(buf.filled().len()))),
                 Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
                 Poll::Pending => Poll::Pending,
