@@ -258,8 +258,26 @@ struct Inner {
 }
 
 impl Inner {
-    fn block_on<F: std::future::Future>(&self, f: F) -> F::Output {
-        self.rt.block_on(f)
+    /// Runs a call as a task on the runtime's worker threads and waits for
+    /// it on this (Python's) thread. Why not poll the call here with
+    /// `block_on`: the connections' reader tasks run on the workers, so a
+    /// call polled on this thread is woken across threads at every answer
+    /// (and at every part of a batch split over connections), tens of
+    /// microseconds each on a busy host; as a task it is woken on the worker
+    /// that read the answer, and this thread once, when the call is done.
+    fn run<T, F>(self: &Arc<Self>, call: impl FnOnce(Arc<Inner>) -> F) -> T
+    where
+        F: std::future::Future<Output = T> + Send + 'static,
+        T: Send + 'static,
+    {
+        let task = self.rt.spawn(call(Arc::clone(self)));
+        match self.rt.block_on(task) {
+            Ok(value) => value,
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            // Tasks are cancelled only when the runtime shuts down, and this
+            // process's runtime lives as long as the process.
+            Err(e) => panic!("the I/O runtime dropped a call: {e}"),
+        }
     }
 }
 
@@ -437,7 +455,7 @@ impl Client {
             .map(|(index, k)| (k.clone(), Bytes::from_owner(Borrowed { exports: Arc::clone(&exports), index })))
             .collect();
         let n = entries.len();
-        let results = py.detach(|| inner.block_on(inner.target.put(entries)));
+        let results = py.detach(|| inner.run(|inner| async move { inner.target.put(entries).await }));
         // Released here, with the GIL, unless a task still holds a slice.
         drop(exports);
         let results = results.map_err(|e| kv_error(&e, format!("put_from of {n} keys"), None, None))?;
@@ -485,9 +503,14 @@ impl Client {
             // buffer, which stays exported until after this closure, and no
             // two of them overlap (checked above), so these are disjoint
             // exclusive slices for the duration of the call.
-            let mut slices: Vec<&mut [u8]> =
-                dests.iter().map(|&(addr, len)| unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) }).collect();
-            let values = inner.block_on(inner.target.get_into(request, &mut slices)).map_err(GetFailure::Call)?;
+            // `run` returns only once the task has finished with them.
+            let values = inner
+                .run(|inner| async move {
+                    let mut slices: Vec<&mut [u8]> =
+                        dests.iter().map(|&(addr, len)| unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) }).collect();
+                    inner.target.get_into(request, &mut slices).await
+                })
+                .map_err(GetFailure::Call)?;
             values
                 .into_iter()
                 .enumerate()
@@ -525,7 +548,7 @@ impl Client {
         }
         let request = keys.clone();
         let values = py
-            .detach(|| inner.block_on(inner.target.get(request)))
+            .detach(|| inner.run(|inner| async move { inner.target.get(request).await }))
             .map_err(|e| kv_error(&e, format!("get of {} keys", keys.len()), None, None))?;
         values
             .into_iter()
@@ -546,7 +569,8 @@ impl Client {
             return Ok(Vec::new());
         }
         let n = keys.len();
-        py.detach(|| inner.block_on(inner.target.exists(keys))).map_err(|e| kv_error(&e, format!("exists of {n} keys"), None, None))
+        py.detach(|| inner.run(|inner| async move { inner.target.exists(keys).await }))
+            .map_err(|e| kv_error(&e, format!("exists of {n} keys"), None, None))
     }
 
     /// Removes `keys`; per key, whether it was stored.
@@ -557,7 +581,8 @@ impl Client {
             return Ok(Vec::new());
         }
         let n = keys.len();
-        py.detach(|| inner.block_on(inner.target.delete(keys))).map_err(|e| kv_error(&e, format!("delete of {n} keys"), None, None))
+        py.detach(|| inner.run(|inner| async move { inner.target.delete(keys).await }))
+            .map_err(|e| kv_error(&e, format!("delete of {n} keys"), None, None))
     }
 
     /// How many leading keys of a chain (a prompt's blocks, in order) are
@@ -575,7 +600,7 @@ impl Client {
         }
         let n = keys.len();
         let m = py
-            .detach(|| inner.block_on(inner.target.match_prefix(keys, Duration::from_millis(lease_ms))))
+            .detach(|| inner.run(move |inner| async move { inner.target.match_prefix(keys, Duration::from_millis(lease_ms)).await }))
             .map_err(|e| kv_error(&e, format!("match_prefix of {n} keys"), None, None))?;
         Ok((m.matched, u64::try_from(m.lease.as_millis()).unwrap_or(u64::MAX)))
     }

@@ -2,8 +2,9 @@
 
     pyclient_bench.py TARGET ENDPOINT OP SIZE BATCH BLOCKS SECONDS
 
-TARGET: `kvplane` (the kvplane package: put_from / get_into on one
-connection) or `redis` (redis-py, a pipeline of SET or GET per batch, no
+TARGET: `kvplane` (the kvplane package with its defaults: put_from /
+get_into, a pool of 4 connections over which a large batch is split) or
+`redis` (redis-py, a pipeline of SET or GET per batch, no
 transaction). OP: put or get (a GET run stores the keys first, untimed).
 BLOCKS distinct keys are moved BATCH at a time, cyclically, for SECONDS;
 every GET's length is checked. Prints one JSON line."""
@@ -25,7 +26,7 @@ def main(target: str, endpoint: str, op: str, size: int, batch: int, blocks: int
     if target == "kvplane":
         import kvplane
 
-        client = kvplane.Client(endpoint, connections=1)
+        client = kvplane.Client(endpoint)
 
         def put(ks: list[str]) -> None:
             client.put_from(ks, buffers[: len(ks)])

@@ -11,15 +11,15 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kvplane_protocol::{
-    decode_body, encode, ErrorCode, Features, Frame, FrameHeader, Hello, HelloAck, KvError, Limits, Message, Meta, Request, Response,
-    ShmGet, ShmPut, HEADER_LEN, VERSION,
+    decode_body, encode, Features, Frame, FrameHeader, Hello, HelloAck, KvError, Limits, Message, Meta, Request, Response, ShmGet, ShmPut,
+    HEADER_LEN, VERSION,
 };
 use tokio::io::{AsyncRead, AsyncWrite, BufReader};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 use crate::endpoint::Endpoint;
-use crate::into::{read_get_into, Destinations, Lease};
+use crate::into::{read_get_into, Destinations, Lease, NotRead};
 use crate::rdma;
 use crate::shm::SharedMemory;
 use bytes::Bytes;
@@ -43,7 +43,7 @@ enum Answer {
     Response(Response),
     /// A GET answer read into the caller's destinations: per key, the bytes
     /// written or the key's error.
-    Into(Vec<Result<usize, ErrorCode>>),
+    Into(Vec<Result<usize, NotRead>>),
 }
 
 /// Answers from a node are read with generous limits: the node enforces its
@@ -289,9 +289,11 @@ impl Connection {
             Answer::Into(results) if results.len() == n => Ok(results
                 .into_iter()
                 .map(|r| {
-                    r.map_err(|code| match code {
-                        ErrorCode::Capacity => KvError::Capacity("the value is longer than its destination".into()),
-                        code => code.into_kv_error(""),
+                    r.map_err(|why| match why {
+                        NotRead::TooLong { len, room } => {
+                            KvError::Capacity(format!("the value of {len} bytes is longer than its destination of {room} bytes"))
+                        }
+                        NotRead::Code(code) => code.into_kv_error(""),
                     })
                 })
                 .collect()),

@@ -55,34 +55,42 @@ impl Drop for Lease<'_> {
     }
 }
 
+/// Why a key's value was not read into its destination.
+#[derive(Debug)]
+pub(crate) enum NotRead {
+    /// The node's answer for the key (not found, ...), or `bad-checksum`
+    /// when the bytes read do not match the block's checksum.
+    Code(ErrorCode),
+    /// The value is longer than the destination (or the destination was
+    /// withdrawn: `room` 0).
+    TooLong { len: usize, room: usize },
+}
+
 /// Reads the payloads of a GET answer whose slots are `slots`, each into
-/// its key's destination: per key, the bytes written, or the key's error
-/// (`capacity` when the value is longer than the destination, or the
-/// destination was withdrawn; `bad-checksum` when the bytes read do not
-/// match the block's checksum).
+/// its key's destination: per key, the bytes written, or why not.
 pub(crate) async fn read_get_into<S: AsyncRead + Unpin>(
     r: &mut BufReader<S>,
     slots: Vec<Result<PayloadSlot, ErrorCode>>,
     dests: &Destinations,
-) -> std::io::Result<Vec<Result<usize, ErrorCode>>> {
+) -> std::io::Result<Vec<Result<usize, NotRead>>> {
     let mut results = Vec::with_capacity(slots.len());
     for (i, slot) in slots.into_iter().enumerate() {
         let s = match slot {
             Ok(s) => s,
             Err(code) => {
-                results.push(Err(code));
+                results.push(Err(NotRead::Code(code)));
                 continue;
             }
         };
         let len = s.len as usize;
-        let fits = dests.lock().as_ref().is_some_and(|d| d.get(i).is_some_and(|&(_, room)| len <= room));
-        if !fits {
+        let room = dests.lock().as_ref().and_then(|d| d.get(i).map(|&(_, room)| room)).unwrap_or(0);
+        if len > room {
             kvplane_protocol::io::skip(r, len as u64).await?;
-            results.push(Err(ErrorCode::Capacity));
+            results.push(Err(NotRead::TooLong { len, room }));
             continue;
         }
         results.push(match read_one(r, dests, i, len).await? {
-            false => Err(ErrorCode::Capacity),
+            false => Err(NotRead::TooLong { len, room: 0 }),
             true => {
                 let guard = dests.lock();
                 match guard.as_ref() {
@@ -90,9 +98,9 @@ pub(crate) async fn read_get_into<S: AsyncRead + Unpin>(
                     // call's alone; `len` bytes of it were just written.
                     Some(d) => match checksum(unsafe { std::slice::from_raw_parts(d[i].0 as *const u8, len) }) == s.crc {
                         true => Ok(len),
-                        false => Err(ErrorCode::BadChecksum),
+                        false => Err(NotRead::Code(ErrorCode::BadChecksum)),
                     },
-                    None => Err(ErrorCode::Capacity),
+                    None => Err(NotRead::TooLong { len, room: 0 }),
                 }
             }
         });
