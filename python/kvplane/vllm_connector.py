@@ -413,15 +413,21 @@ class _WorkerSide:
             self._c._node.failed(client, e)
             return [None] * len(keys)
 
+    def _layer_ranges(self, group: int) -> list[tuple[torch.Tensor, slice]]:
+        """Each layer of `group` and the bytes of a staged block it owns."""
+        ranges, offset = [], 0
+        for view in self._layers[group]:
+            size = view[0].numel() * view.element_size()
+            ranges.append((view, slice(offset, offset + size)))
+            offset += size
+        return ranges
+
     def _scatter(self, group: int, staging: torch.Tensor, block_ids: list[int], rows: list[int]) -> None:
         index = torch.tensor(block_ids, dtype=torch.long)
         src = staging[rows]
-        offset = 0
-        for view in self._layers[group]:
-            size = view[0].numel() * view.element_size()
-            part = src[:, offset : offset + size].contiguous().view(view.dtype).reshape((len(rows), *view.shape[1:]))
-            view[index.to(view.device)] = part.to(view.device)
-            offset += size
+        for view, part in self._layer_ranges(group):
+            layer = src[:, part].contiguous().view(view.dtype).reshape((len(rows), *view.shape[1:]))
+            view[index.to(view.device)] = layer.to(view.device)
 
     def save(self, saves: list[BlockTransfer]) -> None:
         for transfer in saves:
@@ -430,12 +436,8 @@ class _WorkerSide:
                     continue
                 staging = self._staging(group, len(block_ids))
                 index = torch.tensor(block_ids, dtype=torch.long)
-                offset = 0
-                for view in self._layers[group]:
-                    size = view[0].numel() * view.element_size()
-                    rows = view[index.to(view.device)].reshape(len(block_ids), -1).view(torch.uint8)
-                    staging[:, offset : offset + size].copy_(rows)
-                    offset += size
+                for view, part in self._layer_ranges(group):
+                    staging[:, part].copy_(view[index.to(view.device)].reshape(len(block_ids), -1).view(torch.uint8))
                 keys = self._c._keys(group, hashes)
                 client = self._c._node.get()
                 if client is None:

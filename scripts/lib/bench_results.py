@@ -6,6 +6,8 @@ As a library: `Results` answers medians over runs and ratios between two
 labels, the median of each run's own ratio (the two sides of a ratio ran one
 right after the other, so a load that comes and goes shifts both).
 
+`timed` is the measuring loop of the client programs (any Python).
+
 As a command, `merge BARRIER TARGET OP SIZE BATCH CLIENTS`: sums the JSON
 lines (`blocks`, `seconds`, `p50_us`, `p99_us`) that the client processes of
 one run wrote to BARRIER/out.* into one result line on stdout.
@@ -17,6 +19,8 @@ import glob
 import json
 import statistics
 import sys
+import time
+from collections.abc import Callable
 
 
 def human(n: int) -> str:
@@ -44,6 +48,31 @@ class Results:
         ra, rb = self.runs_of(a, op, size), self.runs_of(b, op, size)
         both = sorted(set(ra) & set(rb))
         return statistics.median(ra[i]["gb_per_s"] / rb[i]["gb_per_s"] for i in both) if both else None
+
+
+def timed(chunks: list[list[str]], run: Callable[[list[str]], None], seconds: float) -> dict:
+    """Calls `run` on each chunk of keys in turn, cyclically, for `seconds`;
+    answers the blocks moved, the time taken and the median and 99th
+    percentile of the calls' latencies."""
+    started = time.perf_counter()
+    end = started + seconds
+    moved, lat, stop = 0, [], False
+    while not stop:
+        for c in chunks:
+            t = time.perf_counter()
+            run(c)
+            now = time.perf_counter()
+            lat.append(now - t)
+            moved += len(c)
+            if now >= end:
+                stop = True
+                break
+    elapsed = time.perf_counter() - started
+    lat.sort()
+    return {
+        "blocks": moved, "seconds": elapsed, "p50_us": lat[len(lat) // 2] * 1e6,
+        "p99_us": lat[min(len(lat) - 1, round((len(lat) - 1) * 0.99))] * 1e6,
+    }
 
 
 def merge(barrier: str, target: str, op: str, size: str, batch: str, clients: str) -> dict:

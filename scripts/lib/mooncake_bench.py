@@ -5,6 +5,7 @@ of this client's stride of the keys, timed from the moment every client is
 ready; prints one JSON line."""
 import ctypes, glob, json, mmap, os, signal, sys, time
 from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+from bench_results import timed  # scripts/lib, this file's folder
 
 def store(segment, local_buffer):
     s = MooncakeDistributedStore()
@@ -50,24 +51,7 @@ def client(op, size, batch, blocks, index, clients, seconds, barrier):
     open(os.path.join(barrier, f"ready.{index}"), "w").close()
     while len(glob.glob(os.path.join(barrier, "ready.*"))) < clients:
         time.sleep(0.001)
-    run = get if op == "get" else put
-    started = time.perf_counter()
-    end = started + seconds
-    moved, lat, stop = 0, [], False
-    while not stop:
-        for c in chunks:
-            t = time.perf_counter()
-            run(c)
-            now = time.perf_counter()
-            lat.append(now - t)
-            moved += len(c)
-            if now >= end:
-                stop = True
-                break
-    elapsed = time.perf_counter() - started
-    lat.sort()
-    print(json.dumps({"blocks": moved, "seconds": elapsed, "p50_us": lat[len(lat) // 2] * 1e6,
-                      "p99_us": lat[min(len(lat) - 1, round((len(lat) - 1) * 0.99))] * 1e6}), flush=True)
+    print(json.dumps(timed(chunks, get if op == "get" else put, seconds)), flush=True)
     s.unregister_buffer(base)
     s.close()
 

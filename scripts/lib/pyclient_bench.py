@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import json
 import sys
-import time
+
+from bench_results import timed  # scripts/lib, this file's folder
 
 
 def main(target: str, endpoint: str, op: str, size: int, batch: int, blocks: int, seconds: float) -> None:
@@ -60,27 +61,11 @@ def main(target: str, endpoint: str, op: str, size: int, batch: int, blocks: int
     if op == "get":
         for c in chunks:
             put(c)
-    run = get if op == "get" else put
-    started = time.perf_counter()
-    end = started + seconds
-    moved, lat, stop = 0, [], False
-    while not stop:
-        for c in chunks:
-            t = time.perf_counter()
-            run(c)
-            now = time.perf_counter()
-            lat.append(now - t)
-            moved += len(c)
-            if now >= end:
-                stop = True
-                break
-    elapsed = time.perf_counter() - started
-    lat.sort()
+    r = timed(chunks, get if op == "get" else put, seconds)
     print(json.dumps({
-        "target": target, "op": op, "block_size": size, "batch": batch, "clients": 1,
-        "blocks": moved, "bytes": moved * size, "seconds": elapsed, "gb_per_s": moved * size / elapsed / 1e9,
-        "blocks_per_s": moved / elapsed, "p50_us": lat[len(lat) // 2] * 1e6,
-        "p99_us": lat[min(len(lat) - 1, round((len(lat) - 1) * 0.99))] * 1e6, "misses": 0,
+        "target": target, "op": op, "block_size": size, "batch": batch, "clients": 1, **r,
+        "bytes": r["blocks"] * size, "gb_per_s": r["blocks"] * size / r["seconds"] / 1e9,
+        "blocks_per_s": r["blocks"] / r["seconds"], "misses": 0,
     }), flush=True)
 
 
