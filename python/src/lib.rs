@@ -255,21 +255,38 @@ struct Inner {
     rt: std::mem::ManuallyDrop<Arc<Runtime>>,
     target: std::mem::ManuallyDrop<Target>,
     pid: u32,
+    /// The runtime is a current-thread one that the calling threads drive
+    /// (a node client); else the shared multi-thread one (a cluster client,
+    /// whose slot-table follower must run between calls).
+    driven_here: bool,
 }
 
 impl Inner {
-    /// Runs a call as a task on the runtime's worker threads and waits for
-    /// it on this (Python's) thread. Why not poll the call here with
-    /// `block_on`: the connections' reader tasks run on the workers, so a
-    /// call polled on this thread is woken across threads at every answer
-    /// (and at every part of a batch split over connections), tens of
-    /// microseconds each on a busy host; as a task it is woken on the worker
-    /// that read the answer, and this thread once, when the call is done.
+    /// Runs a call and waits for it. A node client's runtime is driven by
+    /// the calling thread itself: it waits in the I/O driver for the node's
+    /// answer, so the kernel wakes it directly when the answer arrives (one
+    /// wake-up, as a Rust caller on a runtime thread gets). A cluster
+    /// client's call runs as a task on the shared runtime's workers, woken
+    /// there at each answer, and this thread once, when it is done (a call
+    /// polled on this thread would be woken across threads at each answer).
     fn run<T, F>(self: &Arc<Self>, call: impl FnOnce(Arc<Inner>) -> F) -> T
     where
         F: std::future::Future<Output = T> + Send + 'static,
         T: Send + 'static,
     {
+        if self.driven_here {
+            let inner = Arc::clone(self);
+            return self.rt.block_on(async move {
+                // Nothing runs on this runtime between calls: first let the
+                // I/O driver report what happened meanwhile (a node that
+                // closed a connection: the first yield polls the driver) and
+                // the reader tasks it woke run (the second), so the pool
+                // replaces a closed connection before the call picks it.
+                tokio::task::yield_now().await;
+                tokio::task::yield_now().await;
+                call(inner).await
+            });
+        }
         let task = self.rt.spawn(call(Arc::clone(self)));
         match self.rt.block_on(task) {
             Ok(value) => value,
@@ -414,9 +431,11 @@ impl Client {
             if let Some(n) = connections {
                 config.connections = n;
             }
-            py.detach(|| rt.block_on(ClusterClient::connect(config)))
+            let client = py
+                .detach(|| rt.block_on(ClusterClient::connect(config)))
                 .map(Target::Cluster)
-                .map_err(|e| kv_error(&e, format!("connect to the cluster of {what}"), None, None))?
+                .map_err(|e| kv_error(&e, format!("connect to the cluster of {what}"), None, None))?;
+            (client, None)
         } else {
             let mut config = ClientConfig::new(parsed.into_iter().next().expect("one endpoint"));
             config.token = token;
@@ -425,11 +444,30 @@ impl Client {
             if let Some(n) = connections {
                 config.connections = n;
             }
-            py.detach(|| rt.block_on(NodeClient::connect(config)))
+            // A node client's connections live on a runtime of its own that
+            // only the calling threads drive (see `Inner::run`).
+            let rt = Arc::new(
+                tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .map_err(|e| raise("Internal", format!("starting the client's runtime: {e}"), None, None))?,
+            );
+            let client = py
+                .detach(|| rt.block_on(NodeClient::connect(config)))
                 .map(Target::Node)
-                .map_err(|e| kv_error(&e, format!("connect to {what}"), None, None))?
+                .map_err(|e| kv_error(&e, format!("connect to {what}"), None, None))?;
+            (client, Some(rt))
         };
-        let inner = Inner { rt: std::mem::ManuallyDrop::new(rt), target: std::mem::ManuallyDrop::new(target), pid: std::process::id() };
+        let (target, rt, driven_here) = match target {
+            (target, Some(own)) => (target, own, true),
+            (target, None) => (target, rt, false),
+        };
+        let inner = Inner {
+            rt: std::mem::ManuallyDrop::new(rt),
+            target: std::mem::ManuallyDrop::new(target),
+            pid: std::process::id(),
+            driven_here,
+        };
         Ok(Client { inner: RwLock::new(Some(Arc::new(inner))), endpoints, cluster })
     }
 

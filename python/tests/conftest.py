@@ -44,8 +44,10 @@ def die_with_parent() -> None:
 class Node:
     """A `kvplane node` child process serving on `endpoint`."""
 
-    def __init__(self, *extra: str, memory: str = "256MiB", env: dict[str, str] | None = None) -> None:
-        args = [kvplane_bin(), "node", "--listen", "127.0.0.1:0", "--admin", "none", "--memory", memory, *extra]
+    def __init__(
+        self, *extra: str, memory: str = "256MiB", env: dict[str, str] | None = None, listen: str = "127.0.0.1:0"
+    ) -> None:
+        args = [kvplane_bin(), "node", "--listen", listen, "--admin", "none", "--memory", memory, *extra]
         self.proc = subprocess.Popen(
             args,
             stdin=subprocess.DEVNULL,

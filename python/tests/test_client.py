@@ -315,3 +315,20 @@ def test_after_fork_the_child_makes_its_own_client(client: kvplane.Client, node:
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert client.get([f"{unique}f"]) == [b"parent"]
+
+
+def test_a_client_goes_on_after_its_node_restarts() -> None:
+    """Between calls nothing reads a client's connections; the next call
+    must notice that the node closed them and open new ones, not fail."""
+    first = Node()
+    endpoint = first.endpoint
+    with kvplane.Client(endpoint, connections=1) as kv:
+        kv.put_from(["restart/a"], [b"x" * 10])
+        first.stop()
+        second = Node(listen=endpoint)
+        try:
+            assert kv.exists(["restart/a"]) == [False], "a new, empty node answers"
+            kv.put_from(["restart/b"], [b"y" * 10])
+            assert kv.get(["restart/b"]) == [b"y" * 10]
+        finally:
+            second.stop()
