@@ -181,6 +181,23 @@ pub mod redis {
             format!("127.0.0.1:{}", self.port)
         }
 
+        /// Sends one command (as RESP, on a connection of its own) and
+        /// answers the first line of the reply, e.g. `+OK`; for commands
+        /// that administer the server (`CLIENT PAUSE 30000 WRITE`).
+        pub fn command(&self, args: &[&str]) -> String {
+            use std::io::{BufRead, BufReader, Write};
+            let mut conn = std::net::TcpStream::connect(self.endpoint()).expect("connect to redis-server");
+            conn.set_read_timeout(Some(START_TIMEOUT)).expect("set a read timeout");
+            let mut frame = format!("*{}\r\n", args.len());
+            for a in args {
+                frame.push_str(&format!("${}\r\n{a}\r\n", a.len()));
+            }
+            conn.write_all(frame.as_bytes()).expect("send to redis-server");
+            let mut line = String::new();
+            BufReader::new(conn).read_line(&mut line).expect("redis-server's reply");
+            line.trim_end().to_string()
+        }
+
         /// Kill the server now, by its PID (a store that goes away).
         pub fn kill(&mut self) {
             self.process.kill();

@@ -177,6 +177,61 @@ async fn on_evict_copies_only_what_the_memory_tier_drops() {
 }
 
 #[tokio::test]
+async fn a_block_waiting_to_be_written_to_the_second_tier_is_still_served() {
+    // An evicted block is in neither tier until its writer has stored it
+    // (its memory is freed only then). The store holds its writes (CLIENT
+    // PAUSE ... WRITE) so that window stays open: every queued block must
+    // still be found by GET and EXISTS. With the writes held, the queue
+    // fills to its bound (an eighth of the pool) and, at `skip`, the next
+    // evicted blocks are dropped, which frees their memory for the PUTs.
+    let redis = RedisServer::start(&[]);
+    let runtime = PluginRuntime::new(None).unwrap();
+    let settings = TieringConfig { mode: IngestMode::OnEvict, at_bound: AtBound::Skip, deadline_ms: 60_000, ..TieringConfig::default() };
+    let mut decl = resp(&redis.endpoint(), FailurePolicy::FailClosed);
+    // Long enough for a write held by the pause never to time out.
+    decl.limits.timeout = Duration::from_secs(60);
+    let store = backend(&runtime, decl);
+    let n = node(8 * MIB, setup(Arc::clone(&store), settings)).await;
+    let c = client(&n).await;
+    assert_eq!(redis.command(&["CLIENT", "PAUSE", "60000", "WRITE"]), "+OK");
+    let names = keys("held/", 200);
+    for chunk in names.chunks(10) {
+        put_all(&c, chunk, 64 * KIB).await;
+    }
+    let (evicted, skipped, queued) = (stat(&n, "evictions"), stat(&n, "tier_ingest_skipped"), stat(&n, "tier_queued_blocks"));
+    assert!(queued > 0 && skipped > 0, "the pool was meant to overflow the queue: {queued} queued, {skipped} skipped");
+    assert_eq!(queued + skipped, evicted, "every evicted block is queued or, past the bound, skipped");
+    assert_eq!(stat(&n, "tier_ingest_stored"), 0, "the paused store took a write");
+
+    // EXISTS first (it allocates nothing, so evicts nothing): every block
+    // but the skipped ones. Then GET those: each from memory or from the
+    // queue, none from the store, so again nothing is evicted.
+    let present = c.exists(names.iter().map(|k| Bytes::from(k.clone())).collect()).await.unwrap();
+    let kept: Vec<String> = names.iter().zip(&present).filter(|(_, p)| **p).map(|(k, _)| k.clone()).collect();
+    assert_eq!(kept.len(), names.len() - skipped as usize, "EXISTS missed a block waiting for its write");
+    // In batches of 20: a batch's answer holds its blocks.
+    let get_kept = || async {
+        let mut found = 0;
+        for chunk in kept.chunks(20) {
+            found += get_checked(&c, chunk, 64 * KIB).await;
+        }
+        found
+    };
+    assert_eq!(get_kept().await, kept.len(), "a block waiting for its write was reported absent");
+    assert_eq!(stat(&n, "tier_queued_hits"), queued, "the queued blocks were served from the queue");
+    assert_eq!(stat(&n, "evictions"), evicted, "serving them evicted nothing");
+
+    // Once the store takes writes again the queue empties into it.
+    assert_eq!(redis.command(&["CLIENT", "UNPAUSE"]), "+OK");
+    wait_for("the held blocks written", || stat(&n, "tier_ingest_stored") == queued).await;
+    wait_for("the queue emptied", || stat(&n, "tier_queued_blocks") == 0).await;
+    let in_store = store.exists(names.iter().map(|k| k.as_bytes().to_vec()).collect(), NONE).await.unwrap();
+    assert_eq!(in_store.iter().filter(|r| matches!(r, Ok(true))).count() as u64, queued);
+    assert_eq!(get_kept().await, kept.len());
+    n.shutdown().await;
+}
+
+#[tokio::test]
 async fn hot_mode_copies_a_block_once_it_was_read_often_enough() {
     let redis = RedisServer::start(&[]);
     let runtime = PluginRuntime::new(None).unwrap();

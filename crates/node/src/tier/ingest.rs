@@ -12,10 +12,14 @@
 //!   hash), so two PUTs of a key reach the store in the order they were
 //!   made, and a DELETE queued behind a PUT of the same key cannot be
 //!   overtaken by it.
+//! * **Queued blocks are still served.** An evicted block waiting for its
+//!   writer is in neither tier: [`Queued`] keeps it findable until the
+//!   write is done, so a GET in that window gets the block, not a miss.
 
+use std::collections::HashMap;
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -26,6 +30,7 @@ use tokio::sync::{mpsc, oneshot, Notify};
 
 use super::retry::{plugin_error, Attempts, Next};
 use super::TierShared;
+use crate::memory::Block;
 
 /// Items a writer puts in one backend call at most.
 const BATCH_ITEMS: usize = 32;
@@ -86,17 +91,55 @@ impl Budget {
     }
 }
 
+/// Blocks queued for the second tier whose write has not finished: the
+/// latest queued block of each key, tagged with its queueing number so an
+/// older write finishing does not withdraw a newer block.
+#[derive(Default)]
+pub(crate) struct Queued {
+    blocks: Mutex<HashMap<Bytes, (u64, Block)>>,
+    next: AtomicU64,
+}
+
+impl Queued {
+    fn add(&self, key: Bytes, block: Block) -> u64 {
+        let seq = self.next.fetch_add(1, Ordering::Relaxed);
+        self.blocks.lock().unwrap_or_else(|p| p.into_inner()).insert(key, (seq, block));
+        seq
+    }
+
+    /// The writes of `done` finished (stored or given up on).
+    fn finished(&self, done: &mut Vec<(Bytes, u64)>) {
+        if done.is_empty() {
+            return;
+        }
+        let mut blocks = self.blocks.lock().unwrap_or_else(|p| p.into_inner());
+        for (key, seq) in done.drain(..) {
+            if blocks.get(&key).is_some_and(|(s, _)| *s == seq) {
+                blocks.remove(&key);
+            }
+        }
+    }
+
+    /// The block queued under `key`, if its write has not finished.
+    pub(crate) fn get(&self, key: &[u8]) -> Option<Block> {
+        self.blocks.lock().unwrap_or_else(|p| p.into_inner()).get(key).map(|(_, b)| b.clone())
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.blocks.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+}
+
 /// Work for one writer, in the order it was queued.
 pub(crate) enum Job {
     Put {
         key: Bytes,
         value: Bytes,
+        /// Its number in [`Queued`].
+        seq: u64,
     },
     /// Deletes `keys` after every PUT queued before it, then answers.
-    Delete {
-        keys: Vec<Vec<u8>>,
-        done: oneshot::Sender<Result<Vec<Result<(), KvError>>, KvError>>,
-    },
+    Delete { keys: Vec<Vec<u8>>, done: oneshot::Sender<Result<Vec<Result<(), KvError>>, KvError>> },
 }
 
 /// The queues of the writers.
@@ -132,10 +175,10 @@ impl Ingest {
         &self.writers[i]
     }
 
-    /// Queues a copy of `value` under `key`, waiting for room or skipping at
-    /// the bound as configured.
-    pub(crate) async fn offer(&self, shared: &TierShared, key: Bytes, value: Bytes) -> Result<(), Refused> {
-        let n = value.len() as u64;
+    /// Queues a copy of `block` under `key`, waiting for room or skipping at
+    /// the bound as configured; until it is written, [`Queued::get`] finds it.
+    pub(crate) async fn offer(&self, shared: &TierShared, key: Bytes, block: Block) -> Result<(), Refused> {
+        let n = block.len() as u64;
         if !shared.budget.try_take(n) {
             match shared.settings.at_bound {
                 AtBound::Skip => {
@@ -148,7 +191,10 @@ impl Ingest {
                 }
             }
         }
-        if self.writer(&key).send(Job::Put { key, value }).is_err() {
+        let seq = shared.queued.add(key.clone(), block.clone());
+        let writer = self.writer(&key);
+        if writer.send(Job::Put { key: key.clone(), value: block.into_bytes(), seq }).is_err() {
+            shared.queued.finished(&mut vec![(key, seq)]);
             shared.budget.give_back(n);
             return Err(Refused::Closed);
         }
@@ -189,17 +235,21 @@ impl Ingest {
 /// ends when the node drops the queue.
 async fn write_loop(shared: Arc<TierShared>, mut rx: mpsc::UnboundedReceiver<Job>) {
     let mut batch: Vec<(Vec<u8>, Bytes)> = Vec::new();
+    // The batch's keys and queueing numbers, for `Queued::finished`.
+    let mut written: Vec<(Bytes, u64)> = Vec::new();
     while let Some(first) = rx.recv().await {
         let mut next = Some(first);
         let mut bytes = 0usize;
         while let Some(job) = next.take() {
             match job {
-                Job::Put { key, value } => {
+                Job::Put { key, value, seq } => {
                     bytes += value.len();
                     batch.push((key.to_vec(), value));
+                    written.push((key, seq));
                 }
                 Job::Delete { keys, done } => {
                     write_batch(&shared, &mut batch).await;
+                    shared.queued.finished(&mut written);
                     let _ = done.send(shared.delete_now(keys).await);
                 }
             }
@@ -209,6 +259,7 @@ async fn write_loop(shared: Arc<TierShared>, mut rx: mpsc::UnboundedReceiver<Job
             next = rx.try_recv().ok();
         }
         write_batch(&shared, &mut batch).await;
+        shared.queued.finished(&mut written);
     }
 }
 

@@ -30,7 +30,7 @@ use kvplane_runtime::{Backend, FailurePolicy, RetryPolicy, WritableMemory};
 
 use crate::cache::{Allocation, BlockCache, CachedBlock, Evicted};
 use crate::memory::{Block, BlockMut};
-use ingest::{Budget, Ingest};
+use ingest::{Budget, Ingest, Queued};
 use retry::{plugin_error, Attempts, Next, Retrier};
 
 /// The second tier's calls use the store's configured namespace and TTL.
@@ -73,6 +73,9 @@ pub(crate) struct TierMetrics {
     pub(crate) ingest_failed: AtomicU64,
     pub(crate) ingest_skipped: AtomicU64,
     pub(crate) ingest_waited: AtomicU64,
+    /// GETs answered from a block queued for the writers (evicted from the
+    /// memory tier, not yet in the second).
+    pub(crate) queued_hits: AtomicU64,
     /// Failures that became misses under fail-open.
     pub(crate) failed_open: AtomicU64,
     pub(crate) latency: [crate::server::metrics::LatencyHistogram; 4],
@@ -112,6 +115,8 @@ pub(crate) struct TierShared {
     pub(crate) retrier: Retrier,
     pub(crate) settings: TieringConfig,
     pub(crate) budget: Budget,
+    /// Blocks queued for the writers, served by GETs until written.
+    pub(crate) queued: Queued,
     pub(crate) metrics: TierMetrics,
     fail_open: bool,
 }
@@ -183,6 +188,7 @@ impl SecondTier {
         let shared = Arc::new(TierShared {
             retrier: Retrier { policy: setup.retry, target: setup.name, deadline: Duration::from_millis(setup.settings.deadline_ms) },
             budget: Budget::new(bound),
+            queued: Queued::default(),
             backend: setup.backend,
             settings: setup.settings,
             metrics: TierMetrics::default(),
@@ -212,6 +218,8 @@ impl SecondTier {
             ("tier_ingest_skipped".into(), load(&m.ingest_skipped)),
             ("tier_ingest_waits".into(), load(&m.ingest_waited)),
             ("tier_in_flight_bytes".into(), self.in_flight_bytes()),
+            ("tier_queued_hits".into(), load(&m.queued_hits)),
+            ("tier_queued_blocks".into(), self.shared.queued.len() as u64),
         ];
         let errors: u64 = m.errors.lock().unwrap_or_else(|p| p.into_inner()).iter().map(|(_, n)| n).sum();
         out.push(("backend_errors".into(), errors));
@@ -257,20 +265,20 @@ impl SecondTier {
         if victim.reads == FROM_SECOND_TIER {
             return;
         }
-        let _ = self.ingest.offer(&self.shared, victim.key, victim.block.into_bytes()).await;
+        let _ = self.ingest.offer(&self.shared, victim.key, victim.block).await;
     }
 
     /// After a PUT stored `block` in the memory tier.
     pub(crate) async fn stored(&self, key: &Bytes, block: &Block) {
         if self.shared.settings.mode == IngestMode::All {
-            let _ = self.ingest.offer(&self.shared, key.clone(), block.clone().into_bytes()).await;
+            let _ = self.ingest.offer(&self.shared, key.clone(), block.clone()).await;
         }
     }
 
     /// After a GET found `hit` in the memory tier.
     pub(crate) async fn read_hit(&self, key: &[u8], hit: &CachedBlock) {
         if self.shared.settings.mode == IngestMode::Hot && hit.reads == self.shared.settings.hot_reads {
-            let _ = self.ingest.offer(&self.shared, Bytes::copy_from_slice(key), hit.block.clone().into_bytes()).await;
+            let _ = self.ingest.offer(&self.shared, Bytes::copy_from_slice(key), hit.block.clone()).await;
         }
     }
 
@@ -278,6 +286,11 @@ impl SecondTier {
     /// blocks and stores them in the memory tier. One answer per key:
     /// `Ok(None)` a miss (or a failure under fail-open), `Err` a failure
     /// under fail-closed.
+    ///
+    /// A block queued for the writers (evicted, not yet written) is
+    /// answered from the queue: it is in neither tier meanwhile. It is not
+    /// put back into the memory tier (a PUT of the key since could be
+    /// overwritten by it), so a MATCH_PREFIX's pin ends before it.
     pub(crate) async fn read_through(&self, cache: &BlockCache, keys: &[&[u8]]) -> Vec<Result<Option<CachedBlock>, KvError>> {
         let mut out: Vec<Result<Option<CachedBlock>, KvError>> = (0..keys.len()).map(|_| Ok(None)).collect();
         let expected = match self.expected_len.load(Ordering::Relaxed) {
@@ -285,7 +298,16 @@ impl SecondTier {
             n => n,
         };
         // (index into keys, destination size)
-        let mut pending: Vec<(usize, usize)> = (0..keys.len()).map(|i| (i, expected)).collect();
+        let mut pending: Vec<(usize, usize)> = Vec::with_capacity(keys.len());
+        for (i, key) in keys.iter().enumerate() {
+            match self.shared.queued.get(key) {
+                Some(block) => {
+                    self.shared.metrics.queued_hits.fetch_add(1, Ordering::Relaxed);
+                    out[i] = Ok(Some(CachedBlock { block, reads: FROM_SECOND_TIER }));
+                }
+                None => pending.push((i, expected)),
+            }
+        }
         let mut attempts = Attempts::new();
         while !pending.is_empty() {
             let mut entries = Vec::with_capacity(pending.len());
@@ -380,20 +402,30 @@ impl SecondTier {
         }
     }
 
-    /// Whether each key (absent from the memory tier) is in the second tier.
+    /// Whether each key (absent from the memory tier) is in the second tier
+    /// or queued for it.
     pub(crate) async fn exists(&self, keys: Vec<Vec<u8>>) -> Vec<Result<bool, KvError>> {
-        let n = keys.len();
-        match self.shared.whole_batch(Operation::Exists, || self.shared.backend.exists(keys.clone(), NO_OPTIONS)).await {
-            Ok(results) => results
-                .into_iter()
-                .map(|r| match r {
-                    Ok(b) => Ok(b),
-                    Err(KvError::NotFound) => Ok(false),
-                    Err(e) => self.fail(e).map(|()| false),
-                })
-                .collect(),
-            Err(error) => (0..n).map(|_| self.fail(error.clone()).map(|()| false)).collect(),
+        let mut out: Vec<Result<bool, KvError>> = keys.iter().map(|k| Ok(self.shared.queued.get(k).is_some())).collect();
+        let (asked, keys): (Vec<usize>, Vec<Vec<u8>>) = keys.into_iter().enumerate().filter(|(i, _)| matches!(out[*i], Ok(false))).unzip();
+        if keys.is_empty() {
+            return out;
         }
+        let answers: Vec<Result<bool, KvError>> =
+            match self.shared.whole_batch(Operation::Exists, || self.shared.backend.exists(keys.clone(), NO_OPTIONS)).await {
+                Ok(results) => results
+                    .into_iter()
+                    .map(|r| match r {
+                        Ok(b) => Ok(b),
+                        Err(KvError::NotFound) => Ok(false),
+                        Err(e) => self.fail(e).map(|()| false),
+                    })
+                    .collect(),
+                Err(error) => (0..keys.len()).map(|_| self.fail(error.clone()).map(|()| false)).collect(),
+            };
+        for (i, r) in asked.into_iter().zip(answers) {
+            out[i] = r;
+        }
+        out
     }
 
     /// Deletes `keys` from the second tier, after any write of them queued
