@@ -18,6 +18,12 @@ numpy arrays; a torch CPU tensor through ``t.view(torch.uint8).numpy()`` (or
 network. ``Client(seeds, cluster=True)`` routes keys over a cluster's slot
 table.
 
+On a GPU machine, ``DeviceClient("unix:///path/node.sock", device=0)`` moves
+blocks between device memory (``tensor.data_ptr()``) and a node on the same
+host through pinned shared memory (``put_from_device``, ``get_into_device``);
+the package must be built with its ``cuda`` feature for that
+(``gpu_unavailable_reason()`` says why it cannot work, or ``None``).
+
 Errors are ``kvplane.Error`` subclasses (see ``kvplane._errors``).
 """
 
@@ -25,7 +31,7 @@ from __future__ import annotations
 
 from . import _errors
 from ._errors import *  # noqa: F403 -- the exceptions, as listed in _errors.__all__
-from ._native import Client, __version__
+from ._native import Client, DeviceClient, __version__, gpu_unavailable_reason
 
-__all__ = ["Client", "__version__"]
+__all__ = ["Client", "DeviceClient", "gpu_unavailable_reason", "__version__"]
 __all__ += _errors.__all__

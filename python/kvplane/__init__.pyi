@@ -1,4 +1,4 @@
-"""Type stubs of the kvplane package (the native Client and the exceptions)."""
+"""Type stubs of the kvplane package (the native clients and the exceptions)."""
 
 import sys
 from collections.abc import Sequence
@@ -16,6 +16,8 @@ from ._errors import (
     Capacity as Capacity,
     Denied as Denied,
     Error as Error,
+    GpuError as GpuError,
+    GpuUnavailable as GpuUnavailable,
     Internal as Internal,
     Invalid as Invalid,
     NonContiguousBuffer as NonContiguousBuffer,
@@ -127,6 +129,83 @@ class Client:
         """Whether this is a cluster client."""
 
     def __enter__(self) -> Client: ...
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool: ...
+
+def gpu_unavailable_reason() -> str | None:
+    """Why ``DeviceClient`` cannot work here (built without the ``cuda``
+    feature, no NVIDIA driver, no GPU), or ``None`` when it can."""
+
+class DeviceClient:
+    """KV blocks between GPU memory and a kvplane node on the same host.
+
+    ``DeviceClient("unix:///run/kvplane/node.sock", device=0)`` opens one
+    connection over the node's Unix socket and registers the memory the node
+    shares with it as pinned for ``device``; blocks move between device
+    memory and that memory with the GPU's copy engines, and the node copies
+    them into and out of its pool. Nothing crosses the socket but keys and
+    offsets.
+
+    Device memory is given as addresses and sizes, as an engine holds it:
+    ``tensor.data_ptr()`` and ``tensor.nbytes`` of contiguous CUDA tensors on
+    ``device``. ``stream``: a ``CUstream`` address of this device (for
+    instance ``torch.cuda.current_stream(device).cuda_stream``), after whose
+    queued work the copies run; default, the client's own stream. Every call
+    returns once its copies are done.
+
+    Raises ``GpuUnavailable`` when the package was built without its
+    ``cuda`` feature or no GPU answers, ``Invalid`` for an endpoint that is
+    not ``unix://``. Calls run one at a time; after ``fork``, make a new one.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        device: int = 0,
+        token: str | None = None,
+        timeout: float = 30.0,
+    ) -> None: ...
+    def put_from_device(
+        self,
+        keys: Sequence[Key],
+        ptrs: Sequence[int],
+        sizes: Sequence[int],
+        *,
+        stream: int | None = None,
+    ) -> None:
+        """Stores ``sizes[i]`` bytes at device address ``ptrs[i]`` under
+        ``keys[i]``, copied after the work queued on ``stream``; the device
+        memory may be reused once the call returns. Raises the typed
+        exception of the first key not stored (``key``, ``index`` set)."""
+
+    def get_into_device(
+        self,
+        keys: Sequence[Key],
+        ptrs: Sequence[int],
+        capacities: Sequence[int],
+        *,
+        stream: int | None = None,
+    ) -> list[int | None]:
+        """Reads the value of ``keys[i]`` into device memory at ``ptrs[i]``
+        (``capacities[i]`` bytes there) and answers the bytes written, or
+        ``None`` for an absent key. A value larger than its capacity raises
+        ``BufferTooSmall`` and is not written."""
+
+    def close(self) -> None:
+        """Unregisters the shared memory and closes the connection."""
+
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def endpoint(self) -> str: ...
+    @property
+    def device(self) -> int: ...
+    def __enter__(self) -> DeviceClient: ...
     def __exit__(
         self,
         exc_type: type[BaseException] | None,

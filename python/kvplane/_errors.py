@@ -90,6 +90,15 @@ class BufferTooSmall(BadBuffer):
     """A value is larger than the buffer given for it; that buffer was not written."""
 
 
+class GpuError(Error, RuntimeError):
+    """A CUDA driver call of a ``DeviceClient`` failed (the call and the driver's reason are in the message)."""
+
+
+class GpuUnavailable(GpuError):
+    """No GPU path here: the package was built without its ``cuda`` feature,
+    or no NVIDIA driver or GPU answers (the reason is in the message)."""
+
+
 __all__ = [
     "Error",
     "NotFound",
@@ -106,4 +115,6 @@ __all__ = [
     "NonContiguousBuffer",
     "OverlappingBuffers",
     "BufferTooSmall",
+    "GpuError",
+    "GpuUnavailable",
 ]

@@ -28,6 +28,8 @@
 
 #![deny(unsafe_code)]
 
+mod device;
+
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
@@ -708,6 +710,8 @@ impl Client {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Client>()?;
+    m.add_class::<device::DeviceClient>()?;
+    m.add_function(wrap_pyfunction!(device::gpu_unavailable_reason, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }
