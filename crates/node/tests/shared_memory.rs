@@ -153,10 +153,14 @@ async fn a_dropped_get_into_never_writes_into_its_destinations_afterwards() {
     let mut bufs: Vec<Vec<u8>> = (0..32).map(|_| vec![0xEE; 2 * MIB]).collect();
     {
         let mut dests: Vec<&mut [u8]> = bufs.iter_mut().map(Vec::as_mut_slice).collect();
-        // Polled once (the request goes out), then dropped: 64 MiB cannot
-        // have come back by then.
-        let gone = tokio::time::timeout(Duration::ZERO, conn.get_into(keys.clone(), &mut dests)).await;
-        assert!(gone.is_err(), "the call was dropped before its answer");
+        // Polled exactly once (the request goes out; on this test's one
+        // thread nothing else runs meanwhile, so no answer byte can have
+        // been read), then dropped. (A zero timeout would not do: its timer
+        // need not fire at the first poll, and then the reader fills the
+        // destinations while the call is still alive, as it should.)
+        let mut call = std::pin::pin!(conn.get_into(keys.clone(), &mut dests));
+        let first = std::future::poll_fn(|cx| std::task::Poll::Ready(std::future::Future::poll(call.as_mut(), cx))).await;
+        assert!(first.is_pending(), "64 MiB came back within one poll");
     }
     // Answers come in order: once a later call on the same connection is
     // answered, the dropped call's answer has been read (and discarded).
@@ -164,6 +168,7 @@ async fn a_dropped_get_into_never_writes_into_its_destinations_afterwards() {
     let got = conn.get_into(vec![keys[0].clone()], &mut [&mut one[..]]).await.unwrap();
     assert_eq!(got[0].as_ref().ok(), Some(&(2 * MIB)));
     assert_eq!(one, block(9, 2 * MIB));
+    assert_eq!(stat(&n, "requests_get"), 2, "the dropped call's request went out and was answered");
     assert!(bufs.iter().all(|b| b.iter().all(|&x| x == 0xEE)), "a destination was written after its call was dropped");
 }
 
