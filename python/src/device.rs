@@ -137,14 +137,11 @@ pub(crate) struct DeviceClient {
 
 impl DeviceClient {
     /// Runs `f` on the open client (reconnected if needed), without the GIL.
-    fn with_open<T: Send>(
-        &self,
-        py: Python<'_>,
-        what: &str,
-        f: impl FnOnce(&mut Open) -> Result<T, GpuError> + Send,
-    ) -> PyResult<T> {
+    fn with_open<T: Send>(&self, py: Python<'_>, what: &str, f: impl FnOnce(&mut Open) -> Result<T, GpuError> + Send) -> PyResult<T> {
         let mut guard = self.open.lock().unwrap_or_else(|p| p.into_inner());
-        let open = guard.as_mut().ok_or_else(|| raise("Error", format!("{what}: the device client of {} is closed", self.endpoint), None, None))?;
+        let open = guard
+            .as_mut()
+            .ok_or_else(|| raise("Error", format!("{what}: the device client of {} is closed", self.endpoint), None, None))?;
         if open.pid != std::process::id() {
             return Err(raise(
                 "Error",
@@ -173,7 +170,12 @@ fn blocks_of(op: &str, keys: &[Bound<'_, PyAny>], ptrs: &[u64], sizes: &[usize])
     }
     let keys = keys_of(keys)?;
     if let Some(i) = ptrs.iter().position(|&p| p == 0) {
-        return Err(raise("Invalid", format!("{op}: ptrs[{i}] (for key '{}') is a null device pointer", show(&keys[i])), Some(&keys[i]), Some(i)));
+        return Err(raise(
+            "Invalid",
+            format!("{op}: ptrs[{i}] (for key '{}') is a null device pointer", show(&keys[i])),
+            Some(&keys[i]),
+            Some(i),
+        ));
     }
     Ok(keys.into_iter().zip(ptrs.iter().copied()).zip(sizes.iter().copied()).map(|((k, p), s)| (k, p, s)).collect())
 }
@@ -314,7 +316,10 @@ impl DeviceClient {
                     Err(KvError::NotFound) => Ok(None),
                     Err(KvError::Capacity(detail)) => Err(raise(
                         "BufferTooSmall",
-                        format!("get_into_device: capacities[{i}] is too small for the value of key '{}' ({detail}); it was not written", show(key)),
+                        format!(
+                            "get_into_device: capacities[{i}] is too small for the value of key '{}' ({detail}); it was not written",
+                            show(key)
+                        ),
                         Some(key),
                         Some(i),
                     )),
