@@ -20,6 +20,7 @@
 //! the driver's error (or another device allocation's bytes), never this
 //! process's host memory.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -131,26 +132,39 @@ fn dispose(open: Open) {
 #[pyclass(name = "DeviceClient", module = "kvplane", frozen)]
 pub(crate) struct DeviceClient {
     open: Mutex<Option<Open>>,
+    /// Set by `close`; read without the lock, which a call holds throughout.
+    closed: AtomicBool,
     endpoint: String,
     device: usize,
 }
 
 impl DeviceClient {
     /// Runs `f` on the open client (reconnected if needed), without the GIL.
+    ///
+    /// The lock is taken without the GIL too: a thread holding it gives the
+    /// GIL back only when its call is done, so a thread waiting for the
+    /// lock while holding the GIL would deadlock with it.
     fn with_open<T: Send>(&self, py: Python<'_>, what: &str, f: impl FnOnce(&mut Open) -> Result<T, GpuError> + Send) -> PyResult<T> {
-        let mut guard = self.open.lock().unwrap_or_else(|p| p.into_inner());
-        let open = guard
-            .as_mut()
-            .ok_or_else(|| raise("Error", format!("{what}: the device client of {} is closed", self.endpoint), None, None))?;
-        if open.pid != std::process::id() {
-            return Err(raise(
-                "Error",
-                format!("{what}: this device client was made in process {}, before a fork; make a new one", open.pid),
-                None,
-                None,
-            ));
+        enum Failed {
+            Closed,
+            Forked(u32),
+            Gpu(GpuError),
         }
-        py.detach(|| open.ready().and_then(|()| f(open))).map_err(|e| gpu_error(&e, what.to_string()))
+        let outcome = py.detach(|| {
+            let mut guard = self.open.lock().unwrap_or_else(|p| p.into_inner());
+            let open = guard.as_mut().ok_or(Failed::Closed)?;
+            if open.pid != std::process::id() {
+                return Err(Failed::Forked(open.pid));
+            }
+            open.ready().and_then(|()| f(open)).map_err(Failed::Gpu)
+        });
+        outcome.map_err(|e| match e {
+            Failed::Closed => raise("Error", format!("{what}: the device client of {} is closed", self.endpoint), None, None),
+            Failed::Forked(pid) => {
+                raise("Error", format!("{what}: this device client was made in process {pid}, before a fork; make a new one"), None, None)
+            }
+            Failed::Gpu(e) => gpu_error(&e, what.to_string()),
+        })
     }
 }
 
@@ -236,7 +250,7 @@ impl DeviceClient {
             Ok(Open { region, stream, conn, client, ctx, rt, pid: std::process::id() })
         });
         let open = open.map_err(|e| gpu_error(&e, what))?;
-        Ok(DeviceClient { open: Mutex::new(Some(open)), endpoint, device })
+        Ok(DeviceClient { open: Mutex::new(Some(open)), closed: AtomicBool::new(false), endpoint, device })
     }
 
     /// Stores device memory: `sizes[i]` bytes at device address `ptrs[i]`
@@ -332,13 +346,18 @@ impl DeviceClient {
     /// Unregisters the shared memory and closes the connection; later calls
     /// raise `kvplane.Error`.
     fn close(&self, py: Python<'_>) {
-        let open = self.open.lock().unwrap_or_else(|p| p.into_inner()).take();
-        py.detach(move || open.map(dispose));
+        self.closed.store(true, Ordering::Relaxed);
+        // Waits for a call on another thread to finish (see `with_open`).
+        py.detach(|| {
+            let open = self.open.lock().unwrap_or_else(|p| p.into_inner()).take();
+            open.map(dispose)
+        });
     }
 
+    /// True once `close` was called.
     #[getter]
     fn closed(&self) -> bool {
-        self.open.lock().unwrap_or_else(|p| p.into_inner()).is_none()
+        self.closed.load(Ordering::Relaxed)
     }
 
     /// The node's endpoint, as given.
