@@ -163,7 +163,7 @@ impl ClusterNode {
             if let Some(m) = self.membership.lock().await.take() {
                 m.leave().await.context("leaving the cluster")?;
             }
-            return Ok(HandOff { moved: 0, failed: cache.entries().len() as u64 });
+            return Ok(HandOff { moved: 0, failed: cache.stats().entries });
         }
         {
             let membership = self.membership.lock().await;
@@ -180,7 +180,7 @@ impl ClusterNode {
         let left = deadline.saturating_sub(started.elapsed());
         let moved = tokio::time::timeout(left, self.copy_out(cache, router.table())).await.unwrap_or_else(|_| {
             tracing::warn!(?deadline, "hand-off deadline passed");
-            HandOff { moved: 0, failed: cache.entries().len() as u64 }
+            HandOff { moved: 0, failed: cache.stats().entries }
         });
         if let Some(m) = self.membership.lock().await.take() {
             m.leave().await.context("leaving the cluster")?;
@@ -194,7 +194,7 @@ impl ClusterNode {
         let entries = cache.entries();
         // Per owner: indices of the entries it should receive.
         let mut per_owner: Vec<Vec<usize>> = vec![Vec::new(); table.members().len()];
-        for (i, (key, _, _)) in entries.iter().enumerate() {
+        for (i, (key, _)) in entries.iter().enumerate() {
             for &o in table.owners_of(key) {
                 if table.members()[o as usize].id != self.id {
                     per_owner[o as usize].push(i);

@@ -99,13 +99,6 @@ impl CachedBlock {
     }
 }
 
-impl Evicted {
-    /// As [`CachedBlock::crc`].
-    pub fn crc(&self) -> u32 {
-        self.block.crc()
-    }
-}
-
 /// One step of making room for a block.
 #[derive(Debug)]
 pub enum Allocation {
@@ -286,21 +279,15 @@ impl BlockCache {
         matched
     }
 
-    /// Every entry now (key, block, checksum), shard by shard: what a
-    /// draining node hands on. The blocks are shared, not copied; an entry
-    /// stored meanwhile may be missed, one removed meanwhile may be listed.
-    pub fn entries(&self) -> Vec<(Bytes, Block, u32)> {
+    /// Every entry now (key, block), shard by shard: what a draining node
+    /// hands on. The blocks are shared, not copied; an entry stored
+    /// meanwhile may be missed, one removed meanwhile may be listed.
+    pub fn entries(&self) -> Vec<(Bytes, Block)> {
         let mut out = Vec::new();
         for slot in self.shards.iter() {
             lock(slot).entries(&mut out);
         }
-        // Checksums not yet known are computed here, outside every lock.
-        out.into_iter()
-            .map(|(k, b)| {
-                let crc = b.crc();
-                (k, b, crc)
-            })
-            .collect()
+        out
     }
 
     pub fn stats(&self) -> CacheStats {

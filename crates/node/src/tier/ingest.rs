@@ -12,9 +12,12 @@
 //!   hash), so two PUTs of a key reach the store in the order they were
 //!   made, and a DELETE queued behind a PUT of the same key cannot be
 //!   overtaken by it.
-//! * **Queued blocks are still served.** An evicted block waiting for its
-//!   writer is in neither tier: [`Queued`] keeps it findable until the
-//!   write is done, so a GET in that window gets the block, not a miss.
+//! * **Evicted blocks are still served while queued.** An evicted block
+//!   waiting for its writer is in neither tier: [`Queued`] keeps it
+//!   findable until the write is done, so a GET in that window gets the
+//!   block, not a miss. Blocks queued from the memory tier (`all`, `hot`)
+//!   are not listed there: the memory tier never evicts a block the queue
+//!   still holds (its reference count is above one), so they are found there.
 
 use std::collections::HashMap;
 use std::hash::BuildHasher;
@@ -135,8 +138,8 @@ pub(crate) enum Job {
     Put {
         key: Bytes,
         value: Bytes,
-        /// Its number in [`Queued`].
-        seq: u64,
+        /// Its number in [`Queued`], for an evicted block.
+        seq: Option<u64>,
     },
     /// Deletes `keys` after every PUT queued before it, then answers.
     Delete { keys: Vec<Vec<u8>>, done: oneshot::Sender<Result<Vec<Result<(), KvError>>, KvError>> },
@@ -176,8 +179,9 @@ impl Ingest {
     }
 
     /// Queues a copy of `block` under `key`, waiting for room or skipping at
-    /// the bound as configured; until it is written, [`Queued::get`] finds it.
-    pub(crate) async fn offer(&self, shared: &TierShared, key: Bytes, block: Block) -> Result<(), Refused> {
+    /// the bound as configured. An `evicted` block (in no tier until it is
+    /// written) is listed in [`Queued`] meanwhile.
+    pub(crate) async fn offer(&self, shared: &TierShared, key: Bytes, block: Block, evicted: bool) -> Result<(), Refused> {
         let n = block.len() as u64;
         if !shared.budget.try_take(n) {
             match shared.settings.at_bound {
@@ -191,10 +195,12 @@ impl Ingest {
                 }
             }
         }
-        let seq = shared.queued.add(key.clone(), block.clone());
+        let seq = evicted.then(|| shared.queued.add(key.clone(), block.clone()));
         let writer = self.writer(&key);
         if writer.send(Job::Put { key: key.clone(), value: block.into_bytes(), seq }).is_err() {
-            shared.queued.finished(&mut vec![(key, seq)]);
+            if let Some(seq) = seq {
+                shared.queued.finished(&mut vec![(key, seq)]);
+            }
             shared.budget.give_back(n);
             return Err(Refused::Closed);
         }
@@ -235,7 +241,7 @@ impl Ingest {
 /// ends when the node drops the queue.
 async fn write_loop(shared: Arc<TierShared>, mut rx: mpsc::UnboundedReceiver<Job>) {
     let mut batch: Vec<(Vec<u8>, Bytes)> = Vec::new();
-    // The batch's keys and queueing numbers, for `Queued::finished`.
+    // The batch's evicted keys and their numbers, for `Queued::finished`.
     let mut written: Vec<(Bytes, u64)> = Vec::new();
     while let Some(first) = rx.recv().await {
         let mut next = Some(first);
@@ -245,7 +251,9 @@ async fn write_loop(shared: Arc<TierShared>, mut rx: mpsc::UnboundedReceiver<Job
                 Job::Put { key, value, seq } => {
                     bytes += value.len();
                     batch.push((key.to_vec(), value));
-                    written.push((key, seq));
+                    if let Some(seq) = seq {
+                        written.push((key, seq));
+                    }
                 }
                 Job::Delete { keys, done } => {
                     write_batch(&shared, &mut batch).await;

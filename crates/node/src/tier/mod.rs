@@ -115,7 +115,7 @@ pub(crate) struct TierShared {
     pub(crate) retrier: Retrier,
     pub(crate) settings: TieringConfig,
     pub(crate) budget: Budget,
-    /// Blocks queued for the writers, served by GETs until written.
+    /// Evicted blocks queued for the writers, served by GETs until written.
     pub(crate) queued: Queued,
     pub(crate) metrics: TierMetrics,
     fail_open: bool,
@@ -244,6 +244,12 @@ impl SecondTier {
         emptied
     }
 
+    /// The evicted block queued under `key`, not yet written (only
+    /// `on-evict` queues evicted blocks: other modes skip the lookup).
+    fn queued(&self, key: &[u8]) -> Option<Block> {
+        (self.shared.settings.mode == IngestMode::OnEvict).then(|| self.shared.queued.get(key)).flatten()
+    }
+
     /// A block for a PUT of `len` bytes. In `on-evict` mode what the memory
     /// tier evicts to make room is queued for the second tier first.
     pub(crate) async fn allocate(&self, cache: &BlockCache, len: usize) -> Result<BlockMut, KvError> {
@@ -265,20 +271,20 @@ impl SecondTier {
         if victim.reads == FROM_SECOND_TIER {
             return;
         }
-        let _ = self.ingest.offer(&self.shared, victim.key, victim.block).await;
+        let _ = self.ingest.offer(&self.shared, victim.key, victim.block, true).await;
     }
 
     /// After a PUT stored `block` in the memory tier.
     pub(crate) async fn stored(&self, key: &Bytes, block: &Block) {
         if self.shared.settings.mode == IngestMode::All {
-            let _ = self.ingest.offer(&self.shared, key.clone(), block.clone()).await;
+            let _ = self.ingest.offer(&self.shared, key.clone(), block.clone(), false).await;
         }
     }
 
     /// After a GET found `hit` in the memory tier.
     pub(crate) async fn read_hit(&self, key: &[u8], hit: &CachedBlock) {
         if self.shared.settings.mode == IngestMode::Hot && hit.reads == self.shared.settings.hot_reads {
-            let _ = self.ingest.offer(&self.shared, Bytes::copy_from_slice(key), hit.block.clone()).await;
+            let _ = self.ingest.offer(&self.shared, Bytes::copy_from_slice(key), hit.block.clone(), false).await;
         }
     }
 
@@ -300,7 +306,7 @@ impl SecondTier {
         // (index into keys, destination size)
         let mut pending: Vec<(usize, usize)> = Vec::with_capacity(keys.len());
         for (i, key) in keys.iter().enumerate() {
-            match self.shared.queued.get(key) {
+            match self.queued(key) {
                 Some(block) => {
                     self.shared.metrics.queued_hits.fetch_add(1, Ordering::Relaxed);
                     out[i] = Ok(Some(CachedBlock { block, reads: FROM_SECOND_TIER }));
@@ -405,7 +411,7 @@ impl SecondTier {
     /// Whether each key (absent from the memory tier) is in the second tier
     /// or queued for it.
     pub(crate) async fn exists(&self, keys: Vec<Vec<u8>>) -> Vec<Result<bool, KvError>> {
-        let mut out: Vec<Result<bool, KvError>> = keys.iter().map(|k| Ok(self.shared.queued.get(k).is_some())).collect();
+        let mut out: Vec<Result<bool, KvError>> = keys.iter().map(|k| Ok(self.queued(k).is_some())).collect();
         let (asked, keys): (Vec<usize>, Vec<Vec<u8>>) = keys.into_iter().enumerate().filter(|(i, _)| matches!(out[*i], Ok(false))).unzip();
         if keys.is_empty() {
             return out;
