@@ -423,25 +423,28 @@ class _WorkerSide:
         return ranges
 
     def _scatter(self, group: int, staging: torch.Tensor, block_ids: list[int], rows: list[int]) -> None:
-        index = torch.tensor(block_ids, dtype=torch.long)
-        src = staging[rows]
+        # Each layer's bytes are a view of the staging rows (no copy: the
+        # bytes of a layer are one contiguous run per row); the rows are
+        # gathered only when some failed to load.
+        src = staging if len(rows) == len(staging) else staging[rows]
+        index = torch.tensor(block_ids, dtype=torch.long, device=self._layers[group][0].device)
         for view, part in self._layer_ranges(group):
-            layer = src[:, part].contiguous().view(view.dtype).reshape((len(rows), *view.shape[1:]))
-            view[index.to(view.device)] = layer.to(view.device)
+            layer = src[:, part].view(view.dtype).reshape((len(rows), *view.shape[1:]))
+            view[index] = layer.to(view.device)
 
     def save(self, saves: list[BlockTransfer]) -> None:
         for transfer in saves:
             for group, (hashes, block_ids) in enumerate(self._kept(transfer)):
                 if not block_ids:
                     continue
-                staging = self._staging(group, len(block_ids))
-                index = torch.tensor(block_ids, dtype=torch.long)
-                for view, part in self._layer_ranges(group):
-                    staging[:, part].copy_(view[index.to(view.device)].reshape(len(block_ids), -1).view(torch.uint8))
-                keys = self._c._keys(group, hashes)
                 client = self._c._node.get()
-                if client is None:
+                if client is None:  # node down: nothing to gather the blocks for
                     continue
+                staging = self._staging(group, len(block_ids))
+                index = torch.tensor(block_ids, dtype=torch.long, device=self._layers[group][0].device)
+                for view, part in self._layer_ranges(group):
+                    staging[:, part].copy_(view[index].reshape(len(block_ids), -1).view(torch.uint8))
+                keys = self._c._keys(group, hashes)
                 try:
                     client.put_from(keys, [staging[i].numpy() for i in range(len(keys))])
                 except kvplane.Error as e:
