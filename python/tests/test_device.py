@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import kvplane
 from conftest import Node
+from test_client import unix_round_trip
 
 
 def test_without_a_gpu_path_device_client_says_why_and_client_still_serves(tmp_path: Path, unique: str) -> None:
@@ -35,13 +35,7 @@ def test_without_a_gpu_path_device_client_says_why_and_client_still_serves(tmp_p
             assert "--features cuda" in reason, reason
 
         # Nothing else is affected: the same node through the same socket.
-        with kvplane.Client(f"unix://{path}") as c:
-            keys = [f"{unique}d{i}" for i in range(4)]
-            blocks = np.random.default_rng(9).integers(0, 255, size=(4, 65536), dtype=np.uint8)
-            c.put_from(keys, list(blocks))
-            back = np.zeros_like(blocks)
-            assert c.get_into(keys, list(back)) == [65536] * 4
-            assert np.array_equal(back, blocks)
+        unix_round_trip(kvplane.Client(f"unix://{path}"), unique)
     finally:
         n.stop()
 

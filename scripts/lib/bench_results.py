@@ -33,9 +33,6 @@ class Results:
             self.rows = [json.loads(line) for line in f if line.strip()]
         self.sizes = sorted({r["block_size"] for r in self.rows})
 
-    def has(self, label: str) -> bool:
-        return any(r["label"] == label for r in self.rows)
-
     def runs_of(self, label: str, op: str, size: int) -> dict[int, dict]:
         return {r["run"]: r for r in self.rows if r["label"] == label and r["op"] == op and r["block_size"] == size}
 
