@@ -242,11 +242,4 @@ mod tests {
         assert!(matches!(&out[3], Outcome::Socket(Fallback::Corrupt(UseError::Checksum { .. }))), "{:?}", out[3]);
         assert_eq!(out[4], Outcome::Socket(Fallback::ReadFailed("remote access error".into())));
     }
-
-    #[test]
-    fn without_the_feature_the_client_never_asks_for_rdma() {
-        if !cfg!(feature = "rdma") {
-            assert!(!offered());
-        }
-    }
 }
