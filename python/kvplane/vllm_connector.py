@@ -383,23 +383,29 @@ class _WorkerSide:
         return torch.empty((count, self._block_bytes[group]), dtype=torch.uint8, pin_memory=pin)
 
     def load(self, loads: list[BlockTransfer]) -> None:
-        for transfer in loads:
-            for group, (hashes, block_ids) in enumerate(self._kept(transfer)):
-                if not block_ids:
-                    continue
-                staging = self._staging(group, len(block_ids))
-                got = self._read(self._c._keys(group, hashes), staging)
-                ok = [i for i, n in enumerate(got) if n == self._block_bytes[group]]
-                self._load_errors.update(block_ids[i] for i in set(range(len(block_ids))) - set(ok))
-                if ok:
-                    self._scatter(group, staging, [block_ids[i] for i in ok], ok)
+        for group, (hashes, block_ids) in enumerate(self._per_group(loads)):
+            if not block_ids:
+                continue
+            staging = self._staging(group, len(block_ids))
+            got = self._read(self._c._keys(group, hashes), staging)
+            size = self._block_bytes[group]
+            ok = [i for i, n in enumerate(got) if n == size]
+            self._load_errors.update(b for b, n in zip(block_ids, got) if n != size)
+            if ok:
+                self._scatter(group, staging, [block_ids[i] for i in ok], ok)
 
-    def _kept(self, transfer: BlockTransfer) -> list[tuple[list[str], list[int]]]:
-        """Per group: the hashes and block ids to move, null blocks left out."""
-        kept = []
-        for group, block_ids in enumerate(transfer.block_ids[: len(self._layers)]):
-            pairs = [(h, b) for h, b in zip(transfer.hashes, block_ids) if b != NULL_BLOCK_ID]
-            kept.append(([h for h, _ in pairs], [b for _, b in pairs]))
+    def _per_group(self, transfers: list[BlockTransfer]) -> list[tuple[list[str], list[int]]]:
+        """Per group, for every request of the step together (one batch per
+        group and step): the hashes and block ids to move, null blocks left
+        out."""
+        kept: list[tuple[list[str], list[int]]] = [([], []) for _ in self._layers]
+        for transfer in transfers:
+            for group, block_ids in enumerate(transfer.block_ids[: len(self._layers)]):
+                hashes, ids = kept[group]
+                for h, b in zip(transfer.hashes, block_ids):
+                    if b != NULL_BLOCK_ID:
+                        hashes.append(h)
+                        ids.append(b)
         return kept
 
     def _read(self, keys: list[str], staging: torch.Tensor) -> list[int | None]:
@@ -433,23 +439,22 @@ class _WorkerSide:
             view[index] = layer.to(view.device)
 
     def save(self, saves: list[BlockTransfer]) -> None:
-        for transfer in saves:
-            for group, (hashes, block_ids) in enumerate(self._kept(transfer)):
-                if not block_ids:
-                    continue
-                client = self._c._node.get()
-                if client is None:  # node down: nothing to gather the blocks for
-                    continue
-                staging = self._staging(group, len(block_ids))
-                index = torch.tensor(block_ids, dtype=torch.long, device=self._layers[group][0].device)
-                for view, part in self._layer_ranges(group):
-                    staging[:, part].copy_(view[index].reshape(len(block_ids), -1).view(torch.uint8))
-                keys = self._c._keys(group, hashes)
-                try:
-                    client.put_from(keys, [staging[i].numpy() for i in range(len(keys))])
-                except kvplane.Error as e:
-                    # A save that fails is a future miss, never a failed request.
-                    self._c._node.failed(client, e)
+        for group, (hashes, block_ids) in enumerate(self._per_group(saves)):
+            if not block_ids:
+                continue
+            client = self._c._node.get()
+            if client is None:  # node down: nothing to gather the blocks for
+                continue
+            staging = self._staging(group, len(block_ids))
+            index = torch.tensor(block_ids, dtype=torch.long, device=self._layers[group][0].device)
+            for view, part in self._layer_ranges(group):
+                staging[:, part].copy_(view[index].reshape(len(block_ids), -1).view(torch.uint8))
+            keys = self._c._keys(group, hashes)
+            try:
+                client.put_from(keys, [staging[i].numpy() for i in range(len(keys))])
+            except kvplane.Error as e:
+                # A save that fails is a future miss, never a failed request.
+                self._c._node.failed(client, e)
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
