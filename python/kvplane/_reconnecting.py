@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import kvplane
 
@@ -54,6 +55,19 @@ class ReconnectingClient:
                 self._down_until = time.monotonic() + self._retry_after_s
                 return None
             return self._client
+
+    def call(self, op: str, default: Any, *args: Any, **kwargs: Any) -> Any:
+        """`client.op(*args, **kwargs)`, or `default` when the node is taken
+        to be down or the call raises (logged; see `failed`): what every
+        engine-side call wants, since a lost cache is a miss."""
+        client = self.get()
+        if client is None:
+            return default
+        try:
+            return getattr(client, op)(*args, **kwargs)
+        except kvplane.Error as e:
+            self.failed(client, e)
+            return default
 
     def failed(self, client: kvplane.Client, error: kvplane.Error) -> None:
         """After a call on `client` raised `error`: a lost node (unavailable,

@@ -42,7 +42,6 @@ from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorContext
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
-import kvplane
 from kvplane._reconnecting import ReconnectingClient
 
 logger = init_logger(__name__)
@@ -146,25 +145,13 @@ class KVPlaneRemoteConnector(RemoteConnector):
     def __repr__(self) -> str:
         return f"<KVPlaneRemoteConnector {self._target.endpoint}>"
 
-    def _call(self, op: str, default: Any, *args: Any) -> Any:
-        """`client.op(*args)` on this thread; `default` when the node is
-        down or the call fails (logged)."""
-        client = self._node.get()
-        if client is None:
-            return default
-        try:
-            return getattr(client, op)(*args)
-        except kvplane.Error as e:
-            self._node.failed(client, e)
-            return default
-
     # --- lookups --------------------------------------------------------------------
 
     async def exists(self, key: CacheEngineKey) -> bool:
         return await asyncio.to_thread(self.exists_sync, key)
 
     def exists_sync(self, key: CacheEngineKey) -> bool:
-        return self._call("exists", [False], [key.to_string()])[0]
+        return self._node.call("exists", [False], [key.to_string()])[0]
 
     def support_batched_contains(self) -> bool:
         return True
@@ -183,7 +170,7 @@ class KVPlaneRemoteConnector(RemoteConnector):
         pinned for `lease_ms`."""
         if not keys:
             return 0
-        matched, _lease = self._call("match_prefix", (0, 0), [k.to_string() for k in keys], lease_ms)
+        matched, _lease = self._node.call("match_prefix", (0, 0), [k.to_string() for k in keys], lease_ms)
         return matched
 
     # --- reads ----------------------------------------------------------------------
@@ -224,7 +211,7 @@ class KVPlaneRemoteConnector(RemoteConnector):
         wanted = [i for i, o in enumerate(objs) if o is not None]
         if len(wanted) < len(keys):
             logger.warning("kvplane: LMCache's CPU backend had no room for %d of %d chunks", len(keys) - len(wanted), len(keys))
-        lengths = self._call(
+        lengths = self._node.call(
             "get_into",
             [None] * len(wanted),
             [keys[i].to_string() for i in wanted],
@@ -258,11 +245,11 @@ class KVPlaneRemoteConnector(RemoteConnector):
         # Sent from the chunks' own memory; a put that fails is a future
         # miss (logged), never an error in LMCache.
         await asyncio.to_thread(
-            self._call, "put_from", None, [k.to_string() for k in keys], [_bytes(o) for o in memory_objs]
+            self._node.call, "put_from", None, [k.to_string() for k in keys], [_bytes(o) for o in memory_objs]
         )
 
     def remove_sync(self, key: CacheEngineKey) -> bool:
-        return self._call("delete", [False], [key.to_string()])[0]
+        return self._node.call("delete", [False], [key.to_string()])[0]
 
     async def list(self) -> list[str]:
         # kvplane nodes do not enumerate their keys (a cluster holds

@@ -61,7 +61,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import group_kernel_blocks
 
-import kvplane
 from kvplane._reconnecting import ReconnectingClient
 
 if TYPE_CHECKING:
@@ -276,14 +275,10 @@ class _SchedulerSide:
         if most <= local:
             return 0
         hashes = [h.hex() for h in request.block_hashes[:most]]
-        client = self._c._node.get()
-        if client is None:
+        answer = self._c._node.call("match_prefix", None, self._c._keys(0, hashes), lease_ms=self._c._settings.lease_ms)
+        if answer is None:  # node down: a miss
             return 0
-        try:
-            matched, _lease = client.match_prefix(self._c._keys(0, hashes), lease_ms=self._c._settings.lease_ms)
-        except kvplane.Error as e:
-            self._c._node.failed(client, e)
-            return 0
+        matched, _lease = answer
         self._matched[request.request_id] = (matched, local)
         return max(0, matched * bs - num_computed_tokens)
 
@@ -409,15 +404,8 @@ class _WorkerSide:
         return kept
 
     def _read(self, keys: list[str], staging: torch.Tensor) -> list[int | None]:
-        client = self._c._node.get()
-        if client is None:
-            return [None] * len(keys)
         buffers = [staging[i].numpy() for i in range(len(keys))]
-        try:
-            return client.get_into(keys, buffers)
-        except kvplane.Error as e:
-            self._c._node.failed(client, e)
-            return [None] * len(keys)
+        return self._c._node.call("get_into", [None] * len(keys), keys, buffers)
 
     def _layer_ranges(self, group: int) -> list[tuple[torch.Tensor, slice]]:
         """Each layer of `group` and the bytes of a staged block it owns."""
@@ -442,19 +430,15 @@ class _WorkerSide:
         for group, (hashes, block_ids) in enumerate(self._per_group(saves)):
             if not block_ids:
                 continue
-            client = self._c._node.get()
-            if client is None:  # node down: nothing to gather the blocks for
+            if self._c._node.get() is None:  # node down: nothing to gather the blocks for
                 continue
             staging = self._staging(group, len(block_ids))
             index = torch.tensor(block_ids, dtype=torch.long, device=self._layers[group][0].device)
             for view, part in self._layer_ranges(group):
                 staging[:, part].copy_(view[index].reshape(len(block_ids), -1).view(torch.uint8))
             keys = self._c._keys(group, hashes)
-            try:
-                client.put_from(keys, [staging[i].numpy() for i in range(len(keys))])
-            except kvplane.Error as e:
-                # A save that fails is a future miss, never a failed request.
-                self._c._node.failed(client, e)
+            # A save that fails is a future miss, never a failed request.
+            self._c._node.call("put_from", None, keys, [staging[i].numpy() for i in range(len(keys))])
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
