@@ -111,16 +111,15 @@ impl Client {
             }
             // Over the socket each block travels with its checksum.
             let bytes = chunk.iter().map(|(_, data)| data.len()).sum();
-            let parts = self.stripe(chunk, bytes);
-            let calls = self.connections_for(conn, parts.len()).await?.into_iter().zip(parts).map(|(conn, part)| async move {
+            let answers = self.striped(conn, chunk, bytes, |conn, part| async move {
                 let n = part.len();
                 let entries = part.into_iter().map(|(key, data)| PutEntry { key, block: Block::new(data) }).collect();
                 match conn.call(Request::Put { entries }).await? {
-                    Response::Put { results } if results.len() == n => Ok(results.into_iter().map(per_key).collect::<Vec<_>>()),
+                    Response::Put { results } if results.len() == n => Ok(results.into_iter().map(per_key).collect()),
                     other => Err(unexpected("PUT", n, &other)),
                 }
             });
-            results.extend(futures::future::try_join_all(calls).await?.into_iter().flatten());
+            results.extend(answers.await?);
         }
         Ok(results)
     }
@@ -143,13 +142,26 @@ impl Client {
         parts
     }
 
-    /// `first` and `more - 1` further connections of the pool.
-    async fn connections_for(&self, first: Arc<Connection>, count: usize) -> Result<Vec<Arc<Connection>>, KvError> {
+    /// Sends `items` (a batch of `bytes`) in the parts [`Client::stripe`]
+    /// makes, each by `call` on a connection of its own (`first` the first
+    /// of them), all at once; the answers in the items' order.
+    async fn striped<T, R, Fut>(
+        &self,
+        first: Arc<Connection>,
+        items: Vec<T>,
+        bytes: usize,
+        call: impl Fn(Arc<Connection>, Vec<T>) -> Fut,
+    ) -> Result<Vec<R>, KvError>
+    where
+        Fut: std::future::Future<Output = Result<Vec<R>, KvError>>,
+    {
+        let parts = self.stripe(items, bytes);
         let mut conns = vec![first];
-        while conns.len() < count {
+        while conns.len() < parts.len() {
             conns.push(self.connection().await?);
         }
-        Ok(conns)
+        let answers = futures::future::try_join_all(conns.into_iter().zip(parts).map(|(conn, part)| call(conn, part))).await?;
+        Ok(answers.into_iter().flatten().collect())
     }
 
     /// Fetches blocks; a missing key is `Err(KvError::NotFound)` in its slot.
@@ -231,12 +243,11 @@ impl Client {
             }
             let dests: Vec<&mut [u8]> = dests.into_iter().map(|d| &mut **d).collect();
             let bytes = dests.iter().map(|d| d.len()).sum();
-            let parts = self.stripe(chunk.into_iter().zip(dests).collect(), bytes);
-            let calls = self.connections_for(conn, parts.len()).await?.into_iter().zip(parts).map(|(conn, part)| async move {
+            let answers = self.striped(conn, chunk.into_iter().zip(dests).collect(), bytes, |conn, part| async move {
                 let (keys, mut dests): (Vec<Bytes>, Vec<&mut [u8]>) = part.into_iter().unzip();
                 conn.get_into(keys, &mut dests).await
             });
-            results.extend(futures::future::try_join_all(calls).await?.into_iter().flatten());
+            results.extend(answers.await?);
         }
         Ok(results)
     }
@@ -291,17 +302,16 @@ impl Client {
     /// largest block seen so far, per key).
     async fn get_over_socket(&self, conn: &Arc<Connection>, chunk: Vec<Bytes>) -> Result<Vec<Result<Bytes, KvError>>, KvError> {
         let bytes = self.largest_block.load(Ordering::Relaxed).saturating_mul(chunk.len());
-        let parts = self.stripe(chunk, bytes);
-        let calls = self.connections_for(Arc::clone(conn), parts.len()).await?.into_iter().zip(parts).map(|(conn, part)| async move {
-            let n = part.len();
-            match conn.call(Request::Get { keys: part }).await? {
+        self.striped(Arc::clone(conn), chunk, bytes, |conn, keys| async move {
+            let n = keys.len();
+            match conn.call(Request::Get { keys }).await? {
                 Response::Get { results } if results.len() == n => {
-                    Ok(results.into_iter().map(|r| r.map(|b| b.data).map_err(|c| c.into_kv_error(""))).collect::<Vec<_>>())
+                    Ok(results.into_iter().map(|r| r.map(|b| b.data).map_err(|c| c.into_kv_error(""))).collect())
                 }
                 other => Err(unexpected("GET", n, &other)),
             }
-        });
-        Ok(futures::future::try_join_all(calls).await?.into_iter().flatten().collect())
+        })
+        .await
     }
 
     /// Which keys are present.
