@@ -205,9 +205,16 @@ class KVPlaneRemoteConnector(RemoteConnector):
     def _read(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
         """One GET of `keys` straight into chunks allocated from LMCache's
         local CPU backend; a chunk not read is given back."""
-        objs: list[MemoryObj | None] = [
-            self._local.allocate(self.meta_shapes, self.meta_dtypes, self.meta_fmt) for _ in keys
-        ]
+        if self._node.get() is None:  # node down: no chunks to allocate and free
+            return [None] * len(keys)
+        # One batched allocation; LMCache's is all or nothing, so when it
+        # finds no room for the whole batch, chunk by chunk for what fits.
+        batch = self._local.batched_allocate(self.meta_shapes, self.meta_dtypes, len(keys), self.meta_fmt)
+        objs: list[MemoryObj | None] = (
+            list(batch)
+            if batch is not None
+            else [self._local.allocate(self.meta_shapes, self.meta_dtypes, self.meta_fmt) for _ in keys]
+        )
         wanted = [i for i, o in enumerate(objs) if o is not None]
         if len(wanted) < len(keys):
             logger.warning("kvplane: LMCache's CPU backend had no room for %d of %d chunks", len(keys) - len(wanted), len(keys))
