@@ -1,5 +1,7 @@
 use super::*;
-use crate::limits::Limits;
+use crate::frame::Features;
+use crate::limits::{Limits, MAX_ERROR_MESSAGE_BYTES};
+use crate::message::{Hello, HelloAck, ShmBlock, ShmGet, ShmPut, StatEntry};
 use crate::placement::{Member, MemberState, SlotTable};
 
 fn key(s: &str) -> Bytes {

@@ -1,0 +1,164 @@
+//! The bounds-checked cursor every per-operation decoder reads the meta
+//! with, and what those decoders are handed.
+
+use bytes::Bytes;
+
+use super::Meta;
+use crate::error::ProtocolError;
+use crate::limits::Limits;
+use crate::message::{Message, Request, Response};
+use kvplane_rdma::{Endpoint, ENDPOINT_LEN};
+
+/// A frame's meta being decoded: the cursor over it, the limits it is held
+/// to and how many payload bytes the header says follow it.
+pub(super) struct Body<'a> {
+    pub(super) r: Reader,
+    pub(super) limits: &'a Limits,
+    pub(super) payload_len: u64,
+}
+
+impl Body<'_> {
+    /// Refuses payload bytes after a frame whose operation carries none
+    /// (every one but PUT and GET_RESULT).
+    pub(super) fn no_payload(&self, field: &'static str) -> Result<(), ProtocolError> {
+        if self.payload_len != 0 {
+            return Err(ProtocolError::malformed(field, format!("{} payload bytes after a frame that carries none", self.payload_len)));
+        }
+        Ok(())
+    }
+}
+
+/// A request whose meta was its whole body.
+pub(super) fn request(r: Request) -> Meta {
+    Meta::Complete(Message::Request(r))
+}
+
+/// An answer whose meta was its whole body.
+pub(super) fn response(r: Response) -> Meta {
+    Meta::Complete(Message::Response(r))
+}
+
+/// Refuses a batch that names one key twice: a PUT would be ambiguous and
+/// per-key answers could not be told apart.
+pub(super) fn check_unique<'a>(keys: impl Iterator<Item = &'a [u8]>) -> Result<(), ProtocolError> {
+    let mut seen = std::collections::HashMap::new();
+    for (i, k) in keys.enumerate() {
+        if let Some(first) = seen.insert(k, i) {
+            return Err(ProtocolError::DuplicateKey { index: i, first });
+        }
+    }
+    Ok(())
+}
+
+/// A bounds-checked cursor over the meta; every read names the field it was
+/// reading, so a short frame is reported as "malformed put.crc: …".
+pub(super) struct Reader {
+    buf: Bytes,
+    pos: usize,
+}
+
+impl Reader {
+    pub(super) fn new(buf: Bytes) -> Reader {
+        Reader { buf, pos: 0 }
+    }
+
+    pub(super) fn take(&mut self, n: usize, field: &'static str) -> Result<&[u8], ProtocolError> {
+        let end = self.pos.checked_add(n).filter(|&e| e <= self.buf.len()).ok_or_else(|| {
+            ProtocolError::malformed(field, format!("needs {n} bytes at offset {}, meta has {}", self.pos, self.buf.len()))
+        })?;
+        let s = &self.buf[self.pos..end];
+        self.pos = end;
+        Ok(s)
+    }
+
+    pub(super) fn u16(&mut self, field: &'static str) -> Result<u16, ProtocolError> {
+        let b = self.take(2, field)?;
+        Ok(u16::from_le_bytes([b[0], b[1]]))
+    }
+
+    pub(super) fn u32(&mut self, field: &'static str) -> Result<u32, ProtocolError> {
+        let b = self.take(4, field)?;
+        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+
+    pub(super) fn u64(&mut self, field: &'static str) -> Result<u64, ProtocolError> {
+        let b = self.take(8, field)?;
+        let mut a = [0u8; 8];
+        a.copy_from_slice(b);
+        Ok(u64::from_le_bytes(a))
+    }
+
+    /// A queue pair endpoint in its own wire form.
+    pub(super) fn endpoint(&mut self, field: &'static str) -> Result<Endpoint, ProtocolError> {
+        let mut raw = [0u8; ENDPOINT_LEN];
+        raw.copy_from_slice(self.take(ENDPOINT_LEN, field)?);
+        Endpoint::decode(&raw).map_err(|e| ProtocolError::malformed(field, e.to_string()))
+    }
+
+    pub(super) fn bytes(&mut self, n: usize, field: &'static str) -> Result<Bytes, ProtocolError> {
+        let start = self.pos;
+        self.take(n, field)?;
+        Ok(self.buf.slice(start..start + n))
+    }
+
+    /// A batch count, checked against the batch limit and against the bytes
+    /// left in the meta (each entry takes at least `min_entry` bytes) before
+    /// anything is reserved for it: a peer that declares four billion
+    /// entries in a 28-byte frame gets an error, not an allocation.
+    pub(super) fn count(&mut self, limits: &Limits, field: &'static str, min_entry: usize) -> Result<usize, ProtocolError> {
+        let count = self.u32(field)?;
+        if count > limits.max_batch_keys {
+            return Err(ProtocolError::TooManyKeys { count: count as u64, limit: limits.max_batch_keys as u64 });
+        }
+        self.fits(count as usize, min_entry, field)?;
+        Ok(count as usize)
+    }
+
+    pub(super) fn fits(&self, count: usize, min_entry: usize, field: &'static str) -> Result<(), ProtocolError> {
+        let left = self.buf.len() - self.pos;
+        if count.saturating_mul(min_entry) > left {
+            return Err(ProtocolError::malformed(
+                field,
+                format!("{count} entries of at least {min_entry} bytes do not fit in the {left} bytes left"),
+            ));
+        }
+        Ok(())
+    }
+
+    pub(super) fn key(&mut self, index: usize, limits: &Limits) -> Result<Bytes, ProtocolError> {
+        let len = self.u16("key.len")? as usize;
+        let limit = limits.effective_max_key_bytes() as usize;
+        if len > limit {
+            return Err(ProtocolError::KeyTooLong { index, len, limit });
+        }
+        if len == 0 {
+            return Err(ProtocolError::EmptyKey { index });
+        }
+        self.bytes(len, "key")
+    }
+
+    pub(super) fn keys(&mut self, limits: &Limits, field: &'static str) -> Result<Vec<Bytes>, ProtocolError> {
+        let count = self.count(limits, field, 2)?;
+        let mut keys = Vec::with_capacity(count);
+        for i in 0..count {
+            keys.push(self.key(i, limits)?);
+        }
+        Ok(keys)
+    }
+
+    pub(super) fn string(&mut self, max: usize, field: &'static str) -> Result<String, ProtocolError> {
+        let len = self.u16(field)? as usize;
+        if len > max {
+            return Err(ProtocolError::malformed(field, format!("{len} bytes, over the limit of {max}")));
+        }
+        let raw = self.bytes(len, field)?;
+        String::from_utf8(raw.to_vec()).map_err(|_| ProtocolError::malformed(field, "not UTF-8"))
+    }
+
+    pub(super) fn finish(&self) -> Result<(), ProtocolError> {
+        if self.pos != self.buf.len() {
+            return Err(ProtocolError::malformed("meta", format!("{} trailing bytes", self.buf.len() - self.pos)));
+        }
+        Ok(())
+    }
+}
