@@ -90,7 +90,7 @@ mooncake_start() {
     wait_port "$mc_port" "$started"
     wait_port "$mc_http" "$started"
     for i in $(seq 1 "$stores"); do
-        MC_READY=$work/store-$i.ready start "mooncake-store-$i" "$MOONCAKE_VENV/bin/python" scripts/lib/mooncake_bench.py store "$segment"
+        MC_READY=$work/store-$i.ready start "mooncake-store-$i" "$MOONCAKE_VENV/bin/python" scripts/lib/mooncake_bench.py store --segment "$segment"
         mooncake_pids+=("$started")
         for _ in $(seq 1 600); do
             [ -e "$work/store-$i.ready" ] && break
@@ -109,12 +109,13 @@ mooncake() {
     block=$(bytes_of "$size")
     barrier=$(mktemp -d "$work/barrier.XXXX")
     for c in $(seq 0 $((CLIENTS - 1))); do
-        "$MOONCAKE_VENV/bin/python" scripts/lib/mooncake_bench.py client "$op" "$block" "$batch" "$blocks" "$c" "$CLIENTS" \
-            "$RUN_SECONDS" "$barrier" >"$barrier/out.$c" 2>"$barrier/err.$c" &
+        "$MOONCAKE_VENV/bin/python" scripts/lib/mooncake_bench.py client --op "$op" --size "$block" --batch "$batch" --blocks "$blocks" \
+            --index "$c" --clients "$CLIENTS" --seconds "$RUN_SECONDS" --barrier "$barrier" >"$barrier/out.$c" 2>"$barrier/err.$c" &
         cpids+=($!)
     done
     for c in "${!cpids[@]}"; do
         wait "${cpids[$c]}" || { echo "mooncake client $c failed:" >&2; tail -20 "$barrier/err.$c" >&2; exit 1; }
     done
-    python3 scripts/lib/bench_results.py merge "$barrier" mooncake "$op" "$block" "$batch" "$CLIENTS" | record "$label" "$run"
+    python3 scripts/lib/bench_results.py merge --barrier "$barrier" --target mooncake --op "$op" --size "$block" \
+        --batch "$batch" --clients "$CLIENTS" | record "$label" "$run"
 }

@@ -8,17 +8,18 @@ right after the other, so a load that comes and goes shifts both).
 
 `timed` is the measuring loop of the client programs (any Python).
 
-As a command, `merge BARRIER TARGET OP SIZE BATCH CLIENTS`: sums the JSON
-lines (`blocks`, `seconds`, `p50_us`, `p99_us`) that the client processes of
-one run wrote to BARRIER/out.* into one result line on stdout.
+As a command, `merge --barrier DIR --target T --op OP --size BYTES --batch N
+--clients N`: sums the JSON lines (`blocks`, `seconds`, `p50_us`, `p99_us`)
+that the client processes of one run wrote to DIR/out.* into one result line
+on stdout.
 """
 
 from __future__ import annotations
 
+import argparse
 import glob
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
 
@@ -65,11 +66,9 @@ def timed(chunks: list[list[str]], run: Callable[[list[str]], None], seconds: fl
                 stop = True
                 break
     elapsed = time.perf_counter() - started
-    lat.sort()
-    return {
-        "blocks": moved, "seconds": elapsed, "p50_us": lat[len(lat) // 2] * 1e6,
-        "p99_us": lat[min(len(lat) - 1, round((len(lat) - 1) * 0.99))] * 1e6,
-    }
+    # The 1st..99th percentiles; one call alone is every percentile.
+    pct = statistics.quantiles(lat, n=100, method="inclusive") if len(lat) > 1 else lat * 99
+    return {"blocks": moved, "seconds": elapsed, "p50_us": pct[49] * 1e6, "p99_us": pct[98] * 1e6}
 
 
 def merge(barrier: str, target: str, op: str, size: str, batch: str, clients: str) -> dict:
@@ -86,6 +85,14 @@ def merge(barrier: str, target: str, op: str, size: str, batch: str, clients: st
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 8 or sys.argv[1] != "merge":
-        sys.exit("usage: bench_results.py merge BARRIER TARGET OP SIZE BATCH CLIENTS")
-    print(json.dumps(merge(*sys.argv[2:])))
+    parser = argparse.ArgumentParser(description="Merge one run's client results into one result line.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    m = commands.add_parser("merge", help="sum BARRIER/out.* into one result line on stdout")
+    m.add_argument("--barrier", required=True, help="the run's folder, holding out.* of each client")
+    m.add_argument("--target", required=True)
+    m.add_argument("--op", required=True, choices=["put", "get"])
+    m.add_argument("--size", required=True, help="bytes per block")
+    m.add_argument("--batch", required=True)
+    m.add_argument("--clients", required=True)
+    a = parser.parse_args()
+    print(json.dumps(merge(a.barrier, a.target, a.op, a.size, a.batch, a.clients)))

@@ -1,9 +1,12 @@
-"""store SEGMENT_BYTES: mount a segment and serve until SIGTERM.
-client OP SIZE BATCH BLOCKS INDEX CLIENTS SECONDS BARRIER_DIR: batched put
-(upsert: the same keys again and again, as a kvplane PUT overwrites) or get
-of this client's stride of the keys, timed from the moment every client is
-ready; prints one JSON line."""
-import ctypes, glob, json, mmap, os, signal, sys, time
+"""Mooncake Store's processes for scripts/lib/bench.sh.
+
+store --segment BYTES: mount a segment and serve until SIGTERM.
+client --op OP --size SIZE --batch BATCH --blocks BLOCKS --index INDEX
+--clients CLIENTS --seconds SECONDS --barrier DIR: batched put (upsert: the
+same keys again and again, as a kvplane PUT overwrites) or get of this
+client's stride of the keys, timed from the moment every client is ready;
+prints one JSON line."""
+import argparse, ctypes, glob, json, mmap, os, signal, sys, time
 from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 from bench_results import timed  # scripts/lib, this file's folder
 
@@ -56,8 +59,21 @@ def client(op, size, batch, blocks, index, clients, seconds, barrier):
     s.close()
 
 if __name__ == "__main__":
-    a = sys.argv[1:]
-    if a[0] == "store":
-        serve(int(a[1]))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    roles = parser.add_subparsers(dest="role", required=True)
+    s = roles.add_parser("store", help="mount a segment and serve until SIGTERM")
+    s.add_argument("--segment", required=True, type=int, help="bytes of the segment to mount")
+    c = roles.add_parser("client", help="one timed client of a run")
+    c.add_argument("--op", required=True, choices=["put", "get"])
+    c.add_argument("--size", required=True, type=int, help="bytes per block")
+    c.add_argument("--batch", required=True, type=int, help="blocks per call")
+    c.add_argument("--blocks", required=True, type=int, help="distinct keys over all clients")
+    c.add_argument("--index", required=True, type=int, help="this client's index, 0 to CLIENTS - 1")
+    c.add_argument("--clients", required=True, type=int, help="client processes in the run")
+    c.add_argument("--seconds", required=True, type=float, help="how long to run")
+    c.add_argument("--barrier", required=True, help="folder where every client says it is ready")
+    a = parser.parse_args()
+    if a.role == "store":
+        serve(a.segment)
     else:
-        client(a[1], int(a[2]), int(a[3]), int(a[4]), int(a[5]), int(a[6]), float(a[7]), a[8])
+        client(a.op, a.size, a.batch, a.blocks, a.index, a.clients, a.seconds, a.barrier)

@@ -1,6 +1,7 @@
 """One Python client program's run for scripts/bench-python.
 
-    pyclient_bench.py TARGET ENDPOINT OP SIZE BATCH BLOCKS SECONDS
+    pyclient_bench.py --target TARGET --endpoint ENDPOINT --op OP --size SIZE \
+        --batch BATCH --blocks BLOCKS --seconds SECONDS
 
 TARGET: `kvplane` (the kvplane package with its defaults: put_from /
 get_into, a pool of 4 connections over which a large batch is split) or
@@ -11,6 +12,7 @@ every GET's length is checked. Prints one JSON line."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -70,7 +72,13 @@ def main(target: str, endpoint: str, op: str, size: int, batch: int, blocks: int
 
 
 if __name__ == "__main__":
-    a = sys.argv[1:]
-    if len(a) != 7:
-        sys.exit(__doc__)
-    main(a[0], a[1], a[2], int(a[3]), int(a[4]), int(a[5]), float(a[6]))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", required=True, choices=["kvplane", "redis"])
+    parser.add_argument("--endpoint", required=True, help="the node's or redis-server's address")
+    parser.add_argument("--op", required=True, choices=["put", "get"])
+    parser.add_argument("--size", required=True, type=int, help="bytes per block")
+    parser.add_argument("--batch", required=True, type=int, help="blocks per call")
+    parser.add_argument("--blocks", required=True, type=int, help="distinct keys, moved BATCH at a time, cyclically")
+    parser.add_argument("--seconds", required=True, type=float, help="how long to run")
+    a = parser.parse_args()
+    main(a.target, a.endpoint, a.op, a.size, a.batch, a.blocks, a.seconds)
