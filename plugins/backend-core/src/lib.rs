@@ -1,6 +1,7 @@
 //! What the first-party `backend` plugins share outside their WIT glue:
-//! the error and call options their WIT-free cores work in, and the config
-//! checks they have in common.
+//! the error and call options their WIT-free cores work in, the
+//! `transport.connection` operations the transport-based ones are written
+//! against, and the config checks they have in common.
 //!
 //! Each plugin is its own component with its own generated bindings, so the
 //! conversions to and from the WIT types stay in each plugin's `plugin.rs`;
@@ -44,6 +45,42 @@ impl Fail {
 pub struct CallOptions {
     pub ttl_ms: Option<u64>,
     pub namespace: Option<String>,
+}
+
+/// The `transport.connection` operations a store client needs, one to one,
+/// so that a client is written against this trait instead of the generated
+/// bindings: its whole protocol exchange, failures in the middle of a batch
+/// included, is tested natively against scripted replies or a real server,
+/// and in the component the host's connection implements it.
+pub trait Conn {
+    /// A borrowed host buffer holding a value to store.
+    type Payload: ?Sized;
+    /// A host buffer the host wants a value read into.
+    type Dest: ?Sized;
+    fn payload_len(payload: &Self::Payload) -> u64;
+    fn dest_len(dest: &Self::Dest) -> u64;
+    fn write(&mut self, bytes: &[u8]) -> Result<(), Fail>;
+    fn write_payload(&mut self, payload: &Self::Payload) -> Result<(), Fail>;
+    fn flush(&mut self) -> Result<(), Fail>;
+    /// Up to and including the first `delimiter`, at most `max` bytes;
+    /// `invalid` when no delimiter comes within `max`.
+    fn read_until(&mut self, delimiter: u8, max: u32) -> Result<Vec<u8>, Fail>;
+    /// At most 65536 bytes, the host's limit for one `read-exact`.
+    fn read_exact(&mut self, len: u32) -> Result<Vec<u8>, Fail>;
+    /// Read exactly `len` bytes (at most `dest_len`) into the start of `dest`.
+    fn read_into(&mut self, dest: &Self::Dest, len: u64) -> Result<(), Fail>;
+    /// Read and drop `len` bytes.
+    fn skip(&mut self, len: u64) -> Result<(), Fail>;
+}
+
+/// Opens connections; separate from [`Conn`] so a dropped connection can be
+/// replaced lazily on the next call.
+pub trait Dial {
+    type Conn: Conn;
+    fn dial(&mut self, endpoint: &str) -> Result<Self::Conn, Fail>;
+    /// Reports what an operator should see: a dropped connection (the next
+    /// call pays for a reconnect), an object left behind.
+    fn warn(&mut self, _message: &str) {}
 }
 
 /// The same error for each of `n` keys: a batch refused as a whole.

@@ -1,46 +1,18 @@
 //! The Redis/Valkey client behind `builtin:resp`: config, connection
 //! life cycle and pipelined batches.
 //!
-//! Written against the [`Conn`] and [`Dial`] traits instead of the generated
-//! WIT bindings so the whole protocol exchange, including failures in the
-//! middle of a batch, can be exercised natively against scripted replies and
-//! a real `redis-server`. The WIT adapter in `lib.rs` only forwards calls.
+//! Written against backend-core's [`Conn`] and [`Dial`] traits instead of
+//! the generated WIT bindings so the whole protocol exchange, including
+//! failures in the middle of a batch, can be exercised natively against
+//! scripted replies and a real `redis-server`. The WIT adapter in `lib.rs`
+//! only forwards calls.
 
 use crate::resp::{self, ErrorClass, Expiry, Reply, MAX_LINE};
 use kvplane_backend_core::all;
 
 /// A call's `ttl-ms` is `SET ... PX`, overriding the config's
 /// `ttl-seconds`; its `namespace` puts keys under `prefix + namespace + ":"`.
-pub use kvplane_backend_core::{CallOptions, Fail};
-
-/// The `transport.connection` operations the client needs, one to one.
-pub trait Conn {
-    /// A borrowed host buffer holding a value to store.
-    type Payload: ?Sized;
-    /// A host buffer the host wants a value read into.
-    type Dest: ?Sized;
-    fn payload_len(payload: &Self::Payload) -> u64;
-    fn dest_len(dest: &Self::Dest) -> u64;
-    fn write(&mut self, bytes: &[u8]) -> Result<(), Fail>;
-    fn write_payload(&mut self, payload: &Self::Payload) -> Result<(), Fail>;
-    fn flush(&mut self) -> Result<(), Fail>;
-    fn read_until(&mut self, delimiter: u8, max: u32) -> Result<Vec<u8>, Fail>;
-    fn read_exact(&mut self, len: u32) -> Result<Vec<u8>, Fail>;
-    /// Read exactly `len` bytes (at most `dest_len`) into the start of `dest`.
-    fn read_into(&mut self, dest: &Self::Dest, len: u64) -> Result<(), Fail>;
-    /// Read and drop `len` bytes.
-    fn skip(&mut self, len: u64) -> Result<(), Fail>;
-}
-
-/// Opens connections; separate from [`Conn`] so a dropped connection can be
-/// replaced lazily on the next call.
-pub trait Dial {
-    type Conn: Conn;
-    fn dial(&mut self, endpoint: &str) -> Result<Self::Conn, Fail>;
-    /// Reports a dropped connection; the next call pays for a reconnect, and
-    /// operators should be able to see why.
-    fn warn(&mut self, _message: &str) {}
-}
+pub use kvplane_backend_core::{CallOptions, Conn, Dial, Fail};
 
 /// Parsed declaration config.
 #[derive(Debug, Clone, PartialEq, Eq)]

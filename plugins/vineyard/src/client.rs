@@ -1,9 +1,9 @@
 //! The vineyardd client behind `builtin:vineyard`: config, connection life
 //! cycle and the multi-step exchanges of each batch.
 //!
-//! Written against the [`Conn`] and [`Dial`] traits instead of the generated
-//! WIT bindings so the protocol logic compiles and is tested natively; the
-//! WIT adapter in `plugin.rs` only forwards calls.
+//! Written against backend-core's [`Conn`] and [`Dial`] traits instead of
+//! the generated WIT bindings so the protocol logic compiles and is tested
+//! natively; the WIT adapter in `plugin.rs` only forwards calls.
 //!
 //! Every step of a batch is pipelined: the requests of all its keys leave in
 //! one flush and their replies are read in order (vineyardd answers one
@@ -20,37 +20,7 @@ use kvplane_backend_core::all;
 
 /// A call's `ttl-ms` is refused (vineyardd keeps objects until they are
 /// deleted); its `namespace` puts names under `prefix + namespace + ":"`.
-pub use kvplane_backend_core::{CallOptions, Fail};
-
-/// The `transport.connection` operations the client needs, one to one.
-pub trait Conn {
-    /// A borrowed host buffer holding a value to store.
-    type Payload: ?Sized;
-    /// A host buffer the host wants a value read into.
-    type Dest: ?Sized;
-    fn payload_len(payload: &Self::Payload) -> u64;
-    fn dest_len(dest: &Self::Dest) -> u64;
-    fn write(&mut self, bytes: &[u8]) -> Result<(), Fail>;
-    fn write_payload(&mut self, payload: &Self::Payload) -> Result<(), Fail>;
-    fn flush(&mut self) -> Result<(), Fail>;
-    /// At most [`proto::READ_CHUNK`] bytes.
-    fn read_exact(&mut self, len: u32) -> Result<Vec<u8>, Fail>;
-    /// Read exactly `len` bytes (at most `dest_len`, more than 0) into the
-    /// start of `dest`.
-    fn read_into(&mut self, dest: &Self::Dest, len: u64) -> Result<(), Fail>;
-    /// Read and drop `len` bytes.
-    fn skip(&mut self, len: u64) -> Result<(), Fail>;
-}
-
-/// Opens connections; separate from [`Conn`] so a dropped connection can be
-/// replaced lazily on the next call.
-pub trait Dial {
-    type Conn: Conn;
-    fn dial(&mut self, endpoint: &str) -> Result<Self::Conn, Fail>;
-    /// Reports what an operator should see: a dropped connection, an
-    /// object left behind.
-    fn warn(&mut self, _message: &str) {}
-}
+pub use kvplane_backend_core::{CallOptions, Conn, Dial, Fail};
 
 /// Parsed declaration config.
 #[derive(Debug, Clone, PartialEq, Eq)]

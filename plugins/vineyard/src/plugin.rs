@@ -72,6 +72,9 @@ impl Conn for HostConn {
     fn flush(&mut self) -> Result<(), Fail> {
         Ok(self.0.flush()?)
     }
+    fn read_until(&mut self, delimiter: u8, max: u32) -> Result<Vec<u8>, Fail> {
+        Ok(self.0.read_until(delimiter, max)?)
+    }
     fn read_exact(&mut self, len: u32) -> Result<Vec<u8>, Fail> {
         Ok(self.0.read_exact(len)?)
     }
