@@ -1,11 +1,25 @@
-//! What the first-party `backend` plugins share outside their WIT glue:
-//! the error and call options their WIT-free cores work in, the
-//! `transport.connection` operations the transport-based ones are written
-//! against, and the config checks they have in common.
+//! What the first-party `backend` plugins share: the error and call options
+//! their WIT-free cores work in, the `transport.connection` operations the
+//! transport-based ones are written against, the [`Store`] each of them
+//! implements, the config checks they have in common, and, on wasm32 only,
+//! `component`: the WIT glue that exports a [`Store`] as the `store`
+//! interface.
 //!
-//! Each plugin is its own component with its own generated bindings, so the
-//! conversions to and from the WIT types stay in each plugin's `plugin.rs`;
-//! this crate holds only plain Rust, tested natively.
+//! The glue lives here once because it was the same in every plugin (the
+//! bindings, the error conversions both ways, the host connection, the
+//! `Guest` impl), apart from a name and a feature flag. A plugin keeps only
+//! its store's protocol: it implements [`Store`] and exports it with one
+//! `kvplane_backend_core::export_store!(...)` line.
+//!
+//! Everything outside `component` is plain Rust and builds natively, so the
+//! plugins' protocol logic (and this crate) is tested without a host; the
+//! glue is compiled only for wasm32, the one target with a host for it.
+//! Nothing here is specific to one store.
+
+// The component glue only exists for wasm32: its export names are not valid
+// symbols for a native shared library, and the imports have no native host.
+#[cfg(target_arch = "wasm32")]
+pub mod component;
 
 /// Mirrors the WIT `error` variant so the plugins' cores stay WIT-free.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -81,6 +95,60 @@ pub trait Dial {
     /// Reports what an operator should see: a dropped connection (the next
     /// call pays for a reconnect), an object left behind.
     fn warn(&mut self, _message: &str) {}
+}
+
+/// What a backend announces in `store.features`: the contract's
+/// `backend-features` flags, WIT-free so that a [`Store`] names its own.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Features {
+    /// `put` of many keys travels in one round trip.
+    pub batch_put: bool,
+    /// `get` of many keys travels in one round trip.
+    pub batch_get: bool,
+    /// `exists` is answered without transferring values.
+    pub exists: bool,
+    /// Keys can be deleted.
+    pub delete: bool,
+    /// Stored values expire after a time to live.
+    pub ttl: bool,
+    /// Keys are isolated under a namespace.
+    pub namespaces: bool,
+}
+
+/// A backend's store: its protocol behind the contract's `store` calls, in
+/// WIT-free terms. The one `Guest` impl in `component` forwards every call
+/// to it, converting keys, buffers, options and errors, so a plugin
+/// implements this and nothing of the WIT.
+///
+/// The buffer types are associated so that a client generic over its
+/// connection implements it natively too; the component needs both to be
+/// the host's `buffer`.
+pub trait Store: Sized {
+    /// A borrowed value to store (in the component, a host buffer).
+    type Payload: ?Sized;
+    /// A value's destination (in the component, a host buffer).
+    type Dest: ?Sized;
+    /// Announced by `features`.
+    const FEATURES: Features;
+    /// The store for the declaration's `config`; an error refuses the config
+    /// and no store is kept.
+    fn open(config: &[(String, String)]) -> Result<Self, Fail>;
+    /// Called once right after [`Store::open`], so that `open` reports an
+    /// unreachable store instead of the first batch. The store is kept even
+    /// when this fails: a host that keeps the instance gets a lazy reconnect
+    /// on the next call. By default there is nothing to connect.
+    fn connect(&mut self) -> Result<(), Fail> {
+        Ok(())
+    }
+    /// The contract's `put`: one result per entry, in order.
+    fn put(&mut self, entries: &[(Vec<u8>, &Self::Payload)], options: &CallOptions) -> Vec<Result<(), Fail>>;
+    /// The contract's `get`: each value read into its destination, answered
+    /// with its length.
+    fn get(&mut self, entries: &[(Vec<u8>, &Self::Dest)], options: &CallOptions) -> Vec<Result<u64, Fail>>;
+    /// The contract's `exists`.
+    fn exists(&mut self, keys: &[Vec<u8>], options: &CallOptions) -> Vec<Result<bool, Fail>>;
+    /// The contract's `delete`; deleting a missing key is not an error.
+    fn delete(&mut self, keys: &[Vec<u8>], options: &CallOptions) -> Vec<Result<(), Fail>>;
 }
 
 /// The same error for each of `n` keys: a batch refused as a whole.

@@ -4,11 +4,11 @@
 //! Written against backend-core's [`Conn`] and [`Dial`] traits instead of
 //! the generated WIT bindings so the whole protocol exchange, including
 //! failures in the middle of a batch, can be exercised natively against
-//! scripted replies and a real `redis-server`. The WIT adapter in `lib.rs`
-//! only forwards calls.
+//! scripted replies and a real `redis-server`. The component exports it as
+//! a [`Store`] through backend-core's WIT glue (`plugin.rs`).
 
 use crate::resp::{self, ErrorClass, Expiry, Reply, MAX_LINE};
-use kvplane_backend_core::all;
+use kvplane_backend_core::{all, Features, Store};
 
 /// A call's `ttl-ms` is `SET ... PX`, overriding the config's
 /// `ttl-seconds`; its `namespace` puts keys under `prefix + namespace + ":"`.
@@ -420,6 +420,34 @@ impl<D: Dial> Client<D> {
                 Err(e) => Ok(Err(e)),
             },
         )
+    }
+}
+
+/// The store the component exports (`plugin.rs`): every batch pipelined,
+/// ttl and namespaces per call. Over a dialler without state of its own,
+/// made by `Default`; tests give theirs to [`Client::new`].
+impl<D: Dial + Default> Store for Client<D> {
+    type Payload = <D::Conn as Conn>::Payload;
+    type Dest = <D::Conn as Conn>::Dest;
+    const FEATURES: Features = Features { batch_put: true, batch_get: true, exists: true, delete: true, ttl: true, namespaces: true };
+
+    fn open(config: &[(String, String)]) -> Result<Self, Fail> {
+        Ok(Client::new(Settings::from_config(config)?, D::default()))
+    }
+    fn connect(&mut self) -> Result<(), Fail> {
+        Client::connect(self)
+    }
+    fn put(&mut self, entries: &[(Vec<u8>, &Self::Payload)], options: &CallOptions) -> Vec<Result<(), Fail>> {
+        Client::put(self, entries, options)
+    }
+    fn get(&mut self, entries: &[(Vec<u8>, &Self::Dest)], options: &CallOptions) -> Vec<Result<u64, Fail>> {
+        Client::get(self, entries, options)
+    }
+    fn exists(&mut self, keys: &[Vec<u8>], options: &CallOptions) -> Vec<Result<bool, Fail>> {
+        Client::exists(self, keys, options)
+    }
+    fn delete(&mut self, keys: &[Vec<u8>], options: &CallOptions) -> Vec<Result<(), Fail>> {
+        Client::delete(self, keys, options)
     }
 }
 

@@ -5,8 +5,8 @@
 //! and the value straight from its host buffer, a GET reads the value into
 //! the destination the host lent (a slice of it for a shorter value). Each batch is pipelined, one flush and one pass over
 //! the replies. The protocol lives in [`resp`] (framing) and [`client`]
-//! (connection and batches) so it can be tested natively; `plugin` adapts it
-//! to the WIT `store` interface.
+//! (connection and batches) so it can be tested natively; `plugin` exports
+//! the client as the WIT `store` interface through backend-core's glue.
 //!
 //! Config: `endpoint` (required, host:port), `password` and `username`
 //! (AUTH), `database` (SELECT), `prefix` (key namespace), `ttl-seconds`

@@ -3,7 +3,8 @@
 //!
 //! Written against backend-core's [`Conn`] and [`Dial`] traits instead of
 //! the generated WIT bindings so the protocol logic compiles and is tested
-//! natively; the WIT adapter in `plugin.rs` only forwards calls.
+//! natively; the component exports it as a [`Store`] through
+//! backend-core's WIT glue (`plugin.rs`).
 //!
 //! Every step of a batch is pipelined: the requests of all its keys leave in
 //! one flush and their replies are read in order (vineyardd answers one
@@ -16,7 +17,7 @@
 use serde_json::Value;
 
 use crate::proto::{self, code, Reply, Stored};
-use kvplane_backend_core::all;
+use kvplane_backend_core::{all, Features, Store};
 
 /// A call's `ttl-ms` is refused (vineyardd keeps objects until they are
 /// deleted); its `namespace` puts names under `prefix + namespace + ":"`.
@@ -653,6 +654,35 @@ impl<D: Dial> Client<D> {
                 Err(e)
             }
         }
+    }
+}
+
+/// The store the component exports (`plugin.rs`): every step pipelined,
+/// namespaces per call, no ttl (vineyardd has no expiry). Over a dialler
+/// without state of its own, made by `Default`; tests give theirs to
+/// [`Client::new`].
+impl<D: Dial + Default> Store for Client<D> {
+    type Payload = <D::Conn as Conn>::Payload;
+    type Dest = <D::Conn as Conn>::Dest;
+    const FEATURES: Features = Features { batch_put: true, batch_get: true, exists: true, delete: true, ttl: false, namespaces: true };
+
+    fn open(config: &[(String, String)]) -> Result<Self, Fail> {
+        Ok(Client::new(Settings::from_config(config)?, D::default()))
+    }
+    fn connect(&mut self) -> Result<(), Fail> {
+        Client::connect(self)
+    }
+    fn put(&mut self, entries: &[(Vec<u8>, &Self::Payload)], options: &CallOptions) -> Vec<Result<(), Fail>> {
+        Client::put(self, entries, options)
+    }
+    fn get(&mut self, entries: &[(Vec<u8>, &Self::Dest)], options: &CallOptions) -> Vec<Result<u64, Fail>> {
+        Client::get(self, entries, options)
+    }
+    fn exists(&mut self, keys: &[Vec<u8>], options: &CallOptions) -> Vec<Result<bool, Fail>> {
+        Client::exists(self, keys, options)
+    }
+    fn delete(&mut self, keys: &[Vec<u8>], options: &CallOptions) -> Vec<Result<(), Fail>> {
+        Client::delete(self, keys, options)
     }
 }
 

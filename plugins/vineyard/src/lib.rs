@@ -8,8 +8,8 @@
 //! the host buffer, a GET reads them into the destination the host lent (a
 //! slice of it for a shorter value, `skip` for one too long). The protocol
 //! lives in [`proto`] (framing and message shapes) and [`client`] (the
-//! steps of each batch) so it can be tested natively; `plugin` adapts it to
-//! the WIT `store` interface.
+//! steps of each batch) so it can be tested natively; `plugin` exports the
+//! client as the WIT `store` interface through backend-core's glue.
 //!
 //! Config: `endpoint` (required, vineyardd's RPC `host:port`), `prefix`
 //! (default `kvplane:`; names are shared by everything using the
