@@ -16,7 +16,9 @@ use std::any::Any;
 use std::cell::RefCell;
 use std::marker::PhantomData;
 
-use crate::{all, CallOptions, Conn, Dial, Fail, Features, Store};
+// `super`, not `crate`: the backend scaffold (crates/plugin-kit) copies this
+// file into a project as a module of another crate.
+use super::{all, CallOptions, Conn, Dial, Fail, Features, Store};
 use bindings::exports::kvplane::plugin::store::{BackendFeatures, Guest};
 use bindings::kvplane::plugin::types::Busy;
 
