@@ -7,10 +7,10 @@
 //! this again after a change to the wire format.
 
 use bytes::Bytes;
+use kvplane_protocol::rdma::{Descriptor, Endpoint, Gid};
 use kvplane_protocol::{
     decode, encode, Block, ErrorCode, Features, Frame, Hello, HelloAck, Limits, PutEntry, Request, Response, StatEntry,
 };
-use kvplane_rdma::{Descriptor, Endpoint, Gid};
 
 fn key(s: &str) -> Bytes {
     Bytes::copy_from_slice(s.as_bytes())

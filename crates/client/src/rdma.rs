@@ -19,8 +19,9 @@ use std::convert::Infallible;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
+use kvplane_protocol::rdma::Descriptor;
 use kvplane_protocol::ErrorCode;
-use kvplane_rdma::{Descriptor, Fallback, Path};
+use kvplane_rdma::{Fallback, Path};
 
 /// How long a GET asks the node to keep its blocks in place: long enough
 /// for a batch of READs, short enough that an abandoned lease frees its
@@ -109,9 +110,9 @@ pub(crate) use verbs::Reader;
 mod verbs {
     use std::sync::{Arc, Mutex};
 
+    use kvplane_protocol::rdma::Descriptor;
     use kvplane_protocol::{KvError, Request, Response};
     use kvplane_rdma::verbs::{Device, QueuePair};
-    use kvplane_rdma::Descriptor;
 
     use super::{fetch_each, now_ms, Outcome, READ_TIMEOUT};
     use crate::connection::Connection;
@@ -167,8 +168,8 @@ mod verbs {
 
 #[cfg(not(feature = "rdma"))]
 mod verbs {
+    use kvplane_protocol::rdma::Descriptor;
     use kvplane_protocol::{ErrorCode, KvError};
-    use kvplane_rdma::Descriptor;
 
     use super::Outcome;
     use crate::connection::Connection;
@@ -194,7 +195,7 @@ mod verbs {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvplane_rdma::{Gid, UseError};
+    use kvplane_protocol::rdma::{Gid, UseError};
 
     const NOW: u64 = 1_000_000;
 

@@ -178,7 +178,7 @@ impl ConnRdma {
     /// RDMA_CONNECT: a queue pair for this connection, connected to the
     /// client's; answered with its endpoint. `agreed`: the handshake
     /// granted `RDMA`.
-    pub(crate) fn connect(&self, rdma: &Rdma, agreed: bool, remote: &kvplane_rdma::Endpoint) -> Response {
+    pub(crate) fn connect(&self, rdma: &Rdma, agreed: bool, remote: &kvplane_protocol::rdma::Endpoint) -> Response {
         let offer = match (&rdma.offer, agreed) {
             (Ok(offer), true) => offer,
             _ => return rdma.refusal(),
@@ -238,8 +238,8 @@ impl ConnRdma {
 mod verbs {
     use std::sync::Arc;
 
+    use kvplane_protocol::rdma::{Descriptor, Endpoint};
     use kvplane_rdma::verbs::{Device, MemoryRegion, QueuePair, RdmaError};
-    use kvplane_rdma::{Descriptor, Endpoint};
 
     use super::Pinned;
     use crate::cache::BlockCache;
@@ -301,7 +301,7 @@ mod verbs {
 /// Without the feature there is never an offer.
 #[cfg(not(feature = "rdma"))]
 mod verbs {
-    use kvplane_rdma::{Descriptor, Endpoint};
+    use kvplane_protocol::rdma::{Descriptor, Endpoint};
 
     use super::Pinned;
     use crate::cache::BlockCache;
@@ -436,7 +436,7 @@ mod tests {
         }
         assert!(!rdma.offered());
         let conn = ConnRdma::default();
-        let endpoint = kvplane_rdma::Endpoint { gid: kvplane_rdma::Gid::default(), lid: 1, qp_num: 1, psn: 1 };
+        let endpoint = kvplane_protocol::rdma::Endpoint { gid: kvplane_protocol::rdma::Gid::default(), lid: 1, qp_num: 1, psn: 1 };
         for (response, agreed) in [
             (conn.connect(&rdma, true, &endpoint), true),
             (conn.describe(&rdma, true, &cache, &[Bytes::from_static(b"a")], 100, 1000), true),

@@ -22,6 +22,7 @@ mod kv_error;
 mod limits;
 mod message;
 pub mod placement;
+pub mod rdma;
 
 #[cfg(feature = "io")]
 pub mod io;

@@ -7,7 +7,7 @@
 //! block by holding a clone of the caller's handle (an `Arc` to the block,
 //! whatever keeps it alive in the pool) and drops it when the lease ends.
 //! The reader, for its part, refuses a descriptor past its expiry
-//! ([`Descriptor::usable_at`](crate::Descriptor::usable_at)), so the two
+//! ([`Descriptor::usable_at`](kvplane_protocol::rdma::Descriptor::usable_at)), so the two
 //! sides agree without another round trip.
 //!
 //! Why bounded: every lease pins memory that eviction cannot reclaim; a

@@ -8,11 +8,6 @@
 //! in place while the reader may still use that announcement.
 //!
 //! What is here:
-//! - [`Descriptor`]: what a remote reader needs for one block (GID/LID and
-//!   queue pair of the node, address, rkey, length, CRC-32C, lease and its
-//!   expiry) and its versioned binary form.
-//! - [`Endpoint`]: what a queue pair needs to connect to its peer's, and
-//!   its wire form (exchanged over the kvplane connection, `RDMA_CONNECT`).
 //! - [`Leases`]: the node's table of leases that keep blocks pinned until
 //!   they expire, bounded.
 //! - [`choose`] and [`get`]: the client's choice between RDMA and TCP, and
@@ -21,6 +16,14 @@
 //!   register the pool as a memory region, describe a sub-range, READ it
 //!   from another queue pair), and a TCP side channel that connects two
 //!   queue pairs.
+//!
+//! What is not: the two wire forms every peer shares, [`Descriptor`] (what
+//! a remote reader needs for one block: GID/LID and queue pair of the node,
+//! address, rkey, length, CRC-32C, lease and its expiry) and [`Endpoint`]
+//! (what a queue pair needs to connect to its peer's). `RDMA_DESCRIBE` and
+//! `RDMA_CONNECT` carry them, so they live in kvplane-protocol
+//! ([`kvplane_protocol::rdma`]), which builds without any of this; this
+//! crate depends on it and re-exports them.
 //!
 //! All of it but [`verbs`] builds and is tested everywhere; nothing here
 //! reads a clock: times are milliseconds on a clock the caller passes.
@@ -31,15 +34,12 @@
 #![cfg_attr(not(feature = "rdma"), forbid(unsafe_code))]
 #![deny(unsafe_op_in_unsafe_fn)]
 
-pub mod descriptor;
-pub mod endpoint;
 pub mod lease;
 pub mod transport;
 #[cfg(feature = "rdma")]
 #[allow(unsafe_code)]
 pub mod verbs;
 
-pub use descriptor::{DecodeError, Descriptor, Gid, UseError};
-pub use endpoint::{Endpoint, ENDPOINT_LEN};
+pub use kvplane_protocol::rdma::{DecodeError, Descriptor, Endpoint, Gid, UseError, ENDPOINT_LEN};
 pub use lease::{Lease, LeaseError, LeaseId, Leases};
 pub use transport::{choose, get, Fallback, Fetched, Path};

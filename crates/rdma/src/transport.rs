@@ -12,7 +12,7 @@
 
 use std::fmt;
 
-use crate::descriptor::{Descriptor, UseError};
+use kvplane_protocol::rdma::{Descriptor, UseError};
 
 /// How a block travels to the reader.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -119,7 +119,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::descriptor::Gid;
+    use kvplane_protocol::rdma::Gid;
     use std::cell::Cell;
 
     const BLOCK: &[u8] = b"the block's bytes";

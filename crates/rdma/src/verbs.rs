@@ -30,9 +30,9 @@ use std::time::{Duration, Instant};
 
 use ibverbs_sys as ffi;
 
-use crate::descriptor::{DecodeError, Descriptor, Gid, UseError, ENCODED_LEN};
-pub use crate::endpoint::{Endpoint, ENDPOINT_LEN};
 use crate::lease::Lease;
+use kvplane_protocol::rdma::descriptor::{DecodeError, Descriptor, Gid, UseError, ENCODED_LEN};
+pub use kvplane_protocol::rdma::endpoint::{Endpoint, ENDPOINT_LEN};
 
 /// The port every queue pair uses: the first (most devices have one).
 const PORT: u8 = 1;

@@ -7,7 +7,7 @@ use super::Meta;
 use crate::error::ProtocolError;
 use crate::limits::Limits;
 use crate::message::{Message, Request, Response};
-use kvplane_rdma::{Endpoint, ENDPOINT_LEN};
+use crate::rdma::{Endpoint, ENDPOINT_LEN};
 
 /// A frame's meta being decoded: the cursor over it, the limits it is held
 /// to and how many payload bytes the header says follow it.

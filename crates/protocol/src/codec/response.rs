@@ -16,8 +16,8 @@ use crate::limits::{
 };
 use crate::message::{HelloAck, Response, ShmBlock, StatEntry};
 use crate::placement::{Member, MemberState, SlotTable};
-use kvplane_rdma::descriptor::ENCODED_LEN as DESCRIPTOR_LEN;
-use kvplane_rdma::Descriptor;
+use crate::rdma::descriptor::ENCODED_LEN as DESCRIPTOR_LEN;
+use crate::rdma::Descriptor;
 
 pub(super) fn encode(resp: &Response, out: &mut Vec<u8>, payloads: &mut Vec<Bytes>) -> Result<(), ProtocolError> {
     match resp {

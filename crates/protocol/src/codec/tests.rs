@@ -56,9 +56,9 @@ fn all_frames() -> Vec<Frame> {
     ]
 }
 
-fn descriptor() -> kvplane_rdma::Descriptor {
-    kvplane_rdma::Descriptor {
-        gid: kvplane_rdma::Gid([0xfe, 0x80, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]),
+fn descriptor() -> crate::rdma::Descriptor {
+    crate::rdma::Descriptor {
+        gid: crate::rdma::Gid([0xfe, 0x80, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]),
         lid: 0,
         qp_num: 0x11,
         addr: 0x7f00_0000_1000,
@@ -70,8 +70,8 @@ fn descriptor() -> kvplane_rdma::Descriptor {
     }
 }
 
-fn endpoint() -> kvplane_rdma::Endpoint {
-    kvplane_rdma::Endpoint { gid: kvplane_rdma::Gid([7; 16]), lid: 2, qp_num: 0x11, psn: 0x42 }
+fn endpoint() -> crate::rdma::Endpoint {
+    crate::rdma::Endpoint { gid: crate::rdma::Gid([7; 16]), lid: 2, qp_num: 0x11, psn: 0x42 }
 }
 
 #[test]

@@ -1,16 +1,15 @@
 //! What one end's queue pair needs to connect to the other's, and its wire
 //! form.
 //!
-//! Why here and not in `verbs`: the node and the client exchange endpoints
-//! over the ordinary kvplane connection (`RDMA_CONNECT`), whose codec builds
-//! and is fuzzed without libibverbs; only creating and connecting the queue
-//! pairs needs the `rdma` feature.
-
-#![forbid(unsafe_code)]
+//! Why here, in the protocol crate, and not beside kvplane-rdma's verbs: the
+//! node and the client exchange endpoints over the ordinary kvplane
+//! connection (`RDMA_CONNECT`), whose codec builds and is fuzzed without
+//! libibverbs or kvplane-rdma; only creating and connecting the queue pairs
+//! needs kvplane-rdma's `rdma` feature.
 
 use std::io;
 
-use crate::descriptor::{Gid, MAX_QP_NUM};
+use super::descriptor::{Gid, MAX_QP_NUM};
 
 /// The first four bytes of an encoded endpoint.
 pub const ENDPOINT_MAGIC: [u8; 4] = *b"KVQP";
