@@ -660,7 +660,7 @@ impl Client {
             ));
         };
         let table = c.table();
-        let members = table.members().iter().map(|m| (m.id.clone(), m.endpoint.clone(), format!("{:?}", m.state).to_lowercase())).collect();
+        let members = table.members().iter().map(|m| (m.id.clone(), m.endpoint.clone(), m.state.name().to_owned())).collect();
         Ok((table.version, members))
     }
 

@@ -3,13 +3,13 @@
 
 use std::process::ExitCode;
 
-use kvplane_protocol::placement::{Member, MemberState, SLOTS};
 use kvplane_runtime::bindings::WitError;
 use kvplane_runtime::worlds::{Decision, Failure, Operation, PodRequest};
 use kvplane_runtime::{PluginDecl, PluginRuntime, PluginSource, World};
+use kvplane_slots::{Member, MemberState, SlotTable, SLOTS};
 
 /// The ids of `key`'s owners in `table`, primary first, for printing.
-fn owner_ids(table: &kvplane_protocol::placement::SlotTable, key: &[u8]) -> Vec<String> {
+fn owner_ids(table: &SlotTable, key: &[u8]) -> Vec<String> {
     table.owner_members(key).map(|m| m.id.clone()).collect()
 }
 

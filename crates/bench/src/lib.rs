@@ -147,8 +147,8 @@ pub struct BenchReport {
 /// endpoint order, as a slot table of that many members with one owner per
 /// slot would assign them.
 pub fn owner(key: &[u8], nodes: usize) -> usize {
-    let slot = kvplane_protocol::placement::slot_of(key, kvplane_protocol::placement::SLOTS) as usize;
-    slot * nodes / kvplane_protocol::placement::SLOTS as usize
+    let slot = kvplane_slots::slot_of(key, kvplane_slots::SLOTS) as usize;
+    slot * nodes / kvplane_slots::SLOTS as usize
 }
 
 /// A batch-capable connection to a target. Implemented by an enum rather
@@ -522,13 +522,13 @@ mod tests {
     #[test]
     fn nodes_own_contiguous_slot_ranges_in_endpoint_order() {
         let n = 3;
-        let owners: Vec<usize> = (0..kvplane_protocol::placement::SLOTS as usize).map(|slot| slot * n / 16384).collect();
+        let owners: Vec<usize> = (0..kvplane_slots::SLOTS as usize).map(|slot| slot * n / 16384).collect();
         assert_eq!(owners.first(), Some(&0));
         assert_eq!(owners.last(), Some(&(n - 1)));
         assert!(owners.windows(2).all(|w| w[0] <= w[1]), "ranges are contiguous");
         for i in 0..1000 {
             let k = key(i);
-            let slot = kvplane_protocol::placement::slot_of(&k, kvplane_protocol::placement::SLOTS) as usize;
+            let slot = kvplane_slots::slot_of(&k, kvplane_slots::SLOTS) as usize;
             assert_eq!(owner(&k, n), owners[slot]);
             assert_eq!(owner(&k, 1), 0);
         }

@@ -5,7 +5,7 @@
 //! on a connection of its own, so a membership change reaches it as soon as
 //! the nodes know it — no polling, no etcd client, no plugin runtime: a key's
 //! owners are a CRC-32C, a modulo and a slice index
-//! ([`kvplane_protocol::placement`]).
+//! ([`kvplane_slots`]).
 //!
 //! A batch is split by owner, sent to the owners in parallel and merged back
 //! into request order. A PUT is acknowledged once `write_quorum` owners
@@ -16,8 +16,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use kvplane_protocol::placement::{MemberState, SlotTable};
 use kvplane_protocol::{KvError, Request, Response};
+use kvplane_slots::{MemberState, SlotTable};
 use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
 
@@ -151,7 +151,7 @@ impl ClusterClient {
         let mut needed = vec![0usize; n];
         for (i, (key, _)) in entries.iter().enumerate() {
             let mut owners = 0;
-            for o in writable_owners(&table, key) {
+            for o in table.writable_owners(key) {
                 groups.entry(o).or_default().push(i);
                 owners += 1;
             }
@@ -220,7 +220,7 @@ impl ClusterClient {
         while !pending.is_empty() {
             let mut groups: HashMap<u32, Vec<usize>> = HashMap::new();
             for &i in &pending {
-                if let Some(o) = readable_owners(&table, &keys[i]).nth(round) {
+                if let Some(o) = table.readable_owners(&keys[i]).nth(round) {
                     groups.entry(o).or_default().push(i);
                 }
             }
@@ -268,7 +268,7 @@ impl ClusterClient {
         // Not found anywhere: not-found when an owner said so, else the
         // first owner's failure.
         for i in pending {
-            let answered_absent = readable_owners(&table, &keys[i]).count() > failed[i];
+            let answered_absent = table.readable_owners(&keys[i]).count() > failed[i];
             if !answered_absent {
                 if let Some(e) = failure[i].take() {
                     out[i] = Err(e);
@@ -298,7 +298,7 @@ impl ClusterClient {
         for round in 0..most {
             let mut groups: HashMap<u32, Vec<usize>> = HashMap::new();
             for (i, k) in keys.iter().enumerate() {
-                if let (false, Some(o)) = (found[i], readable_owners(&table, k).nth(round)) {
+                if let (false, Some(o)) = (found[i], table.readable_owners(k).nth(round)) {
                     groups.entry(o).or_default().push(i);
                 }
             }
@@ -323,7 +323,7 @@ impl ClusterClient {
         let table = self.table();
         let mut groups: HashMap<u32, Vec<usize>> = HashMap::new();
         for (i, k) in keys.iter().enumerate() {
-            for o in writable_owners(&table, k) {
+            for o in table.writable_owners(k) {
                 groups.entry(o).or_default().push(i);
             }
         }
@@ -347,8 +347,8 @@ impl ClusterClient {
         let mut matched = 0;
         let mut granted: Option<Duration> = None;
         while matched < keys.len() {
-            let Some(owner) = readable_owners(&table, &keys[matched]).next() else { break };
-            let run = keys[matched..].iter().take_while(|k| readable_owners(&table, k).next() == Some(owner)).count();
+            let Some(owner) = table.readable_owners(&keys[matched]).next() else { break };
+            let run = keys[matched..].iter().take_while(|k| table.readable_owners(k).next() == Some(owner)).count();
             let client = self.nodes.client(&table.members()[owner as usize].endpoint).await?;
             let m = client.match_prefix(keys[matched..matched + run].to_vec(), lease).await?;
             matched += m.matched;
@@ -361,23 +361,6 @@ impl ClusterClient {
         }
         Ok(PrefixMatch { matched, lease: granted.unwrap_or_default() })
     }
-}
-
-/// Owners a PUT or DELETE goes to: every listed owner not down. (An
-/// iterator over the table's slice: no allocation per key.)
-fn writable_owners<'a>(table: &'a SlotTable, key: &[u8]) -> impl Iterator<Item = u32> + 'a {
-    table.owners_of(key).iter().copied().filter(|&o| table.members()[o as usize].state != MemberState::Down)
-}
-
-/// Owners to read from, in order: up ones first (primary first), then
-/// draining or joining ones (a draining owner holds its keys until it has
-/// handed them on).
-fn readable_owners<'a>(table: &'a SlotTable, key: &[u8]) -> impl Iterator<Item = u32> + 'a {
-    let owners = table.owners_of(key);
-    let state = |o: &u32| table.members()[*o as usize].state;
-    let up = owners.iter().copied().filter(move |o| state(o) == MemberState::Up);
-    let rest = owners.iter().copied().filter(move |o| matches!(state(o), MemberState::Draining | MemberState::Joining));
-    up.chain(rest)
 }
 
 /// Keeps one CLUSTER_TABLE outstanding at a time, moving to another member

@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 
-use kvplane_protocol::placement::{Member, MemberState};
+use kvplane_slots::{Member, MemberState};
 use serde::{Deserialize, Serialize};
 
 use crate::Error;

@@ -3,13 +3,13 @@
 //!
 //! Clients route by themselves rather than through a proxy node so that a
 //! request costs one hop; the table is a hash and an index per key (see
-//! [`kvplane_protocol::placement`]).
+//! [`kvplane_slots`]).
 
 use std::fmt::Display;
 use std::future::Future;
 use std::sync::Arc;
 
-use kvplane_protocol::placement::{Member, MemberState, SlotTable};
+use kvplane_slots::{Member, MemberState, SlotTable};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -42,10 +42,11 @@ impl Router {
 
     /// Where to read `key`: its first owner that serves reads — up, or else
     /// draining (it still holds its keys while it hands them on). A joining
-    /// owner is still filling and serves none.
+    /// owner is still filling and serves none: the first of the table's
+    /// [readable owners](SlotTable::readable_owners) that is not joining.
     pub fn read_from(&self, key: &[u8]) -> Option<&Member> {
-        let owners = || self.table.owner_members(key);
-        owners().find(|m| m.state == MemberState::Up).or_else(|| owners().find(|m| m.state == MemberState::Draining))
+        let members = self.table.members();
+        self.table.readable_owners(key).map(|o| &members[o as usize]).find(|m| m.state != MemberState::Joining)
     }
 
     /// Indices of `keys` grouped by the member to read each from, in the
@@ -145,7 +146,7 @@ mod tests {
     }
 
     fn key_of_slot(slot: u32) -> Vec<u8> {
-        (0u32..).map(|i| i.to_string().into_bytes()).find(|k| kvplane_protocol::placement::slot_of(k, 8) == slot).unwrap()
+        (0u32..).map(|i| i.to_string().into_bytes()).find(|k| kvplane_slots::slot_of(k, 8) == slot).unwrap()
     }
 
     #[test]

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvplane_protocol::placement::Member;
+use kvplane_slots::Member;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 

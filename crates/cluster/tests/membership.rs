@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvplane_cluster::{MemberView, Membership, MembershipWatch, Options, Registration, Router, Routing};
-use kvplane_protocol::placement::{Member, MemberState, SlotTable};
+use kvplane_slots::{Member, MemberState, SlotTable};
 use support::{EtcdCluster, Proxy};
 
 /// Deadline for anything the tests wait for; generous for a loaded machine.
@@ -188,8 +188,7 @@ async fn a_member_partitioned_from_etcd_lapses_and_knows_it() {
 /// joining members `s mod n` and `s + 1 mod n`.
 fn round_robin(version: u64, members: Vec<Member>) -> Result<SlotTable, String> {
     const SLOTS: u32 = 64;
-    let owners: Vec<u32> =
-        (0..members.len() as u32).filter(|&i| matches!(members[i as usize].state, MemberState::Up | MemberState::Joining)).collect();
+    let owners: Vec<u32> = (0..members.len() as u32).filter(|&i| members[i as usize].state.may_own()).collect();
     if owners.is_empty() {
         return Err("no member can own keys".into());
     }

@@ -20,8 +20,8 @@ use anyhow::Context as _;
 use bytes::Bytes;
 use kvplane_client::{Client, ClientConfig, Endpoint};
 use kvplane_cluster::{Membership, Registration, Router, Routing};
-use kvplane_protocol::placement::{Member, MemberState, SlotTable, SLOTS};
 use kvplane_runtime::KeyPlacement;
+use kvplane_slots::{Member, MemberState, SlotTable, SLOTS};
 use tokio::sync::{watch, Mutex};
 
 use crate::cache::BlockCache;
@@ -154,8 +154,7 @@ impl ClusterNode {
     /// every block of `cache` to the key's owners there, and leaves.
     pub(crate) async fn hand_off(&self, cache: &BlockCache, deadline: Duration) -> anyhow::Result<HandOff> {
         let started = tokio::time::Instant::now();
-        let others =
-            self.table().table().members().iter().any(|m| m.id != self.id && matches!(m.state, MemberState::Up | MemberState::Joining));
+        let others = self.table().table().members().iter().any(|m| m.id != self.id && m.state.may_own());
         if !others {
             // The last member: no table can exist without it, and there is
             // nobody to hand blocks to (a second tier keeps what it took).

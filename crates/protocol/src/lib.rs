@@ -21,8 +21,16 @@ mod frame;
 mod kv_error;
 mod limits;
 mod message;
-pub mod placement;
 pub mod rdma;
+
+/// The slot table under the name it had when it lived here, for the
+/// integration tests that still import it from this path; new code imports
+/// [`kvplane_slots`], where it is now (and which this crate depends on for
+/// the table that `CLUSTER_TABLE_RESULT` carries).
+#[doc(hidden)]
+pub mod placement {
+    pub use kvplane_slots::{slot_of, Member, MemberState, SlotTable, SlotTableError, SLOTS};
+}
 
 #[cfg(feature = "io")]
 pub mod io;

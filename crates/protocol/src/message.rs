@@ -6,11 +6,11 @@
 //! anything stored for long must be copied into block memory first.
 
 use bytes::Bytes;
+use kvplane_slots::SlotTable;
 
 use super::error::ErrorCode;
 use super::frame::{Features, Opcode};
 use super::limits::Limits;
-use super::placement::SlotTable;
 use super::rdma::{Descriptor, Endpoint};
 
 /// A block payload with its CRC-32C (Castagnoli).

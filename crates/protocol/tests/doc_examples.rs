@@ -6,13 +6,13 @@
 //! everything after `#` is a comment and the rest is bytes as two-digit hex.
 
 use bytes::Bytes;
-use kvplane_protocol::placement::{Member, SlotTable};
 use kvplane_protocol::rdma::{Descriptor, Endpoint, Gid};
 use kvplane_protocol::{
     decode, encode, Block, ErrorCode, Features, Frame, Hello, HelloAck, Limits, Opcode, Request, Response, DEFAULT_MAX_BATCH_KEYS,
     DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_KEY_BYTES, DEFAULT_MAX_LEASE_MS, HEADER_LEN, MAX_ERROR_MESSAGE_BYTES, MAX_STATS_ENTRIES,
     MAX_TOKEN_BYTES,
 };
+use kvplane_slots::{Member, SlotTable};
 
 fn doc() -> String {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/protocol.md");

@@ -23,10 +23,10 @@ use bytes::Bytes;
 use criterion::{black_box, criterion_group, criterion_main, Criterion};
 
 use kvplane_plugin_resp::client::{CallOptions as RespOptions, Client, Conn, Dial, Fail, Settings};
-use kvplane_protocol::placement::{Member, SlotTable, SLOTS};
 use kvplane_runtime::bindings::{CallOptions, WitError};
 use kvplane_runtime::worlds::{native_slot_table, Failure, Operation};
 use kvplane_runtime::{PluginDecl, PluginRuntime, PluginSource, World};
+use kvplane_slots::{Member, SlotTable, SLOTS};
 
 const MEMBERS: usize = 64;
 const REPLICAS: u32 = 2;
@@ -43,7 +43,7 @@ fn placement(c: &mut Criterion, rt: &tokio::runtime::Runtime, runtime: &PluginRu
         .map(|i| {
             let mut k = [0u8; 32];
             k[..4].copy_from_slice(&i.to_le_bytes());
-            k[4..].copy_from_slice(&kvplane_ring_core::hash64(&i.to_le_bytes()).to_le_bytes().repeat(4)[..28]);
+            k[4..].copy_from_slice(&kvplane_slots::ring::hash64(&i.to_le_bytes()).to_le_bytes().repeat(4)[..28]);
             k
         })
         .collect();
@@ -71,7 +71,7 @@ fn placement(c: &mut Criterion, rt: &tokio::runtime::Runtime, runtime: &PluginRu
             black_box(t.replicas())
         })
     });
-    g.bench_function("native/ring-core-64-members", |b| {
+    g.bench_function("native/ring-64-members", |b| {
         b.iter(|| black_box(native_slot_table(1, members(MEMBERS), SLOTS, REPLICAS).expect("table").replicas()))
     });
     g.finish();

@@ -77,9 +77,9 @@ impl From<kvplane_protocol::KvError> for WitError {
     }
 }
 
-impl From<kvplane_protocol::placement::MemberState> for WitMemberState {
-    fn from(s: kvplane_protocol::placement::MemberState) -> Self {
-        use kvplane_protocol::placement::MemberState as S;
+impl From<kvplane_slots::MemberState> for WitMemberState {
+    fn from(s: kvplane_slots::MemberState) -> Self {
+        use kvplane_slots::MemberState as S;
         match s {
             S::Joining => WitMemberState::Joining,
             S::Up => WitMemberState::Up,
@@ -89,8 +89,8 @@ impl From<kvplane_protocol::placement::MemberState> for WitMemberState {
     }
 }
 
-impl From<&kvplane_protocol::placement::Member> for WitMember {
-    fn from(m: &kvplane_protocol::placement::Member) -> Self {
+impl From<&kvplane_slots::Member> for WitMember {
+    fn from(m: &kvplane_slots::Member) -> Self {
         WitMember {
             id: m.id.clone(),
             endpoint: m.endpoint.clone(),

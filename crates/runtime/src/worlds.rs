@@ -5,8 +5,8 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use kvplane_protocol::placement::{Member, MemberState, SlotTable};
 use kvplane_protocol::KvError;
+use kvplane_slots::{Member, RingTableError, SlotTable, DEFAULT_VNODES};
 
 use super::bindings::{placement, retry, store, BackendFeatures, CallOptions, WitMember};
 use super::buffer::{BlockBuffer, Region, WritableMemory};
@@ -40,7 +40,7 @@ impl KeyPlacement {
     /// The slot table of `members` (sorted here by id) with `slots` slots
     /// and up to `replicas` owners each, checked against the contract.
     ///
-    /// Fail-open default: the native ring (`kvplane-ring-core`) over the
+    /// Fail-open default: the native ring ([`SlotTable::from_ring`]) over the
     /// same membership, so a broken plugin never leaves keys unowned.
     pub async fn compute(&self, version: u64, mut members: Vec<Member>, slots: u32, replicas: u32) -> Result<SlotTable, PluginError> {
         members.sort_by(|a, b| a.id.cmp(&b.id));
@@ -65,21 +65,14 @@ impl KeyPlacement {
     }
 }
 
-/// The fail-open default placement: `builtin:ring`'s table, computed natively.
-pub fn native_slot_table(version: u64, mut members: Vec<Member>, slots: u32, replicas: u32) -> Result<SlotTable, KvError> {
-    members.sort_by(|a, b| a.id.cmp(&b.id));
-    let view: Vec<kvplane_ring_core::SlotMember<'_>> = members
-        .iter()
-        .map(|m| kvplane_ring_core::SlotMember {
-            id: &m.id,
-            weight: m.weight,
-            eligible: matches!(m.state, MemberState::Up | MemberState::Joining),
-        })
-        .collect();
-    let (r, owners) = kvplane_ring_core::slot_table(&view, slots, replicas, kvplane_ring_core::DEFAULT_VNODES)
-        .map_err(|e| KvError::Invalid(e.to_string()))?;
-    drop(view);
-    SlotTable::new(version, members, slots, replicas, r, owners).map_err(|e| KvError::Internal(e.to_string()))
+/// The fail-open default placement: `builtin:ring`'s table with its default
+/// virtual nodes, computed natively. A membership the ring cannot place is
+/// `Invalid`; a table breaking the contract would be a bug (`Internal`).
+pub fn native_slot_table(version: u64, members: Vec<Member>, slots: u32, replicas: u32) -> Result<SlotTable, KvError> {
+    SlotTable::from_ring(version, members, slots, replicas, DEFAULT_VNODES).map_err(|e| match e {
+        RingTableError::Ring(e) => KvError::Invalid(e.to_string()),
+        RingTableError::Table(e) => KvError::Internal(e.to_string()),
+    })
 }
 
 /// A retry-policy plugin.

@@ -1,5 +1,5 @@
 """Consistent hashing with virtual nodes: a bit-for-bit port of the Rust
-`kvplane-ring-core` crate behind `builtin:ring`.
+ring behind `builtin:ring` (`kvplane_slots::ring`, in crates/slots).
 
 It is kept free of any WIT bindings so it can be unit-tested with plain
 CPython (``python3 -m pytest``) against vectors produced by the Rust crate;
@@ -121,7 +121,7 @@ def slot_table(members: Sequence[SlotMember], slots: int, replicas: int, vnodes:
     by the first `replicas` distinct members clockwise from there.
 
     Returns (owners per slot, `slots * that` indices into `members` as
-    passed, slot-major), as `kvplane_ring_core::slot_table` does.
+    passed, slot-major), as `kvplane_slots::ring::slot_table` does.
     """
     if replicas == 0:
         raise RingError("replicas must be at least 1")

@@ -1,4 +1,4 @@
-"""Checks that ring_core.py answers exactly as the Rust `kvplane-ring-core`.
+"""Checks that ring_core.py answers exactly as the Rust ring, `kvplane_slots::ring`.
 
 A pool may run `builtin:ring` on some hosts and this plugin on others; any
 disagreement would send a key to two different owners. The slot table

@@ -1,4 +1,4 @@
-//! `builtin:ring`: consistent-hash key placement (see `kvplane-ring-core`),
+//! `builtin:ring`: consistent-hash key placement (`kvplane_slots::ring`),
 //! answered as a slot table: each slot's owners are the members met walking
 //! the ring clockwise from the slot's point. Members that are draining or
 //! down own nothing; weight scales a member's virtual nodes.
@@ -9,7 +9,7 @@ use std::cell::Cell;
 
 use exports::kvplane::plugin::placement::{Error, Guest, Member, SlotTable};
 use kvplane::plugin::types::MemberState;
-use kvplane_ring_core::{slot_table, SlotMember, DEFAULT_VNODES};
+use kvplane_slots::ring::{slot_table, SlotMember, DEFAULT_VNODES};
 
 wit_bindgen::generate!({
     world: "key-placement",

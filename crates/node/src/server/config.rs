@@ -80,12 +80,12 @@ pub fn cluster_setup(file: &NodeConfigFile, plugins: &[VerifiedPlugin], token: O
             LoadedPlugin::KeyPlacement(k) => Some(Arc::clone(k)),
             _ => None,
         });
-    let member = kvplane_protocol::placement::Member {
+    let member = kvplane_slots::Member {
         id,
         endpoint: c.advertise.clone().unwrap_or_default(),
         zone: c.zone.clone().unwrap_or_default(),
         weight: c.weight,
-        state: kvplane_protocol::placement::MemberState::Up,
+        state: kvplane_slots::MemberState::Up,
         labels: Vec::new(),
     };
     Ok(Some(ClusterSetup {

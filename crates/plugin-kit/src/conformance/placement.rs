@@ -10,9 +10,9 @@ use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
 use super::{ensure, Report};
-use kvplane_protocol::placement::{Member, MemberState, SlotTable, SLOTS};
 use kvplane_runtime::error::Fault;
 use kvplane_runtime::{KeyPlacement, PluginError};
+use kvplane_slots::{Member, MemberState, SlotTable, SLOTS};
 
 fn member(i: usize) -> Member {
     Member {

@@ -5,6 +5,7 @@
 //! key; only GET_RESULT carries payloads, one per status-0 entry.
 
 use bytes::{BufMut, Bytes};
+use kvplane_slots::{Member, MemberState, SlotTable};
 
 use super::reader::{response, Body, Reader};
 use super::{payload_len, put_count, Meta, PayloadSlot};
@@ -15,7 +16,6 @@ use crate::limits::{
     MAX_STATS_ENTRIES,
 };
 use crate::message::{HelloAck, Response, ShmBlock, StatEntry};
-use crate::placement::{Member, MemberState, SlotTable};
 use crate::rdma::descriptor::ENCODED_LEN as DESCRIPTOR_LEN;
 use crate::rdma::Descriptor;
 

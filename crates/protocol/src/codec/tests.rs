@@ -2,7 +2,7 @@ use super::*;
 use crate::frame::Features;
 use crate::limits::{Limits, MAX_ERROR_MESSAGE_BYTES};
 use crate::message::{Hello, HelloAck, ShmBlock, ShmGet, ShmPut, StatEntry};
-use crate::placement::{Member, MemberState, SlotTable};
+use kvplane_slots::{Member, MemberState, SlotTable};
 
 fn key(s: &str) -> Bytes {
     Bytes::copy_from_slice(s.as_bytes())

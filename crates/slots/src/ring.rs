@@ -1,14 +1,20 @@
-//! Consistent hashing with virtual nodes.
+//! Consistent hashing with virtual nodes: the algorithm behind
+//! `builtin:ring`.
 //!
-//! This is the algorithm behind `builtin:ring`. It lives in its own
-//! dependency-free crate so the Wasm plugin and the host's native baseline
-//! (benchmarks, fail-open default placement) run exactly the same code, and
-//! so that the Python twin in `examples/` can be checked against it.
+//! Here, beside the slot table it computes, so that the Wasm plugin
+//! (plugins/ring, which builds this crate for wasm32-wasip2) and the host's
+//! native baseline (benchmarks, the fail-open default placement,
+//! [`SlotTable::from_ring`]) run exactly the same code, and so that the
+//! Python twin in `examples/plugins/python-ring` can be checked against it
+//! (its `ring_vectors.json` holds outputs of this module, which
+//! `tests/ring_vectors.rs` checks again on every test run).
 //!
 //! Each member contributes `vnodes` points on a 64-bit ring at
 //! `hash(id || '#' || i)`. A key's owners are the distinct members met walking
 //! clockwise from `hash(key)`. Adding or removing one of N members moves only
 //! the keys whose arc it takes or gives up: about 1/N of them.
+
+use crate::table::{Member, SlotTable, SlotTableError};
 
 /// Default number of virtual nodes per member: enough for a spread within a
 /// few percent at small N, cheap enough to rebuild on every membership change.
@@ -178,6 +184,41 @@ pub fn slot_table(members: &[SlotMember<'_>], slots: u32, replicas: u32, vnodes:
     Ok((r, table))
 }
 
+/// Why [`SlotTable::from_ring`] has no table: the ring cannot answer for
+/// that membership, or (a bug) its answer breaks the table's contract.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RingTableError {
+    Ring(RingError),
+    Table(SlotTableError),
+}
+
+impl std::fmt::Display for RingTableError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RingTableError::Ring(e) => e.fmt(f),
+            RingTableError::Table(e) => e.fmt(f),
+        }
+    }
+}
+
+impl std::error::Error for RingTableError {}
+
+impl SlotTable {
+    /// `builtin:ring`'s table of `members` (sorted here by id, as the plugin
+    /// runtime hands them to a plugin) with `slots` slots and up to
+    /// `replicas` owners each, computed natively by [`slot_table`]: members
+    /// that [may own](crate::MemberState::may_own) take part, with
+    /// `vnodes * weight / 100` points each.
+    pub fn from_ring(version: u64, mut members: Vec<Member>, slots: u32, replicas: u32, vnodes: u32) -> Result<SlotTable, RingTableError> {
+        members.sort_by(|a, b| a.id.cmp(&b.id));
+        let view: Vec<SlotMember<'_>> =
+            members.iter().map(|m| SlotMember { id: &m.id, weight: m.weight, eligible: m.state.may_own() }).collect();
+        let (r, owners) = slot_table(&view, slots, replicas, vnodes).map_err(RingTableError::Ring)?;
+        drop(view);
+        SlotTable::new(version, members, slots, replicas, r, owners).map_err(RingTableError::Table)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -274,6 +315,25 @@ mod tests {
             assert_ne!(c[0], c[1]);
         }
         assert_eq!(slot_table(&m[1..2], 16, 1, 8), Err(RingError::NoMembers));
+    }
+
+    #[test]
+    fn the_native_table_is_the_ring_s_over_members_sorted_by_id() {
+        use crate::{MemberState, SLOTS};
+        let mut members: Vec<Member> = (0..5).map(|i| Member::up(format!("n{i}"), format!("10.0.0.{i}:9600"))).collect();
+        members[1].state = MemberState::Draining;
+        members.reverse();
+        let t = SlotTable::from_ring(3, members.clone(), SLOTS, 2, DEFAULT_VNODES).unwrap();
+        assert_eq!((t.version, t.slots(), t.replicas()), (3, SLOTS, 2));
+        let ids: Vec<&str> = t.members().iter().map(|m| m.id.as_str()).collect();
+        assert_eq!(ids, ["n0", "n1", "n2", "n3", "n4"]);
+        let view: Vec<SlotMember<'_>> =
+            t.members().iter().map(|m| SlotMember { id: &m.id, weight: m.weight, eligible: m.state.may_own() }).collect();
+        assert_eq!(slot_table(&view, SLOTS, 2, DEFAULT_VNODES).unwrap(), (2, t.owner_indices().to_vec()));
+        assert!(!t.owner_indices().contains(&1), "the draining member owns nothing");
+        let none = SlotTable::from_ring(1, vec![], SLOTS, 2, DEFAULT_VNODES).unwrap_err();
+        assert_eq!(none, RingTableError::Ring(RingError::NoMembers));
+        assert_eq!(none.to_string(), "the membership is empty");
     }
 
     /// Pinned outputs: the Python twin and any other port must reproduce these.

@@ -1,10 +1,5 @@
-//! Key placement as a slot table: which members own a key.
-//!
-//! Keys hash to one of [`SLOTS`] slots with `crc32c(key) mod slots`; each
-//! slot lists its owners (indices into the membership), primary first. A
-//! key-placement plugin computes the table once per membership change; the
-//! node and every client look owners up here, natively, with no Wasm call
-//! and no Wasm runtime — a hash, a modulo and a slice index per key.
+//! The slot table: the hash from a key to its slot, the members of a pool,
+//! and the owners of every slot.
 //!
 //! The table travels with a version so that a client holding an older one
 //! can tell it is behind (the cluster protocol of the second-tier issue).
@@ -33,6 +28,26 @@ pub enum MemberState {
     Draining,
     /// Gone; owns nothing.
     Down,
+}
+
+impl MemberState {
+    /// Whether a newly computed table may give this member keys: up or
+    /// joining. A draining member hands its keys on and a down one owns
+    /// nothing (a plugin may still keep a draining owner while keys move).
+    pub fn may_own(self) -> bool {
+        matches!(self, MemberState::Up | MemberState::Joining)
+    }
+
+    /// The state's name as the contract and etcd's member records spell
+    /// it: `joining`, `up`, `draining` or `down`.
+    pub fn name(self) -> &'static str {
+        match self {
+            MemberState::Joining => "joining",
+            MemberState::Up => "up",
+            MemberState::Draining => "draining",
+            MemberState::Down => "down",
+        }
+    }
 }
 
 /// A member of the cache pool (the contract's `member`).
@@ -130,7 +145,7 @@ impl SlotTable {
         // a weight). Between the two a plugin may keep draining or
         // zero-weight members as extra owners while keys move.
         let eligible = members.iter().filter(|m| m.state != MemberState::Down).count();
-        let preferred = members.iter().filter(|m| matches!(m.state, MemberState::Up | MemberState::Joining) && m.weight > 0).count();
+        let preferred = members.iter().filter(|m| m.state.may_own() && m.weight > 0).count();
         let most = (requested as usize).min(eligible);
         let least = (requested as usize).min(preferred).max(usize::from(most > 0));
         if !(least..=most).contains(&(replicas as usize)) || (replicas == 0 && slots > 0) {
@@ -198,6 +213,25 @@ impl SlotTable {
         self.owners_of(key).iter().map(|&i| &self.members[i as usize])
     }
 
+    /// Owners a PUT or DELETE of `key` goes to, primary first: every owner
+    /// not down. (An iterator over the table's slice: no allocation per key.)
+    pub fn writable_owners<'a>(&'a self, key: &[u8]) -> impl Iterator<Item = u32> + 'a {
+        self.owners_of(key).iter().copied().filter(|&o| self.members[o as usize].state != MemberState::Down)
+    }
+
+    /// Owners to read `key` from, in the order to try them: up ones first
+    /// (primary first), then draining or joining ones, in table order (a
+    /// draining owner holds its keys until it has handed them on; a joining
+    /// one has had every write since it joined, writes going to every owner
+    /// not down); never a down one.
+    pub fn readable_owners<'a>(&'a self, key: &[u8]) -> impl Iterator<Item = u32> + 'a {
+        let owners = self.owners_of(key);
+        let state = |o: &u32| self.members[*o as usize].state;
+        let up = owners.iter().copied().filter(move |o| state(o) == MemberState::Up);
+        let rest = owners.iter().copied().filter(move |o| matches!(state(o), MemberState::Draining | MemberState::Joining));
+        up.chain(rest)
+    }
+
     /// Fraction of slots whose primary differs between `self` and `other`,
     /// compared by member id (how much a membership change moved).
     pub fn moved_fraction(&self, other: &SlotTable) -> f64 {
@@ -248,6 +282,23 @@ mod tests {
         let ids: Vec<&str> = t.owner_members(key).map(|m| m.id.as_str()).collect();
         assert_eq!(ids.len(), 2);
         assert_ne!(ids[0], ids[1]);
+    }
+
+    #[test]
+    fn reads_try_up_owners_first_then_the_others_in_table_order() {
+        use MemberState::*;
+        let states = [Joining, Draining, Up, Down];
+        let mut m = members(4);
+        for (m, state) in m.iter_mut().zip(states) {
+            m.state = state;
+        }
+        // Every slot: n0 (joining), n1 (draining), n2 (up); n3 is down and
+        // may own none (the table refuses it: see below).
+        let t = SlotTable::new(1, m, 4, 3, 3, [0, 1, 2].repeat(4)).unwrap();
+        assert_eq!(t.writable_owners(b"k").collect::<Vec<_>>(), [0, 1, 2]);
+        assert_eq!(t.readable_owners(b"k").collect::<Vec<_>>(), [2, 0, 1]);
+        assert_eq!(states.map(MemberState::may_own), [true, false, true, false]);
+        assert_eq!(states.map(MemberState::name), ["joining", "draining", "up", "down"]);
     }
 
     #[test]
