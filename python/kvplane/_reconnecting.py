@@ -7,7 +7,8 @@ and a call on a lost connection raises); they hold this, which makes the
 client on first use, drops it when a call finds the node gone, and makes it
 again on a later call, not more often than every `retry_after_s`, so a
 node that is down costs one connection attempt per interval, not one per
-request.
+request. Both connectors make it from their `kvplane._settings.Settings`,
+so every option of `kvplane.Client` is theirs to set.
 """
 
 from __future__ import annotations
@@ -15,27 +16,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import kvplane
+from kvplane._settings import Settings
 
 
 class ReconnectingClient:
-    def __init__(
-        self,
-        endpoint: str | Sequence[str],
-        *,
-        cluster: bool = False,
-        connections: int | None = None,
-        token: str | None = None,
-        timeout_s: float = 5.0,
-        retry_after_s: float = 1.0,
-        log: logging.Logger | None = None,
-    ) -> None:
-        self._endpoint = endpoint
-        self._options = {"cluster": cluster, "connections": connections, "token": token, "timeout": timeout_s}
-        self._retry_after_s = retry_after_s
+    """A `kvplane.Client` made from `settings` (every option of the client
+    comes from them, see `Settings.client_options`) on first use, and again
+    after a loss, at most every ``settings.retry_after_s``."""
+
+    def __init__(self, settings: Settings, *, log: logging.Logger | None = None) -> None:
+        self._endpoint = settings.endpoint
+        self._options = settings.client_options()
+        self._retry_after_s = settings.retry_after_s
         self._log = log or logging.getLogger(__name__)
         self._lock = threading.Lock()
         self._client: kvplane.Client | None = None

@@ -10,9 +10,13 @@ of its ``remote_storage_plugins``::
 URLs: ``kvplane://HOST:PORT`` (one node), ``kvplane:///run/kvplane/node.sock``
 (a node's Unix socket on this host; block bytes then move through the
 memory it shares), ``kvplane://H1:P1,H2:P2`` (a cluster, from those
-seeds). Query parameters: ``token``, ``connections``, ``timeout_s`` (5),
-``lease_ms`` (30000: how long a pinned lookup keeps the chunks from
-eviction), ``retry_after_s`` (1). The deprecated ``remote_url:
+seeds; ``?cluster=true`` makes one host a cluster's seed). Query
+parameters: ``token``, ``connections``, ``timeout_s`` (5),
+``write_quorum`` (a cluster's owners that must store a chunk; default
+every owner), ``shared_memory`` (true; false keeps every byte on a Unix
+socket), ``lease_ms`` (30000: how long a pinned lookup keeps the chunks
+from eviction), ``retry_after_s`` (1): the vLLM connector's settings, read
+and checked by the same `kvplane._settings.Settings`. The deprecated ``remote_url:
 kvplane://...`` works too, with the same two ``module_path`` /
 ``class_name`` entries.
 
@@ -32,9 +36,6 @@ reached makes lookups misses and puts no-ops, never an error in LMCache.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
-from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
 from lmcache.logging import init_logger
 from lmcache.utils import CacheEngineKey
@@ -43,63 +44,21 @@ from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorCont
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from kvplane._reconnecting import ReconnectingClient
+from kvplane._settings import SCHEME, Settings
 
 logger = init_logger(__name__)
 
 __all__ = ["KVPlaneConnectorAdapter", "KVPlaneRemoteConnector", "parse_url"]
 
-SCHEME = "kvplane://"
+# What a ``kvplane://`` URL says (the name this module gave it before the
+# connectors shared their settings).
+Target = Settings
 
 
-@dataclass
-class Target:
-    """Where a ``kvplane://`` URL points, and how to talk to it."""
-
-    endpoint: str | list[str]
-    cluster: bool = False
-    token: str | None = None
-    connections: int | None = None
-    timeout_s: float = 5.0
-    lease_ms: int = 30_000
-    retry_after_s: float = 1.0
-
-
-def parse_url(url: str) -> Target:
-    """Parses a ``kvplane://`` URL; a ValueError names what is wrong."""
-    if not url.startswith(SCHEME):
-        raise ValueError(f"{url!r}: a kvplane URL starts with {SCHEME}")
-    parts = urlsplit(url)
-    query = {k: v[-1] for k, v in parse_qs(parts.query, strict_parsing=False).items()}
-    unknown = set(query) - {"token", "connections", "timeout_s", "lease_ms", "retry_after_s"}
-    if unknown:
-        raise ValueError(f"{url!r}: unknown parameter(s) {', '.join(sorted(unknown))}")
-
-    def number(name: str, kind: type) -> Any:
-        try:
-            value = kind(query[name])
-        except ValueError:
-            raise ValueError(f"{url!r}: {name}={query[name]!r} is not a number") from None
-        if value < 0:
-            raise ValueError(f"{url!r}: {name} must not be negative")
-        return value
-
-    target = Target(endpoint="", token=query.get("token"))
-    for name, kind in (("connections", int), ("timeout_s", float), ("lease_ms", int), ("retry_after_s", float)):
-        if name in query:
-            setattr(target, name, number(name, kind))
-    if parts.netloc:
-        hosts = [h for h in parts.netloc.split(",") if h]
-        for h in hosts:
-            host, _, port = h.rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"{url!r}: {h!r} is not HOST:PORT")
-        target.endpoint = hosts if len(hosts) > 1 else hosts[0]
-        target.cluster = len(hosts) > 1
-    elif parts.path.startswith("/"):
-        target.endpoint = f"unix://{parts.path}"
-    else:
-        raise ValueError(f"{url!r}: no HOST:PORT and no socket path")
-    return target
+def parse_url(url: str) -> Settings:
+    """Parses a ``kvplane://`` URL; a ValueError names what is wrong (the
+    URL, and the parameter at fault)."""
+    return Settings.from_url(url)
 
 
 class KVPlaneConnectorAdapter(ConnectorAdapter):
@@ -127,20 +86,12 @@ class KVPlaneRemoteConnector(RemoteConnector):
     """LMCache's remote connector interface over a kvplane node or cluster
     (see the module documentation)."""
 
-    def __init__(self, target: Target, context: ConnectorContext) -> None:
+    def __init__(self, target: Settings, context: ConnectorContext) -> None:
         super().__init__(context.config, context.metadata)
         self._target = target
         self._loop = context.loop
         self._local = context.local_cpu_backend
-        self._node = ReconnectingClient(
-            target.endpoint,
-            cluster=target.cluster,
-            connections=target.connections,
-            token=target.token,
-            timeout_s=target.timeout_s,
-            retry_after_s=target.retry_after_s,
-            log=logger,
-        )
+        self._node = ReconnectingClient(target, log=logger)
 
     def __repr__(self) -> str:
         return f"<KVPlaneRemoteConnector {self._target.endpoint}>"

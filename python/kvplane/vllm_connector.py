@@ -38,9 +38,16 @@ What it does:
 - ``endpoint`` (required): ``HOST:PORT``, ``unix:///path.sock`` (the node's
   shared memory is used by itself on the same host), or a list of seeds
   with ``cluster: true``.
-- ``token``, ``connections``, ``timeout_s`` (5), ``lease_ms`` (30000),
-  ``namespace`` (""), ``retry_after_s`` (1: how long a node that could not
-  be reached is treated as a miss before the next attempt).
+- ``token``, ``connections``, ``timeout_s`` (5), ``write_quorum`` (with
+  ``cluster: true``: owners that must store a block; default every owner),
+  ``shared_memory`` (true; false keeps every byte on a Unix socket),
+  ``lease_ms`` (30000), ``namespace`` (""), ``retry_after_s`` (1: how long
+  a node that could not be reached is treated as a miss before the next
+  attempt).
+
+The LMCache connector takes the same settings, as its URL's query; both
+are read and checked by `kvplane._settings.Settings`, and a refused value
+is named as ``kv_connector_extra_config.NAME``.
 
 KV caches on a GPU are staged through host memory; with CPU KV caches the
 staging buffer is the only copy besides the cache itself.
@@ -62,6 +69,7 @@ from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import group_kernel_blocks
 
 from kvplane._reconnecting import ReconnectingClient
+from kvplane._settings import Settings
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -101,45 +109,6 @@ class KVPlaneConnectorMetadata(KVConnectorMetadata):
     saves: list[BlockTransfer] = field(default_factory=list)
 
 
-@dataclass
-class _Settings:
-    endpoint: str | list[str]
-    cluster: bool
-    token: str | None
-    connections: int | None
-    timeout_s: float
-    lease_ms: int
-    namespace: str
-    retry_after_s: float
-
-    @staticmethod
-    def of(extra: dict[str, Any]) -> _Settings:
-        endpoint = extra.get("endpoint")
-        if not endpoint or not isinstance(endpoint, (str, list)):
-            raise ValueError(
-                "kv_connector_extra_config.endpoint: the kvplane node to use is required "
-                '(e.g. "127.0.0.1:9600", "unix:///run/kvplane/node.sock", or a list of seeds with "cluster": true)'
-            )
-
-        def number(name: str, default: float, kind: type = float) -> Any:
-            value = extra.get(name, default)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"kv_connector_extra_config.{name}: expected a number >= 0, got {value!r}")
-            return kind(value)
-
-        connections = extra.get("connections")
-        return _Settings(
-            endpoint=endpoint,
-            cluster=bool(extra.get("cluster", False)),
-            token=extra.get("token"),
-            connections=None if connections is None else number("connections", 0, int),
-            timeout_s=number("timeout_s", 5.0),
-            lease_ms=number("lease_ms", 30_000, int),
-            namespace=str(extra.get("namespace", "")),
-            retry_after_s=number("retry_after_s", 1.0),
-        )
-
-
 def _key_prefix(namespace: str, model: str, tp: tuple[int, int], pp: tuple[int, int], group: int) -> str:
     return f"{namespace}@{model}@tp{tp[0]}/{tp[1]}@pp{pp[0]}/{pp[1]}@g{group}@"
 
@@ -166,16 +135,8 @@ class KVPlaneConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        self._settings = _Settings.of(self._kv_transfer_config.kv_connector_extra_config or {})
-        self._node = ReconnectingClient(
-            self._settings.endpoint,
-            cluster=self._settings.cluster,
-            connections=self._settings.connections,
-            token=self._settings.token,
-            timeout_s=self._settings.timeout_s,
-            retry_after_s=self._settings.retry_after_s,
-            log=logger,
-        )
+        self._settings = Settings.from_extra_config(self._kv_transfer_config.kv_connector_extra_config or {})
+        self._node = ReconnectingClient(self._settings, log=logger)
         self._block_size = vllm_config.cache_config.block_size
         self._groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
         model = vllm_config.model_config.served_model_name or vllm_config.model_config.model

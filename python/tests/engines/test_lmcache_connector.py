@@ -164,7 +164,10 @@ def test_a_node_that_is_down_makes_misses_not_errors(tmp_path: Path) -> None:
         ("redis://h:1", "starts with kvplane://"),
         ("kvplane://host", "is not HOST:PORT"),
         ("kvplane://h:1?lease=5", "unknown parameter(s) lease"),
-        ("kvplane://h:1?timeout_s=soon", "timeout_s='soon' is not a number"),
+        ("kvplane://h:1?timeout_s=soon", "timeout_s: expected a number >= 0, got 'soon'"),
+        ("kvplane://h:1?lease_ms=-1", "lease_ms: expected a whole number >= 0, got '-1'"),
+        ("kvplane://h:1?write_quorum=2", "write_quorum: applies to a cluster only (cluster=true)"),
+        ("kvplane://h:1?shared_memory=maybe", "shared_memory: expected true or false (or 1, 0), got 'maybe'"),
         ("kvplane://", "no HOST:PORT and no socket path"),
     ],
 )
@@ -178,4 +181,30 @@ def test_urls_name_a_node_a_socket_or_a_cluster() -> None:
     assert parse_url("kvplane://127.0.0.1:9600").endpoint == "127.0.0.1:9600"
     assert parse_url("kvplane:///run/kvplane/node.sock").endpoint == "unix:///run/kvplane/node.sock"
     seeds = parse_url("kvplane://a:1,b:2?lease_ms=500&token=t")
-    assert (seeds.endpoint, seeds.cluster, seeds.lease_ms, seeds.token) == (["a:1", "b:2"], True, 500, "t")
+    assert (seeds.endpoint, seeds.cluster, seeds.lease_ms, seeds.token) == (("a:1", "b:2"), True, 500, "t")
+    one_seed = parse_url("kvplane://a:1?cluster=true&write_quorum=1&shared_memory=false")
+    assert (one_seed.endpoint, one_seed.cluster, one_seed.write_quorum, one_seed.shared_memory) == ("a:1", True, 1, False)
+
+
+def test_the_url_sets_every_client_option(node: Node, tmp_path: Path) -> None:
+    lm = Lmcache(f"kvplane://{node.endpoint}?connections=1&timeout_s=2&shared_memory=false&retry_after_s=0", tmp_path)
+    try:
+        connector = lm.remote.connection._connector
+        assert connector._node._options == {
+            "cluster": False,
+            "connections": 1,
+            "token": None,
+            "timeout": 2.0,
+            "write_quorum": None,
+            "shared_memory": False,
+        }
+        key = lm.key(time.monotonic_ns())
+        chunk = lm.chunk(5)
+        expected = bytes(chunk.byte_array)
+        lm.remote.batched_submit_put_task([key], [chunk])
+        eventually("the chunk is stored", lambda: lm.remote.contains(key))
+        got = lm.remote.get_blocking(key)
+        assert got is not None and bytes(got.byte_array) == expected
+        got.ref_count_down()
+    finally:
+        lm.close()

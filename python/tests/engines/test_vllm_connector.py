@@ -299,3 +299,32 @@ def test_with_the_hybrid_allocator_each_group_is_saved_and_loaded(node: Node) ->
     assert loaded >= 5, loaded
     first.shutdown()
     second.shutdown()
+
+
+def test_a_bad_setting_is_refused_naming_its_extra_config_key(node: Node) -> None:
+    with pytest.raises(ValueError, match=r"^kv_connector_extra_config\.timeout_s: expected a number >= 0, got 'soon'"):
+        Engine(node.endpoint, timeout_s="soon")
+    with pytest.raises(ValueError, match=r"^kv_connector_extra_config\.write_quorum: applies to a cluster only"):
+        Engine(node.endpoint, write_quorum=1)
+
+
+def test_every_client_option_is_a_setting(node: Node) -> None:
+    first = Engine(node.endpoint, namespace="options", connections=1, timeout_s=2, shared_memory=False)
+    assert first.scheduler.connector._node._options == {
+        "cluster": False,
+        "connections": 1,
+        "token": None,
+        "timeout": 2.0,
+        "write_quorum": None,
+        "shared_memory": False,
+    }
+    first.add("a", PROMPT)
+    _, failed = first.step()
+    assert not failed
+    # What that connector saved, another instance (default options) loads.
+    second = Engine(node.endpoint, namespace="options")
+    second.add("b", SHARED)
+    out, failed = second.step()
+    assert not failed and out.scheduled_new_reqs[0].num_computed_tokens == 48
+    first.shutdown()
+    second.shutdown()
