@@ -75,6 +75,16 @@ impl Conn for Tcp {
         self.writer.flush().map_err(|e| io_fail("writing to vineyardd", e))
     }
 
+    fn read_until(&mut self, delimiter: u8, max: u32) -> Result<Vec<u8>, Fail> {
+        let mut out = Vec::new();
+        let mut limited = std::io::Read::take(&mut self.reader, u64::from(max));
+        std::io::BufRead::read_until(&mut limited, delimiter, &mut out).map_err(|e| io_fail("reading from vineyardd", e))?;
+        if out.last() != Some(&delimiter) {
+            return Err(Fail::Invalid(format!("no {delimiter:#04x} within {max} bytes from vineyardd")));
+        }
+        Ok(out)
+    }
+
     fn read_exact(&mut self, len: u32) -> Result<Vec<u8>, Fail> {
         let mut out = vec![0; len as usize];
         self.reader.read_exact(&mut out).map_err(|e| io_fail("reading from vineyardd", e))?;

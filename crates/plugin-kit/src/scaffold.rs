@@ -25,19 +25,25 @@ fn rust_sources(world: World) -> Vec<(&'static str, String)> {
         World::PlacementRule => vec![("lib.rs", include_str!("../templates/rust/placement-rule.rs").into())],
         // A backend starts as a copy of builtin:resp, a complete RESP client
         // to adapt to another store's protocol, with the first-party
-        // backends' shared core (plugins/backend-core) as a module of its
-        // own, so the project stands alone.
+        // backends' shared core (plugins/backend-core, its WIT glue
+        // included) as a module of its own, so the project stands alone.
         World::Backend => {
-            let standalone = |src: &str| src.replace("kvplane_backend_core", "crate::backend_core");
+            let standalone = |src: &str| {
+                // #[macro_export] macros live at the crate root.
+                src.replace("kvplane_backend_core::export_store!", "crate::export_store!")
+                    .replace("kvplane_backend_core", "crate::backend_core")
+            };
+            let glue = include_str!("../../../plugins/backend-core/src/component.rs")
+                .replace("path: \"../../wit\"", "path: \"wit\"")
+                .replace("$crate::component::", "$crate::backend_core::component::")
+                .replace("\"kvplane_backend_core::component::bindings\"", "\"crate::backend_core::component::bindings\"");
             vec![
                 ("lib.rs", format!("{}\npub mod backend_core;\n", include_str!("../../../plugins/resp/src/lib.rs"))),
                 ("backend_core.rs", include_str!("../../../plugins/backend-core/src/lib.rs").into()),
+                ("backend_core/component.rs", glue),
                 ("client.rs", standalone(include_str!("../../../plugins/resp/src/client.rs"))),
                 ("resp.rs", standalone(include_str!("../../../plugins/resp/src/resp.rs"))),
-                (
-                    "plugin.rs",
-                    standalone(include_str!("../../../plugins/resp/src/plugin.rs")).replace("path: \"../../wit\"", "path: \"wit\""),
-                ),
+                ("plugin.rs", standalone(include_str!("../../../plugins/resp/src/plugin.rs"))),
             ]
         }
     }
@@ -127,7 +133,11 @@ pub fn create(world: World, lang: &str, name: &str, parent: &Path) -> anyhow::Re
             std::fs::create_dir_all(dir.join("src")).with_context(|| format!("creating {}/src", dir.display()))?;
             write(&dir.join("Cargo.toml"), &RUST_CARGO_TOML.replace("{{name}}", name))?;
             for (file, text) in rust_sources(world) {
-                write(&dir.join("src").join(file), &text)?;
+                let path = dir.join("src").join(file);
+                if let Some(parent) = path.parent() {
+                    std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
+                }
+                write(&path, &text)?;
             }
         }
     }
@@ -213,9 +223,10 @@ mod tests {
                 }
             }
         }
-        // A backend starts from builtin:resp, pointed at the project's wit/.
+        // A backend starts from builtin:resp, its glue pointed at the project's wit/.
         let dir = create(World::Backend, "rust", "my-backend", parent.path()).unwrap();
-        assert!(read(&dir, "src/plugin.rs").contains("path: \"wit\""));
+        assert!(read(&dir, "src/backend_core/component.rs").contains("path: \"wit\""));
+        assert!(read(&dir, "src/plugin.rs").contains("crate::export_store!"));
         assert!(create(World::Backend, "python", "py-backend", parent.path()).unwrap_err().to_string().contains("--lang rust"));
         assert!(create(World::KeyPlacement, "rust", "my-backend", parent.path()).unwrap_err().to_string().contains("already exists"));
     }

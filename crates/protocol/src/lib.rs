@@ -13,8 +13,6 @@
 //! one receive buffer (client, GET), and lets a writer send header, meta and
 //! payloads in one vectored write without copying a block.
 
-#![forbid(unsafe_code)]
-
 mod codec;
 mod error;
 mod frame;
@@ -22,15 +20,6 @@ mod kv_error;
 mod limits;
 mod message;
 pub mod rdma;
-
-/// The slot table under the name it had when it lived here, for the
-/// integration tests that still import it from this path; new code imports
-/// [`kvplane_slots`], where it is now (and which this crate depends on for
-/// the table that `CLUSTER_TABLE_RESULT` carries).
-#[doc(hidden)]
-pub mod placement {
-    pub use kvplane_slots::{slot_of, Member, MemberState, SlotTable, SlotTableError, SLOTS};
-}
 
 #[cfg(feature = "io")]
 pub mod io;
