@@ -2,8 +2,6 @@
 //! `build.rs` on every `cargo test` that needs them, so a test always loads
 //! the component matching the sources it was compiled with.
 
-#![deny(unsafe_code)]
-
 /// A `backend` plugin that misbehaves when asked to, to prove a guest cannot
 /// take the host down or make it spend more than the declaration grants: the
 /// first key of `exists` picks a guest fault, the first key of `get` a host

@@ -78,6 +78,6 @@ pub async fn run() -> anyhow::Result<ExitCode> {
         replicas: 1,
     };
     let placement = gpu.place(request).await?;
-    println!("{}", serde_json::to_string_pretty(&kvplane_operator::placement::to_pod_spec_json(&placement))?);
+    println!("{}", serde_json::to_string_pretty(&kvplane_operator::scheduling::to_pod_spec_json(&placement))?);
     Ok(ExitCode::SUCCESS)
 }

@@ -12,6 +12,8 @@
 //! 3. MANY KVCaches created at once → all converged: total time, and the
 //!    operator's peak RSS (VmHWM).
 
+#![allow(unsafe_code)] // prctl(PR_SET_PDEATHSIG) in pre_exec, so the operator dies with the bench.
+
 use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -23,8 +25,18 @@ fn env_usize(name: &str, default: usize) -> usize {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
-fn pct(sorted: &[Duration], p: f64) -> Duration {
-    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+/// Reconcile times in microseconds, from 1 µs up to 10 minutes, to three
+/// significant digits.
+fn histogram() -> hdrhistogram::Histogram<u64> {
+    hdrhistogram::Histogram::new_with_bounds(1, 600_000_000, 3).expect("valid histogram bounds")
+}
+
+fn record(h: &mut hdrhistogram::Histogram<u64>, d: Duration) {
+    h.saturating_record(d.as_micros().try_into().unwrap_or(u64::MAX));
+}
+
+fn pct(h: &hdrhistogram::Histogram<u64>, p: f64) -> Duration {
+    Duration::from_micros(h.value_at_quantile(p))
 }
 
 fn kvcache(ns: &str, name: &str) -> serde_json::Value {
@@ -81,7 +93,7 @@ fn main() {
     cp.create_namespace("bench");
 
     // 1. create -> all children.
-    let mut create = Vec::with_capacity(trials);
+    let mut create = histogram();
     for i in 0..trials {
         let name = format!("c{i}");
         let start = Instant::now();
@@ -89,7 +101,7 @@ fn main() {
         for path in children("bench", &name) {
             cp.wait_for(&path, Duration::from_secs(60), || cp.request("GET", &path, None).ok());
         }
-        create.push(start.elapsed());
+        record(&mut create, start.elapsed());
         if (i + 1) % 10 == 0 {
             eprint!("\rcreate trials {}/{trials}", i + 1);
         }
@@ -97,7 +109,7 @@ fn main() {
     eprintln!();
 
     // 2. delete a child -> recreated.
-    let mut repair = Vec::with_capacity(trials);
+    let mut repair = histogram();
     for i in 0..trials {
         let kv = format!("c{}", i % trials.max(1));
         let paths = children("bench", &kv);
@@ -108,7 +120,7 @@ fn main() {
         cp.wait_for(path, Duration::from_secs(60), || {
             cp.request("GET", path, None).ok().filter(|o| o["metadata"]["uid"] != uid && o["metadata"]["deletionTimestamp"].is_null())
         });
-        repair.push(start.elapsed());
+        record(&mut repair, start.elapsed());
         if (i + 1) % 10 == 0 {
             eprint!("\rrepair trials {}/{trials}", i + 1);
         }
@@ -154,8 +166,6 @@ fn main() {
     let _ = op.kill();
     let _ = op.wait();
 
-    create.sort();
-    repair.sort();
     println!("operator benchmark on Kubernetes {} ({trials} trials, {many} KVCaches)", cp.version());
     println!("  create -> all 7 children: p50 {:?}  p99 {:?}", pct(&create, 0.5), pct(&create, 0.99));
     println!("  child deleted -> repaired: p50 {:?}  p99 {:?}", pct(&repair, 0.5), pct(&repair, 0.99));

@@ -13,7 +13,7 @@ use super::kv::ConnectArgs;
 use super::size::parse_size;
 
 #[derive(Args)]
-pub struct BenchArgs {
+pub(crate) struct BenchArgs {
     #[command(flatten)]
     conn: ConnectArgs,
     /// What serves the endpoint: kvplane, cluster, raw (`kvplane
@@ -59,7 +59,7 @@ pub struct BenchArgs {
     socket_only: bool,
 }
 
-pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
+pub(crate) async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     let show_progress = !args.json && args.seconds >= 2.0;
     let progress: Option<Arc<dyn Fn(f64, u64) + Send + Sync>> = if show_progress {
         Some(Arc::new(|done: f64, blocks: u64| {
@@ -115,7 +115,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
 }
 
 #[derive(Args)]
-pub struct RawServerArgs {
+pub(crate) struct RawServerArgs {
     /// TCP address.
     #[arg(long)]
     listen: Option<String>,
@@ -124,7 +124,7 @@ pub struct RawServerArgs {
     unix: Option<PathBuf>,
 }
 
-pub async fn raw_server(args: RawServerArgs) -> anyhow::Result<ExitCode> {
+pub(crate) async fn raw_server(args: RawServerArgs) -> anyhow::Result<ExitCode> {
     bench::raw::serve(bench::raw::RawServerConfig { listen: args.listen, unix: args.unix }).await?;
     Ok(ExitCode::SUCCESS)
 }

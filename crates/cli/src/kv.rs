@@ -12,7 +12,7 @@ use kvplane_client::{Client, ClientConfig, Endpoint, KvError};
 
 /// Where the node is and how to authenticate.
 #[derive(Args, Clone)]
-pub struct ConnectArgs {
+pub(crate) struct ConnectArgs {
     /// Node address: HOST:PORT or unix:///path.
     #[arg(long, env = "KVPLANE_ENDPOINT", default_value = "127.0.0.1:9600")]
     pub endpoint: String,
@@ -25,7 +25,7 @@ pub struct ConnectArgs {
 }
 
 impl ConnectArgs {
-    pub fn token(&self) -> anyhow::Result<Option<String>> {
+    pub(crate) fn token(&self) -> anyhow::Result<Option<String>> {
         self.token_file
             .as_ref()
             .map(|p| {
@@ -36,7 +36,7 @@ impl ConnectArgs {
             .transpose()
     }
 
-    pub async fn connect(&self) -> anyhow::Result<Client> {
+    pub(crate) async fn connect(&self) -> anyhow::Result<Client> {
         let endpoint: Endpoint = self.endpoint.parse().map_err(anyhow::Error::from)?;
         let mut config = ClientConfig::new(endpoint);
         config.connections = 1;
@@ -51,7 +51,7 @@ fn key(k: &str) -> Bytes {
 }
 
 /// `kvplane put KEY FILE` (FILE `-` reads stdin).
-pub async fn put(conn: ConnectArgs, k: String, file: PathBuf) -> anyhow::Result<ExitCode> {
+pub(crate) async fn put(conn: ConnectArgs, k: String, file: PathBuf) -> anyhow::Result<ExitCode> {
     let data = if file.as_os_str() == "-" {
         let mut buf = Vec::new();
         std::io::Read::read_to_end(&mut std::io::stdin(), &mut buf).context("reading stdin")?;
@@ -67,8 +67,15 @@ pub async fn put(conn: ConnectArgs, k: String, file: PathBuf) -> anyhow::Result<
     Ok(ExitCode::SUCCESS)
 }
 
-/// `kvplane get KEY [-o FILE]`: exit 1 when the key is absent.
-pub async fn get(conn: ConnectArgs, k: String, output: Option<PathBuf>) -> anyhow::Result<ExitCode> {
+/// The exit status of `get`, `exists` and `delete` when a key is absent:
+/// distinct from a failure's (2), so that a script can tell a miss from an
+/// error.
+pub(crate) fn absent() -> ExitCode {
+    ExitCode::from(1)
+}
+
+/// `kvplane get KEY [-o FILE]`: exit [`absent`] when the key is absent.
+pub(crate) async fn get(conn: ConnectArgs, k: String, output: Option<PathBuf>) -> anyhow::Result<ExitCode> {
     let client = conn.connect().await?;
     let mut results = client.get(vec![key(&k)]).await?;
     match results.pop().unwrap_or_else(|| Err(KvError::Internal("empty answer".into()))) {
@@ -81,34 +88,34 @@ pub async fn get(conn: ConnectArgs, k: String, output: Option<PathBuf>) -> anyho
         }
         Err(KvError::NotFound) => {
             eprintln!("{k:?}: not found");
-            Ok(ExitCode::from(1))
+            Ok(absent())
         }
         Err(e) => Err(e).with_context(|| format!("fetching {k:?}")),
     }
 }
 
-/// `kvplane exists KEY...`: prints each key's presence; exit 1 if any is absent.
-pub async fn exists(conn: ConnectArgs, keys: Vec<String>) -> anyhow::Result<ExitCode> {
+/// `kvplane exists KEY...`: prints each key's presence; exit [`absent`] if any is absent.
+pub(crate) async fn exists(conn: ConnectArgs, keys: Vec<String>) -> anyhow::Result<ExitCode> {
     let client = conn.connect().await?;
     let present = client.exists(keys.iter().map(|k| key(k)).collect()).await?;
     for (k, p) in keys.iter().zip(&present) {
         println!("{k}\t{}", if *p { "present" } else { "absent" });
     }
-    Ok(if present.iter().all(|p| *p) { ExitCode::SUCCESS } else { ExitCode::from(1) })
+    Ok(if present.iter().all(|p| *p) { ExitCode::SUCCESS } else { absent() })
 }
 
-/// `kvplane delete KEY...`: prints what was removed; exit 1 if any was absent.
-pub async fn delete(conn: ConnectArgs, keys: Vec<String>) -> anyhow::Result<ExitCode> {
+/// `kvplane delete KEY...`: prints what was removed; exit [`absent`] if any was absent.
+pub(crate) async fn delete(conn: ConnectArgs, keys: Vec<String>) -> anyhow::Result<ExitCode> {
     let client = conn.connect().await?;
     let removed = client.delete(keys.iter().map(|k| key(k)).collect()).await?;
     for (k, r) in keys.iter().zip(&removed) {
         println!("{k}\t{}", if *r { "deleted" } else { "absent" });
     }
-    Ok(if removed.iter().all(|r| *r) { ExitCode::SUCCESS } else { ExitCode::from(1) })
+    Ok(if removed.iter().all(|r| *r) { ExitCode::SUCCESS } else { absent() })
 }
 
 /// `kvplane stats`: the node's counters, one per line.
-pub async fn stats(conn: ConnectArgs, json: bool) -> anyhow::Result<ExitCode> {
+pub(crate) async fn stats(conn: ConnectArgs, json: bool) -> anyhow::Result<ExitCode> {
     let client = conn.connect().await?;
     let stats = client.stats().await?;
     if json {

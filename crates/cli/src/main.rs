@@ -1,8 +1,13 @@
 //! The `kvplane` binary: a thin shell that parses the command line and wires
 //! the capability crates together (node, operator, plugin runtime and kit,
 //! client, bench). No capability lives here.
-
-#![forbid(unsafe_code)]
+//!
+//! Exit status, for every command: 0 when it did what was asked; 1 when the
+//! answer is "no" — `get` of an absent key, `exists` or `delete` with a key
+//! absent, `plugin test` with a check failed — so that a script can tell a
+//! miss from a failure; 2 when it failed
+//! (the node unreachable or refusing, a bad file, a bad argument: clap's
+//! usage errors exit 2 as well), with the reason on stderr.
 
 mod bench;
 mod kv;
@@ -33,7 +38,7 @@ enum Command {
         key: String,
         file: std::path::PathBuf,
     },
-    /// Fetch KEY to stdout or a file; exit 1 when absent.
+    /// Fetch KEY to stdout or a file; exit 1 when absent, 2 on an error.
     Get {
         #[command(flatten)]
         conn: kv::ConnectArgs,
@@ -41,14 +46,14 @@ enum Command {
         #[arg(short, long)]
         output: Option<std::path::PathBuf>,
     },
-    /// Say which keys are present; exit 1 if any is absent.
+    /// Say which keys are present; exit 1 if any is absent, 2 on an error.
     Exists {
         #[command(flatten)]
         conn: kv::ConnectArgs,
         #[arg(required = true)]
         keys: Vec<String>,
     },
-    /// Remove keys; exit 1 if any was absent.
+    /// Remove keys; exit 1 if any was absent, 2 on an error.
     Delete {
         #[command(flatten)]
         conn: kv::ConnectArgs,
@@ -92,7 +97,7 @@ fn main() -> ExitCode {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: starting the async runtime: {e}");
-            return ExitCode::FAILURE;
+            return failed();
         }
     };
     let result = runtime.block_on(async {
@@ -115,7 +120,13 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             eprintln!("error: {e:#}");
-            ExitCode::FAILURE
+            failed()
         }
     }
+}
+
+/// The exit status of a command that failed (see the module docs); 1 is
+/// [`kv::absent`].
+fn failed() -> ExitCode {
+    ExitCode::from(2)
 }

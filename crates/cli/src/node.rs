@@ -14,7 +14,7 @@ use prometheus_client::registry::Registry;
 use super::size::parse_size;
 
 #[derive(Args)]
-pub struct NodeArgs {
+pub(crate) struct NodeArgs {
     /// TCP address for clients ("none" to disable).
     #[arg(long, default_value = "127.0.0.1:9600")]
     listen: String,
@@ -77,7 +77,7 @@ fn addr(flag: &str, value: &str) -> anyhow::Result<Option<SocketAddr>> {
 /// The memory tier's size when neither the flag nor the file sets it.
 const DEFAULT_MEMORY: usize = 1 << 30;
 
-pub async fn run(args: NodeArgs) -> anyhow::Result<ExitCode> {
+pub(crate) async fn run(args: NodeArgs) -> anyhow::Result<ExitCode> {
     // The file first: its plugins are verified before anything is bound,
     // and its settings are the defaults the flags override.
     let mut registry = Registry::default();

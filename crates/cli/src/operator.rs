@@ -8,7 +8,7 @@ use clap::Args;
 use kvplane_operator::{self as operator, OperatorConfig};
 
 #[derive(Args)]
-pub struct OperatorArgs {
+pub(crate) struct OperatorArgs {
     /// Address of /metrics and /healthz ("none" to disable).
     #[arg(long, default_value = "0.0.0.0:8080")]
     admin: String,
@@ -25,7 +25,7 @@ pub struct OperatorArgs {
     install_crd: bool,
 }
 
-pub async fn run(args: OperatorArgs) -> anyhow::Result<ExitCode> {
+pub(crate) async fn run(args: OperatorArgs) -> anyhow::Result<ExitCode> {
     let client = kube::Client::try_default().await.context("connecting to the Kubernetes API (KUBECONFIG or in-cluster)")?;
     let admin: Option<SocketAddr> = match args.admin.as_str() {
         "none" => None,
@@ -55,7 +55,7 @@ pub async fn run(args: OperatorArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-pub fn crd() -> anyhow::Result<ExitCode> {
+pub(crate) fn crd() -> anyhow::Result<ExitCode> {
     print!("{}", operator::crd_yaml()?);
     Ok(ExitCode::SUCCESS)
 }

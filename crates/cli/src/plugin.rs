@@ -11,7 +11,7 @@ use kvplane_plugin_kit::conformance;
 use kvplane_runtime::{builtin, FailurePolicy, PluginDecl, PluginRuntime, PluginSource, World};
 
 #[derive(Subcommand)]
-pub enum PluginCommand {
+pub(crate) enum PluginCommand {
     /// Show a component's world, contract version, imports, exports, size and sha256.
     Inspect {
         /// A .wasm file or builtin:NAME.
@@ -56,7 +56,7 @@ pub enum PluginCommand {
     },
 }
 
-pub async fn run(cmd: PluginCommand) -> anyhow::Result<ExitCode> {
+pub(crate) async fn run(cmd: PluginCommand) -> anyhow::Result<ExitCode> {
     match cmd {
         PluginCommand::Inspect { plugin, json } => inspect(&plugin, json),
         PluginCommand::Test { plugin, endpoint, config, sha256, memory, timeout_ms } => {

@@ -2,7 +2,7 @@
 //! crate gives them everywhere (`1G` = 10^9, `1Gi` = `1GiB` = 2^30).
 
 /// A clap value parser for sizes.
-pub fn parse_size(s: &str) -> Result<usize, String> {
+pub(crate) fn parse_size(s: &str) -> Result<usize, String> {
     let bytes = kvplane_config::parse_bytes(s).map_err(|e| e.to_string())?;
     usize::try_from(bytes).map_err(|_| format!("{s:?} does not fit in this machine's address space"))
 }

@@ -14,8 +14,6 @@
 //! # Ok(()) }
 //! ```
 
-#![deny(unsafe_code)]
-
 mod client;
 mod cluster;
 mod connection;

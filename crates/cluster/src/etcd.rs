@@ -63,7 +63,7 @@ pub(crate) struct Etcd {
 impl Etcd {
     /// A client of the etcd members at `endpoints` (`host:port` or
     /// `http://host:port`).
-    pub fn new<S: AsRef<str>>(endpoints: &[S], connect_timeout: Duration) -> Result<Etcd, Error> {
+    pub(crate) fn new<S: AsRef<str>>(endpoints: &[S], connect_timeout: Duration) -> Result<Etcd, Error> {
         if endpoints.is_empty() {
             return Err(Error::NoEndpoints);
         }
@@ -156,7 +156,7 @@ impl Etcd {
 
     /// A new lease; its ID, the TTL etcd granted (which may be longer than
     /// asked: etcd has a minimum) and when the granting request was sent.
-    pub async fn grant(&self, ttl: Duration, timeout: Duration) -> Result<(i64, Duration, Instant), Error> {
+    pub(crate) async fn grant(&self, ttl: Duration, timeout: Duration) -> Result<(i64, Duration, Instant), Error> {
         let path = "/v3/lease/grant";
         let (answer, sent) = self.call(path, &json!({"TTL": ttl.as_secs().max(1)}), timeout).await?;
         let id = int(&answer, "ID");
@@ -168,26 +168,26 @@ impl Etcd {
 
     /// Renew lease `id`: its TTL (zero if etcd no longer has it) from some
     /// moment after the returned instant, when the renewal was sent.
-    pub async fn keep_alive(&self, id: i64, timeout: Duration) -> Result<(Duration, Instant), Error> {
+    pub(crate) async fn keep_alive(&self, id: i64, timeout: Duration) -> Result<(Duration, Instant), Error> {
         // A stream in gRPC; one request and one answer through the gateway.
         let (answer, sent) = self.call("/v3/lease/keepalive", &json!({"ID": id.to_string()}), timeout).await?;
         let result = answer.get("result").unwrap_or(&answer);
         Ok((Duration::from_secs(int(result, "TTL").max(0) as u64), sent))
     }
 
-    pub async fn revoke(&self, id: i64, timeout: Duration) -> Result<(), Error> {
+    pub(crate) async fn revoke(&self, id: i64, timeout: Duration) -> Result<(), Error> {
         self.call("/v3/lease/revoke", &json!({"ID": id.to_string()}), timeout).await.map(drop)
     }
 
     /// Put `key` attached to lease `lease`; the revision of the change.
-    pub async fn put(&self, key: &str, value: &[u8], lease: i64, timeout: Duration) -> Result<i64, Error> {
+    pub(crate) async fn put(&self, key: &str, value: &[u8], lease: i64, timeout: Duration) -> Result<i64, Error> {
         let body = json!({"key": BASE64.encode(key), "value": BASE64.encode(value), "lease": lease.to_string()});
         let (answer, _) = self.call("/v3/kv/put", &body, timeout).await?;
         Ok(int(&answer["header"], "revision"))
     }
 
     /// Every key under `prefix`, and the store's revision they are as of.
-    pub async fn range_prefix(&self, prefix: &str, timeout: Duration) -> Result<(i64, Vec<Kv>), Error> {
+    pub(crate) async fn range_prefix(&self, prefix: &str, timeout: Duration) -> Result<(i64, Vec<Kv>), Error> {
         let path = "/v3/kv/range";
         let body = json!({"key": BASE64.encode(prefix), "range_end": BASE64.encode(prefix_end(prefix))});
         let (answer, _) = self.call(path, &body, timeout).await?;
@@ -202,7 +202,7 @@ impl Etcd {
 
     /// Watch every key under `prefix` from `start_revision` on, through the
     /// first endpoint that accepts the watch within `timeout`.
-    pub async fn watch(&self, prefix: &str, start_revision: i64, timeout: Duration) -> Result<WatchStream, Error> {
+    pub(crate) async fn watch(&self, prefix: &str, start_revision: i64, timeout: Duration) -> Result<WatchStream, Error> {
         let path = "/v3/watch";
         let body = json!({"create_request": {
             "key": BASE64.encode(prefix),
@@ -250,12 +250,12 @@ pub(crate) struct WatchStream {
 }
 
 impl WatchStream {
-    pub fn endpoint(&self) -> &str {
+    pub(crate) fn endpoint(&self) -> &str {
         &self.endpoint
     }
 
     /// The next message; `Err` when the stream breaks or ends.
-    pub async fn next(&mut self) -> Result<WatchMessage, Error> {
+    pub(crate) async fn next(&mut self) -> Result<WatchMessage, Error> {
         let path = "/v3/watch";
         loop {
             if let Some(value) = self.pending.pop_front() {

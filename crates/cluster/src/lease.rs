@@ -20,36 +20,36 @@ pub(crate) struct LeaseClock {
 
 impl LeaseClock {
     /// A lease of `ttl` granted by a request sent at `sent`.
-    pub fn granted(sent: Instant, ttl: Duration) -> LeaseClock {
+    pub(crate) fn granted(sent: Instant, ttl: Duration) -> LeaseClock {
         LeaseClock { ttl, expires: sent + ttl, next_renewal: sent + ttl / 3 }
     }
 
     /// A renewal sent at `sent` was confirmed with `ttl` left.
-    pub fn renewed(&mut self, sent: Instant, ttl: Duration) {
+    pub(crate) fn renewed(&mut self, sent: Instant, ttl: Duration) {
         self.ttl = ttl;
         self.expires = self.expires.max(sent + ttl);
         self.next_renewal = sent + ttl / 3;
     }
 
     /// A renewal failed at `now`: try again soon, a few times before expiry.
-    pub fn failed(&mut self, now: Instant) {
+    pub(crate) fn failed(&mut self, now: Instant) {
         self.next_renewal = now + (self.ttl / 10).clamp(Duration::from_millis(100), Duration::from_secs(1));
     }
 
-    pub fn expired(&self, now: Instant) -> bool {
+    pub(crate) fn expired(&self, now: Instant) -> bool {
         now >= self.expires
     }
 
-    pub fn expires(&self) -> Instant {
+    pub(crate) fn expires(&self) -> Instant {
         self.expires
     }
 
-    pub fn ttl(&self) -> Duration {
+    pub(crate) fn ttl(&self) -> Duration {
         self.ttl
     }
 
     /// When to wake up next: to renew, or to declare the lease gone.
-    pub fn next_wakeup(&self) -> Instant {
+    pub(crate) fn next_wakeup(&self) -> Instant {
         self.next_renewal.min(self.expires)
     }
 }

@@ -7,8 +7,6 @@
 //! the same struct back with [`from_json_strict`], so a field the node does
 //! not know is an error naming it instead of a setting silently ignored.
 
-#![forbid(unsafe_code)]
-
 pub mod node;
 pub mod plugin;
 pub mod size;

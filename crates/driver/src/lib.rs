@@ -39,8 +39,6 @@
 //! With the `test-support` feature, `test_support` builds the C test
 //! driver (`tests/fixtures/test-driver/test_driver.c`) for tests.
 
-#![deny(unsafe_code)]
-
 mod error;
 #[allow(unsafe_code)] // The C interface itself; see the module docs above and in ffi.rs.
 mod ffi;

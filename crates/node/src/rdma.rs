@@ -34,7 +34,7 @@ use crate::memory::Block;
 /// Most leases a node holds at once; each pins one block (memory eviction
 /// cannot reclaim), so a client that asks for descriptors and never reads
 /// cannot pin the whole pool.
-pub const MAX_LEASES: usize = 65_536;
+pub(crate) const MAX_LEASES: usize = 65_536;
 
 /// Longest a sweep of ended leases waits.
 pub(crate) const SWEEP_EVERY: Duration = Duration::from_secs(1);

@@ -10,7 +10,7 @@ use crate::crd::{KVCache, KVCacheStatus};
 
 /// The conditions a KVCache reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ConditionType {
+pub(crate) enum ConditionType {
     /// Every member of etcd and every cache pod is ready.
     Ready,
     /// The etcd cluster (or the external metadata store) is available.
@@ -24,7 +24,7 @@ pub enum ConditionType {
 }
 
 impl ConditionType {
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             ConditionType::Ready => "Ready",
             ConditionType::EtcdReady => "EtcdReady",
@@ -37,7 +37,7 @@ impl ConditionType {
 
 /// Why a condition (or an Event) is what it is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Reason {
+pub(crate) enum Reason {
     // The spec.
     InvalidSpec,
     // Plugins.
@@ -72,7 +72,7 @@ pub enum Reason {
 
 impl Reason {
     /// CamelCase, as Kubernetes wants condition and Event reasons.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Reason::InvalidSpec => "InvalidSpec",
             Reason::Resolved => "Resolved",
@@ -111,7 +111,7 @@ impl fmt::Display for Reason {
 }
 
 /// Sets a condition, keeping its transition time when its status is unchanged.
-pub fn set(status: &mut KVCacheStatus, kv: &KVCache, type_: ConditionType, ok: bool, reason: Reason, message: &str) {
+pub(crate) fn set(status: &mut KVCacheStatus, kv: &KVCache, type_: ConditionType, ok: bool, reason: Reason, message: &str) {
     let value = if ok { "True" } else { "False" };
     let now = Time(k8s_openapi::jiff::Timestamp::now());
     let generation = kv.metadata.generation;
@@ -137,6 +137,6 @@ pub fn set(status: &mut KVCacheStatus, kv: &KVCache, type_: ConditionType, ok: b
 }
 
 /// Whether a condition is present and `True`.
-pub fn is_true(status: &KVCacheStatus, type_: ConditionType) -> bool {
+pub(crate) fn is_true(status: &KVCacheStatus, type_: ConditionType) -> bool {
     status.conditions.iter().any(|c| c.type_ == type_.as_str() && c.status == "True")
 }

@@ -15,7 +15,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, PostParams};
 use kube::Client;
 
-pub struct LeaderElection {
+pub(crate) struct LeaderElection {
     api: Api<Lease>,
     name: String,
     identity: String,
@@ -24,7 +24,7 @@ pub struct LeaderElection {
 }
 
 impl LeaderElection {
-    pub fn new(client: Client, namespace: &str, name: &str, identity: &str) -> LeaderElection {
+    pub(crate) fn new(client: Client, namespace: &str, name: &str, identity: &str) -> LeaderElection {
         LeaderElection {
             api: Api::namespaced(client, namespace),
             name: name.into(),
@@ -35,7 +35,7 @@ impl LeaderElection {
     }
 
     /// Waits until this replica holds the Lease.
-    pub async fn acquire(&self) -> Result<(), kube::Error> {
+    pub(crate) async fn acquire(&self) -> Result<(), kube::Error> {
         let mut logged = false;
         loop {
             if self.try_acquire().await? {
@@ -51,7 +51,7 @@ impl LeaderElection {
     }
 
     /// Renews the Lease until renewal fails; returns why leadership ended.
-    pub async fn hold(&self) -> String {
+    pub(crate) async fn hold(&self) -> String {
         let mut last_renewal = tokio::time::Instant::now();
         loop {
             tokio::time::sleep(self.renew_every).await;

@@ -17,7 +17,7 @@ use kvplane_runtime::PluginRuntime;
 
 use crate::conditions::Reason;
 use crate::crd::{PluginKind, PluginSpec, ResolvedPlugin};
-use crate::placement::{merge, role_placement};
+use crate::scheduling::{merge, role_placement};
 use crate::render::{pod_labels, Placements, RolePlacement, ROLE_CACHE, ROLE_ETCD};
 use crate::resolve::{Metadata, Resolved};
 
@@ -25,7 +25,7 @@ use crate::resolve::{Metadata, Resolved};
 /// reason goes to the `PluginsResolved` condition, the message to a person.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{message}")]
-pub struct PluginFailure {
+pub(crate) struct PluginFailure {
     pub reason: Reason,
     pub message: String,
 }
@@ -84,7 +84,7 @@ async fn fetch(client: &Client, namespace: &str, p: &PluginSpec) -> Result<Fetch
 /// Every plugin fetched and verified (digest checked, component compiled and
 /// of the declared world); the placement rules loaded and asked for every
 /// role. Returns the placements and the digests for the status.
-pub async fn resolve_and_place(
+pub(crate) async fn resolve_and_place(
     client: &Client,
     runtime: &PluginRuntime,
     r: &Resolved,

@@ -32,7 +32,7 @@ use crate::resolve::{resolve, Metadata, Resolved};
 use crate::Context;
 
 /// The field manager of every apply.
-pub const FIELD_MANAGER: &str = "kvplane-operator";
+pub(crate) const FIELD_MANAGER: &str = "kvplane-operator";
 
 /// Requeue while something is not ready yet (status changes of owned
 /// StatefulSets also wake the reconciler; this is the safety net).
@@ -43,7 +43,7 @@ const REQUEUE_READY: Duration = Duration::from_secs(300);
 const REQUEUE_PLUGIN_FAILURE: Duration = Duration::from_secs(30);
 
 #[derive(Debug, thiserror::Error)]
-pub enum ReconcileError {
+pub(crate) enum ReconcileError {
     #[error("applying {kind} {name}: {source}")]
     Apply {
         kind: &'static str,
@@ -126,7 +126,7 @@ async fn apply_child(client: &kube::Client, ns: &str, child: &Child, seen_before
 }
 
 /// One reconcile pass.
-pub async fn reconcile(kv: Arc<KVCache>, ctx: Arc<Context>) -> Result<Action, ReconcileError> {
+pub(crate) async fn reconcile(kv: Arc<KVCache>, ctx: Arc<Context>) -> Result<Action, ReconcileError> {
     let started = Instant::now();
     let result = reconcile_inner(&kv, &ctx).await;
     ctx.metrics.observe(started.elapsed(), result.is_ok());
@@ -346,7 +346,7 @@ async fn publish(
 }
 
 /// What the controller does after a failed pass: log it and retry soon.
-pub fn error_policy(kv: Arc<KVCache>, error: &ReconcileError, _ctx: Arc<Context>) -> Action {
+pub(crate) fn error_policy(kv: Arc<KVCache>, error: &ReconcileError, _ctx: Arc<Context>) -> Action {
     tracing::warn!(kvcache = %kv.name_any(), namespace = ?kv.namespace(), %error, "reconcile failed; retrying");
     Action::requeue(Duration::from_secs(5))
 }

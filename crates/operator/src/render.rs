@@ -21,17 +21,17 @@ use kvplane_config::ClusterConfig;
 use kvplane_config::{BackendType, ByteSize, MetadataEndpoints, NodeConfigFile};
 
 /// Pod roles, as the placement-rule world names them.
-pub const ROLE_CACHE: &str = "cache";
-pub const ROLE_ETCD: &str = "etcd";
+pub(crate) const ROLE_CACHE: &str = "cache";
+pub(crate) const ROLE_ETCD: &str = "etcd";
 
 /// Label every child carries, naming its KVCache.
-pub const LABEL_KVCACHE: &str = "kvplane.io/kvcache";
-pub const LABEL_ROLE: &str = "kvplane.io/role";
+pub(crate) const LABEL_KVCACHE: &str = "kvplane.io/kvcache";
+pub(crate) const LABEL_ROLE: &str = "kvplane.io/role";
 /// Pod-template annotation that rolls the pool when its configuration changes.
-pub const ANNOTATION_CONFIG_HASH: &str = "kvplane.io/config-hash";
+pub(crate) const ANNOTATION_CONFIG_HASH: &str = "kvplane.io/config-hash";
 
 /// Scheduling constraints for one role's pods: the pod-template fields
-/// [`crate::placement::role_placement`] builds from a placement rule's answer.
+/// [`crate::scheduling::role_placement`] builds from a placement rule's answer.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct RolePlacement {
     pub affinity: Option<Affinity>,
@@ -41,14 +41,14 @@ pub struct RolePlacement {
 
 /// Placement for every role of the pool.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct Placements {
+pub(crate) struct Placements {
     pub cache: RolePlacement,
     pub etcd: RolePlacement,
 }
 
 /// Everything the operator creates for one KVCache.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Children {
+pub(crate) struct Children {
     pub config: ConfigMap,
     pub etcd: Option<EtcdChildren>,
     pub cache: StatefulSet,
@@ -57,7 +57,7 @@ pub struct Children {
 }
 
 #[derive(Debug, Clone, PartialEq)]
-pub struct EtcdChildren {
+pub(crate) struct EtcdChildren {
     pub peers: Service,
     pub client: Service,
     pub members: StatefulSet,
@@ -67,14 +67,14 @@ pub struct EtcdChildren {
 /// path takes. A handful per KVCache, so the variants' sizes do not matter.
 #[derive(Debug, Clone, PartialEq)]
 #[allow(clippy::large_enum_variant)]
-pub enum Child {
+pub(crate) enum Child {
     ConfigMap(ConfigMap),
     Service(Service),
     StatefulSet(StatefulSet),
 }
 
 impl Child {
-    pub fn kind(&self) -> &'static str {
+    pub(crate) fn kind(&self) -> &'static str {
         match self {
             Child::ConfigMap(_) => "ConfigMap",
             Child::Service(_) => "Service",
@@ -82,7 +82,7 @@ impl Child {
         }
     }
 
-    pub fn name(&self) -> &str {
+    pub(crate) fn name(&self) -> &str {
         let meta = match self {
             Child::ConfigMap(o) => &o.metadata,
             Child::Service(o) => &o.metadata,
@@ -95,7 +95,7 @@ impl Child {
 impl Children {
     /// Every child, in the order they are applied: the configuration first
     /// (pods mount it), etcd before the cache pods that use it.
-    pub fn into_list(self) -> Vec<Child> {
+    pub(crate) fn into_list(self) -> Vec<Child> {
         let mut list = vec![Child::ConfigMap(self.config)];
         if let Some(etcd) = self.etcd {
             list.extend([Child::Service(etcd.peers), Child::Service(etcd.client), Child::StatefulSet(etcd.members)]);
@@ -106,25 +106,25 @@ impl Children {
 }
 
 /// Child names, in one place so the reconciler, status and tests agree.
-pub struct Names;
+pub(crate) struct Names;
 
 impl Names {
-    pub fn config(kv: &str) -> String {
+    pub(crate) fn config(kv: &str) -> String {
         format!("{kv}-config")
     }
-    pub fn cache(kv: &str) -> String {
+    pub(crate) fn cache(kv: &str) -> String {
         format!("{kv}-cache")
     }
-    pub fn cache_headless(kv: &str) -> String {
+    pub(crate) fn cache_headless(kv: &str) -> String {
         format!("{kv}-cache-headless")
     }
-    pub fn rpc(kv: &str) -> String {
+    pub(crate) fn rpc(kv: &str) -> String {
         kv.to_string()
     }
-    pub fn etcd(kv: &str) -> String {
+    pub(crate) fn etcd(kv: &str) -> String {
         format!("{kv}-etcd")
     }
-    pub fn etcd_client(kv: &str) -> String {
+    pub(crate) fn etcd_client(kv: &str) -> String {
         format!("{kv}-etcd-client")
     }
 }
@@ -142,12 +142,12 @@ fn labels(r: &Resolved, role: &str) -> BTreeMap<String, String> {
 
 /// The labels that select one role's pods (a subset of [`labels`] that never
 /// changes, since a StatefulSet's selector is immutable).
-pub fn selector(name: &str, role: &str) -> BTreeMap<String, String> {
+pub(crate) fn selector(name: &str, role: &str) -> BTreeMap<String, String> {
     BTreeMap::from([(LABEL_KVCACHE.into(), name.into()), (LABEL_ROLE.into(), role.into())])
 }
 
 /// The labels a rendered pod of `role` carries (what placement rules see).
-pub fn pod_labels(r: &Resolved, role: &str) -> BTreeMap<String, String> {
+pub(crate) fn pod_labels(r: &Resolved, role: &str) -> BTreeMap<String, String> {
     labels(r, role)
 }
 
@@ -164,7 +164,7 @@ fn meta(r: &Resolved, name: String, role: &str, owner: &OwnerReference) -> Objec
 /// The node configuration the cache pods mount: backend, endpoints, the
 /// memory tier's size and the plugin declarations (what the node loads and
 /// verifies). The node parses the same struct back.
-pub fn node_config(r: &Resolved, etcd_endpoints: &[String]) -> NodeConfigFile {
+pub(crate) fn node_config(r: &Resolved, etcd_endpoints: &[String]) -> NodeConfigFile {
     NodeConfigFile {
         backend: r.backend,
         backend_endpoints: r.backend_endpoints.clone(),
@@ -191,7 +191,7 @@ fn node_cluster(r: &Resolved) -> Option<ClusterConfig> {
 }
 
 /// The etcd client URLs of the cluster the operator runs.
-pub fn etcd_client_urls(r: &Resolved) -> Vec<String> {
+pub(crate) fn etcd_client_urls(r: &Resolved) -> Vec<String> {
     match &r.metadata {
         Metadata::Etcd(_) => vec![format!("http://{}.{}.svc:2379", Names::etcd_client(&r.name), r.namespace)],
         Metadata::ExternalEtcd(c) => vec![format!("http://{}", c.address)],
@@ -201,13 +201,13 @@ pub fn etcd_client_urls(r: &Resolved) -> Vec<String> {
 
 /// The `--initial-cluster` of an etcd StatefulSet: every member by its stable
 /// DNS name, so all members form ONE cluster.
-pub fn initial_cluster(r: &Resolved, members: i32) -> String {
+pub(crate) fn initial_cluster(r: &Resolved, members: i32) -> String {
     let sts = Names::etcd(&r.name);
     (0..members).map(|i| format!("{sts}-{i}=http://{sts}-{i}.{sts}.{}.svc:2380", r.namespace)).collect::<Vec<_>>().join(",")
 }
 
 /// Renders every child.
-pub fn render(r: &Resolved, placements: &Placements, owner: &OwnerReference) -> Children {
+pub(crate) fn render(r: &Resolved, placements: &Placements, owner: &OwnerReference) -> Children {
     let etcd_urls = etcd_client_urls(r);
     let config_json = serde_json::to_string_pretty(&node_config(r, &etcd_urls)).expect("a NodeConfigFile always serializes");
     let config_hash = hex::encode(&Sha256::digest(config_json.as_bytes())[..8]);
@@ -257,7 +257,7 @@ fn port(name: &str, port: i32) -> ServicePort {
 
 /// The variable that carries `spec.backend.secretRef` into cache pods; the
 /// node passes it to the backend plugin as its `password`.
-pub const BACKEND_SECRET_ENV: &str = kvplane_config::node::BACKEND_SECRET_ENV;
+pub(crate) const BACKEND_SECRET_ENV: &str = kvplane_config::node::BACKEND_SECRET_ENV;
 
 fn field_env(name: &str, path: &str) -> EnvVar {
     EnvVar {

@@ -21,20 +21,20 @@ use super::crd::{
 };
 
 /// The client port of a kvplane node (and of the RPC Service by default).
-pub const DEFAULT_PORT: i32 = 9600;
+pub(crate) const DEFAULT_PORT: i32 = 9600;
 /// Port of a kvplane node's /metrics and /healthz.
-pub const ADMIN_PORT: i32 = 9601;
+pub(crate) const ADMIN_PORT: i32 = 9601;
 /// Image of the kvplane node when the spec names none.
-pub const DEFAULT_NODE_IMAGE: &str = "ghcr.io/kvplane/kvplane:0.1.0";
+pub(crate) const DEFAULT_NODE_IMAGE: &str = "ghcr.io/kvplane/kvplane:0.1.0";
 /// Image of etcd members when the spec names none.
-pub const DEFAULT_ETCD_IMAGE: &str = "quay.io/coreos/etcd:v3.5.21";
+pub(crate) const DEFAULT_ETCD_IMAGE: &str = "quay.io/coreos/etcd:v3.5.21";
 /// The placement rule applied when the spec declares none.
-pub const DEFAULT_PLACEMENT_RULE: &str = "gpu-affinity";
+pub(crate) const DEFAULT_PLACEMENT_RULE: &str = "gpu-affinity";
 
 /// A spec problem, with the JSON path of the field at fault.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("spec.{field}: {message}")]
-pub struct SpecError {
+pub(crate) struct SpecError {
     pub field: String,
     pub message: String,
 }
@@ -45,7 +45,7 @@ fn err(field: impl Into<String>, message: impl Into<String>) -> SpecError {
 
 /// A container the operator runs.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Workload {
+pub(crate) struct Workload {
     pub replicas: i32,
     pub image: String,
     pub image_pull_policy: String,
@@ -55,14 +55,14 @@ pub struct Workload {
 
 /// The etcd cluster the operator runs for the pool.
 #[derive(Debug, Clone, PartialEq)]
-pub struct EtcdPlan {
+pub(crate) struct EtcdPlan {
     pub workload: Workload,
     pub storage: Option<StorageSpec>,
 }
 
 /// Where the pool's metadata lives.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Metadata {
+pub(crate) enum Metadata {
     /// An etcd cluster run by the operator.
     Etcd(EtcdPlan),
     /// An etcd outside this KVCache.
@@ -73,7 +73,7 @@ pub enum Metadata {
 
 /// Everything the renderer needs, with defaults applied.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Resolved {
+pub(crate) struct Resolved {
     pub name: String,
     pub namespace: String,
     pub backend: BackendType,
@@ -94,7 +94,7 @@ pub struct Resolved {
 }
 
 /// Applies defaults and checks what the schema cannot.
-pub fn resolve(kv: &KVCache) -> Result<Resolved, SpecError> {
+pub(crate) fn resolve(kv: &KVCache) -> Result<Resolved, SpecError> {
     let name = kv.metadata.name.clone().ok_or_else(|| err("metadata.name", "missing"))?;
     let namespace = kv.metadata.namespace.clone().unwrap_or_else(|| "default".into());
     // Child names append up to "-etcd-client" (12 characters) and pods a

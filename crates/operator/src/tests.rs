@@ -161,7 +161,7 @@ fn spec_edits_change_the_rendered_template_so_they_roll_out() {
 fn placement_is_rendered_into_both_roles() {
     let r = resolve(&seed()).unwrap();
     use kvplane_runtime::bindings::scheduling::{NodeAffinity, NodeOperator, NodeRequirement, TaintEffect, Toleration, TolerationOperator};
-    let cache = crate::placement::role_placement(&kvplane_runtime::worlds::Placement {
+    let cache = crate::scheduling::role_placement(&kvplane_runtime::worlds::Placement {
         node_affinity: Some(NodeAffinity {
             required: vec![vec![NodeRequirement {
                 key: "nvidia.com/gpu.product".into(),

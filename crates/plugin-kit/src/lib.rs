@@ -2,7 +2,5 @@
 //! behind `kvplane plugin test`) and project scaffolds that build and pass
 //! that kit unchanged ([`scaffold`], behind `kvplane plugin new`).
 
-#![forbid(unsafe_code)]
-
 pub mod conformance;
 pub mod scaffold;

@@ -17,8 +17,6 @@
 //! Why `now` is a parameter: the table reads no clock, so the node decides
 //! when to sweep (on every grant, on a timer) and tests inject time.
 
-#![forbid(unsafe_code)]
-
 use std::collections::HashMap;
 
 /// Identifies one lease within one [`Leases`] table. Ids increase and are

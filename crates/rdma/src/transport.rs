@@ -8,8 +8,6 @@
 //! or brings back bytes that are not the block. A GET never fails because
 //! RDMA could not be used.
 
-#![forbid(unsafe_code)]
-
 use std::fmt;
 
 use kvplane_protocol::rdma::{Descriptor, UseError};

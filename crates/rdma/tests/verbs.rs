@@ -9,6 +9,8 @@
 //! Built only with the `rdma` feature (`cargo test -p kvplane-rdma --features
 //! rdma --test verbs`).
 
+#![allow(unsafe_code)] // Registers memory with the device, as the node does.
+
 use std::net::TcpListener;
 use std::process::Command;
 use std::sync::Arc;

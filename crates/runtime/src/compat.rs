@@ -50,7 +50,7 @@ impl From<ErrorV1> for WitError {
 }
 
 /// Link the 0.1.0 imports a placement-rule component may have.
-pub fn link_v0_1(linker: &mut Linker<HostState>) -> anyhow::Result<()> {
+pub(crate) fn link_v0_1(linker: &mut Linker<HostState>) -> anyhow::Result<()> {
     // Types-only interface: nothing to define, but the instance must exist.
     linker.instance("kvplane:plugin/types@0.1.0").map_err(anyhow::Error::from)?;
     let mut l = linker.instance("kvplane:plugin/log@0.1.0").map_err(anyhow::Error::from)?;

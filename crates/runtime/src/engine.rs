@@ -17,7 +17,7 @@ use super::host::HostState;
 /// runaway guest is stopped at most one tick after its deadline, so a
 /// half-millisecond tick gives the ≤ 1 ms deadline resolution the data path
 /// needs at the cost of 2000 wake-ups a second on one thread.
-pub const EPOCH_TICK: Duration = Duration::from_micros(500);
+pub(crate) const EPOCH_TICK: Duration = Duration::from_micros(500);
 /// First bytes of a compiled-component cache file, before its sha256.
 const CACHE_MAGIC: &[u8; 8] = b"KVPLCW02";
 

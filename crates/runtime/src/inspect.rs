@@ -39,20 +39,20 @@ fn major(version: &str) -> Option<(u64, u64)> {
 }
 
 /// Whether a plugin built for `plugin_version` can run on this host.
-pub fn compatible(plugin_version: &str) -> bool {
+pub(crate) fn compatible(plugin_version: &str) -> bool {
     matches!((major(plugin_version), major(HOST_WIT_VERSION)), (Some(a), Some(b)) if a == b)
 }
 
 /// Whether a plugin of `world` built for `plugin_version` can run here:
 /// the host's own version, or an older one whose world did not change
 /// (0.1.0's placement-rule, see `compat`).
-pub fn compatible_world(plugin_version: &str, world: Option<World>) -> bool {
+pub(crate) fn compatible_world(plugin_version: &str, world: Option<World>) -> bool {
     compatible(plugin_version) || (major(plugin_version) == Some((0, 1)) && world == Some(World::PlacementRule))
 }
 
 /// Whether `plugin_version` is an older release of this major line's
 /// predecessors that this host knows (so a refusal can say the world changed).
-pub fn is_known_older(plugin_version: &str) -> bool {
+pub(crate) fn is_known_older(plugin_version: &str) -> bool {
     major(plugin_version) == Some((0, 1))
 }
 

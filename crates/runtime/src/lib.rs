@@ -9,8 +9,6 @@
 //! ([`KeyPlacement`], [`RetryPolicy`], [`PlacementRule`], [`Backend`]) whose
 //! calls run under the declaration's deadline, memory cap and failure policy.
 
-#![deny(unsafe_code)]
-
 pub mod bindings;
 pub mod buffer;
 pub mod builtin;

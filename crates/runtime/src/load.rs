@@ -17,7 +17,7 @@ use super::host::HostState;
 use super::inspect::{compatible_world, is_known_older, ComponentInfo, HOST_WIT_VERSION};
 
 /// A component ready to instantiate for one declaration.
-pub struct Loaded {
+pub(crate) struct Loaded {
     pub pre: InstancePre<HostState>,
     pub info: ComponentInfo,
     /// Whether compiled code came from the on-disk cache.
@@ -25,7 +25,7 @@ pub struct Loaded {
 }
 
 /// The raw bytes of a source.
-pub fn read_source(plugin: &str, source: &PluginSource) -> Result<Arc<[u8]>, LoadError> {
+pub(crate) fn read_source(plugin: &str, source: &PluginSource) -> Result<Arc<[u8]>, LoadError> {
     match source {
         PluginSource::Builtin(name) => builtin::bytes(name).map(Arc::from).ok_or_else(|| LoadError::Source {
             plugin: plugin.to_owned(),
@@ -60,7 +60,7 @@ fn check_format(plugin: &str, source_name: &str, bytes: &[u8]) -> Result<(), Loa
 
 /// Compile (or fetch from cache) and inspect `bytes` without a declaration's
 /// world check: what `kvplane plugin inspect` shows.
-pub fn compile_and_inspect(
+pub(crate) fn compile_and_inspect(
     engine: &PluginEngine,
     plugin: &str,
     source_name: &str,
@@ -78,7 +78,7 @@ pub fn compile_and_inspect(
 }
 
 /// Load the component a declaration names.
-pub fn load(engine: &PluginEngine, decl: &PluginDecl) -> Result<Loaded, LoadError> {
+pub(crate) fn load(engine: &PluginEngine, decl: &PluginDecl) -> Result<Loaded, LoadError> {
     let plugin = decl.name.as_str();
     let source_name = decl.source.to_string();
     let bytes = read_source(plugin, &decl.source)?;

@@ -10,7 +10,7 @@ use oci_client::{Client, Reference};
 use crate::source::SourceFailure;
 
 /// The layer media type of a Wasm component artifact.
-pub const WASM_MEDIA_TYPE: &str = "application/wasm";
+pub(crate) const WASM_MEDIA_TYPE: &str = "application/wasm";
 
 /// Registries reached over plain HTTP: `KVPLANE_INSECURE_REGISTRIES`, a
 /// comma-separated list of `host:port` (for an in-cluster or test registry
@@ -28,7 +28,7 @@ pub(crate) fn insecure_registries_from_env() -> Vec<String> {
 /// Pulls the one `application/wasm` layer of `reference` (anonymously),
 /// over plain HTTP when its registry (`host:port`) is in `insecure`, else
 /// over HTTPS.
-pub async fn pull_wasm(reference: &str, insecure: &[String]) -> anyhow::Result<Vec<u8>> {
+pub(crate) async fn pull_wasm(reference: &str, insecure: &[String]) -> anyhow::Result<Vec<u8>> {
     let parsed: Reference = reference.parse().with_context(|| format!("{reference:?} is not an OCI reference"))?;
     let client = Client::new(ClientConfig { protocol: ClientProtocol::HttpsExcept(insecure.to_vec()), ..Default::default() });
     let image =
@@ -46,7 +46,7 @@ pub async fn pull_wasm(reference: &str, insecure: &[String]) -> anyhow::Result<V
 /// whose sha256 is not the digest that names them (`DigestMismatch`: the
 /// manifest's for its layer, the reference's for a manifest); anything else
 /// (unreachable, refused, unusable, which may pass) is `Unavailable`.
-pub fn failure_of(err: &anyhow::Error) -> SourceFailure {
+pub(crate) fn failure_of(err: &anyhow::Error) -> SourceFailure {
     for e in err.chain().filter_map(|e| e.downcast_ref::<OciDistributionError>()) {
         match e {
             OciDistributionError::ImageManifestNotFoundError(_) => return SourceFailure::NotFound,

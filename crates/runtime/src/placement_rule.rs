@@ -33,7 +33,7 @@ fn is_dns_subdomain(s: &str) -> bool {
 }
 
 /// A label key: `[prefix/]name` (Kubernetes "qualified name").
-pub fn is_label_key(s: &str) -> bool {
+pub(crate) fn is_label_key(s: &str) -> bool {
     match s.split_once('/') {
         Some((prefix, name)) => is_dns_subdomain(prefix) && is_name_part(name),
         None => is_name_part(s),
@@ -41,7 +41,7 @@ pub fn is_label_key(s: &str) -> bool {
 }
 
 /// A label value: empty, or a name part.
-pub fn is_label_value(s: &str) -> bool {
+pub(crate) fn is_label_value(s: &str) -> bool {
     s.is_empty() || is_name_part(s)
 }
 
@@ -133,7 +133,7 @@ fn check_pod_affinity(field: &str, a: &PodAffinity) -> Result<(), String> {
 
 /// Check `p` against the rules the Kubernetes API server applies to the same
 /// pod-spec fields. The error names the field.
-pub fn validate(p: &Placement) -> Result<(), String> {
+pub(crate) fn validate(p: &Placement) -> Result<(), String> {
     if let Some(na) = &p.node_affinity {
         for (i, term) in na.required.iter().enumerate() {
             let f = format!("nodeAffinity.required.nodeSelectorTerms[{i}]");

@@ -39,7 +39,7 @@ pub trait GuestExports: Sized + Send + Sync + 'static {
     ) -> BoxFuture<'a, wasmtime::Result<Result<(), WitError>>>;
 }
 
-pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 macro_rules! guest_exports {
     ($module:ident, $init:ident) => {
@@ -123,8 +123,8 @@ impl SchedulingGuest {
 
 /// First wait after `open` / `configure` fails; doubled on each further
 /// failure up to [`MAX_BROKEN_BACKOFF`].
-pub const FIRST_BROKEN_BACKOFF: Duration = Duration::from_millis(100);
-pub const MAX_BROKEN_BACKOFF: Duration = Duration::from_secs(30);
+pub(crate) const FIRST_BROKEN_BACKOFF: Duration = Duration::from_millis(100);
+pub(crate) const MAX_BROKEN_BACKOFF: Duration = Duration::from_secs(30);
 
 /// Why a plugin is broken and until when no new instance is tried.
 #[derive(Debug, Clone)]

@@ -31,7 +31,7 @@ use super::buffer::{BlockBuffer, Region};
 use super::host::{HandleKind, HostState};
 
 /// Largest control read (`read-exact`) a guest may ask for.
-pub const MAX_CONTROL_READ: u32 = 64 << 10;
+pub(crate) const MAX_CONTROL_READ: u32 = 64 << 10;
 /// Read-side buffer: holds reply headers so that parsing them costs no system
 /// call each, yet is small next to a block so payloads bypass it.
 const READ_BUFFER: usize = 64 << 10;

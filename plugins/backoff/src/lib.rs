@@ -10,13 +10,19 @@ pub mod policy;
 
 use std::cell::RefCell;
 
-use exports::kvplane::plugin::retry::{Decision, Error, Failure, Guest};
+use bindings::exports::kvplane::plugin::retry::{Decision, Error, Failure, Guest};
 use policy::{Action, Context, FailureKind, Policy};
 
-wit_bindgen::generate!({
-    world: "retry-policy",
-    path: "../../wit",
-});
+// The generated WIT bindings: the canonical ABI's unsafe glue and the
+// component's exports, apart from the policy code (the workspace denies
+// unsafe code and unreachable `pub` items everywhere else).
+#[allow(unsafe_code, unreachable_pub)]
+mod bindings {
+    wit_bindgen::generate!({
+        world: "retry-policy",
+        path: "../../wit",
+    });
+}
 
 thread_local! {
     static POLICY: RefCell<Policy> = RefCell::new(Policy::default());
@@ -63,12 +69,16 @@ impl Guest for Backoff {
 // valid in a native linker version script, so the native cdylib built for
 // unit tests carries no exports.
 #[cfg(target_arch = "wasm32")]
-export!(Backoff);
+#[allow(unsafe_code)] // the exports' canonical-ABI glue, generated
+mod export {
+    use super::Backoff;
+    crate::bindings::export!(Backoff with_types_in crate::bindings);
+}
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use exports::kvplane::plugin::retry::Operation;
+    use bindings::exports::kvplane::plugin::retry::Operation;
 
     fn failure(error: Error, attempt: u32) -> Failure {
         Failure {

@@ -16,15 +16,21 @@ pub mod rules;
 
 use std::cell::RefCell;
 
-use exports::kvplane::plugin::scheduling::{
+use bindings::exports::kvplane::plugin::scheduling::{
     Error, Guest, LabelSelector, NodeAffinity, NodeOperator, NodeRequirement, Placement, PodAffinity, PodRequest, PodTerm,
 };
 use rules::{PodRule, Rules, Settings};
 
-wit_bindgen::generate!({
-    world: "placement-rule",
-    path: "../../wit",
-});
+// The generated WIT bindings: the canonical ABI's unsafe glue and the
+// component's exports, apart from the policy code (the workspace denies
+// unsafe code and unreachable `pub` items everywhere else).
+#[allow(unsafe_code, unreachable_pub)]
+mod bindings {
+    wit_bindgen::generate!({
+        world: "placement-rule",
+        path: "../../wit",
+    });
+}
 
 thread_local! {
     static SETTINGS: RefCell<Settings> = RefCell::new(Settings::default());
@@ -74,7 +80,11 @@ impl Guest for GpuAffinity {
 // valid in a native linker version script, so the native cdylib built for
 // unit tests carries no exports.
 #[cfg(target_arch = "wasm32")]
-export!(GpuAffinity);
+#[allow(unsafe_code)] // the exports' canonical-ABI glue, generated
+mod export {
+    use super::GpuAffinity;
+    crate::bindings::export!(GpuAffinity with_types_in crate::bindings);
+}
 
 #[cfg(test)]
 mod tests {

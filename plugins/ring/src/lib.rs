@@ -7,14 +7,20 @@
 
 use std::cell::Cell;
 
-use exports::kvplane::plugin::placement::{Error, Guest, Member, SlotTable};
-use kvplane::plugin::types::MemberState;
+use bindings::exports::kvplane::plugin::placement::{Error, Guest, Member, SlotTable};
+use bindings::kvplane::plugin::types::MemberState;
 use kvplane_slots::ring::{slot_table, SlotMember, DEFAULT_VNODES};
 
-wit_bindgen::generate!({
-    world: "key-placement",
-    path: "../../wit",
-});
+// The generated WIT bindings: the canonical ABI's unsafe glue and the
+// component's exports, apart from the placement code (the workspace denies
+// unsafe code and unreachable `pub` items everywhere else).
+#[allow(unsafe_code, unreachable_pub)]
+mod bindings {
+    wit_bindgen::generate!({
+        world: "key-placement",
+        path: "../../wit",
+    });
+}
 
 thread_local! {
     static VNODES: Cell<u32> = const { Cell::new(DEFAULT_VNODES) };
@@ -50,4 +56,8 @@ impl Guest for RingPlacement {
     }
 }
 
-export!(RingPlacement);
+#[allow(unsafe_code)] // the exports' canonical-ABI glue, generated
+mod export {
+    use super::RingPlacement;
+    crate::bindings::export!(RingPlacement with_types_in crate::bindings);
+}

@@ -1,7 +1,7 @@
 //! The crate map of docs/architecture.md, checked against the real
 //! dependency graph (`cargo metadata`): no data-plane crate reaches the
-//! operator or a Kubernetes crate, and every crate that needs no unsafe code
-//! forbids it.
+//! operator or a Kubernetes crate, every host crate takes the workspace's
+//! lint rules, and the crates that need no unsafe code allow it nowhere.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -56,7 +56,7 @@ fn reachable(graph: &BTreeMap<String, BTreeSet<String>>, from: &str) -> BTreeSet
 fn no_data_plane_crate_depends_on_the_operator_or_kubernetes() {
     let graph = normal_graph();
     for krate in
-        ["kvplane-protocol", "kvplane-client", "kvplane-config", "kvplane-driver", "kvplane-runtime", "kvplane-admin", "kvplane-node"]
+        ["kvplane-protocol", "kvplane-slots", "kvplane-client", "kvplane-config", "kvplane-driver", "kvplane-runtime", "kvplane-admin", "kvplane-node"]
     {
         assert!(graph.contains_key(krate), "{krate} is not in the workspace");
         let deps = reachable(&graph, krate);
@@ -66,6 +66,141 @@ fn no_data_plane_crate_depends_on_the_operator_or_kubernetes() {
     }
     // The runtime knows nothing of the node.
     assert!(!reachable(&graph, "kvplane-runtime").contains("kvplane-node"));
+}
+
+/// docs/architecture.md's crate map says, for every workspace crate that
+/// builds for the host, its path and the workspace crates it depends on
+/// (normal dependencies, by name without the `kvplane-` prefix; a note in
+/// parentheses after a name, or after the whole list, is for the reader):
+/// exactly what Cargo.toml declares, so the map cannot drift.
+#[test]
+fn the_crate_map_in_docs_matches_cargo_metadata() {
+    let doc = std::fs::read_to_string(workspace().join("docs/architecture.md")).unwrap();
+    let mut rows = BTreeMap::new();
+    for line in doc.lines().skip_while(|l| !l.starts_with("| crate |")).skip(2).take_while(|l| l.starts_with('|')) {
+        let cells: Vec<&str> = line.trim_matches('|').split(" | ").map(str::trim).collect();
+        assert_eq!(cells.len(), 4, "docs/architecture.md: a crate-map row without four cells: {line}");
+        let name = cells[0].trim_matches('`').to_owned();
+        let path = cells[1].trim_matches('`').to_owned();
+        rows.insert(name, (path, short_names(cells[3])));
+    }
+    let graph = normal_graph();
+    let members = workspace_members();
+    let mut listed = BTreeSet::new();
+    for (name, path) in &members {
+        if path.starts_with("plugins/") || path.starts_with("tests/fixtures/") {
+            continue;
+        }
+        let (doc_path, doc_deps) = rows.get(name).unwrap_or_else(|| panic!("docs/architecture.md's crate map has no row for {name}"));
+        assert_eq!(doc_path, path, "docs/architecture.md: {name}'s path");
+        let deps: BTreeSet<String> = graph[name]
+            .iter()
+            .filter(|d| members.contains_key(*d))
+            .map(|d| d.strip_prefix("kvplane-").unwrap_or(d).to_owned())
+            .collect();
+        assert_eq!(doc_deps, &deps, "docs/architecture.md: what {name} depends on (Cargo.toml says {deps:?})");
+        listed.insert(name.clone());
+    }
+    let extra: Vec<_> = rows.keys().filter(|n| !listed.contains(*n)).collect();
+    assert!(extra.is_empty(), "docs/architecture.md lists crates that are not host crates of the workspace: {extra:?}");
+}
+
+/// `protocol, config (the file), driver` -> {protocol, config, driver}; `—` -> {}.
+fn short_names(cell: &str) -> BTreeSet<String> {
+    let mut depth = 0;
+    let mut plain = String::new();
+    for c in cell.chars() {
+        match c {
+            '(' => depth += 1,
+            ')' => depth -= 1,
+            _ if depth == 0 => plain.push(c),
+            _ => {}
+        }
+    }
+    plain.split(',').map(|s| s.trim().trim_matches('`').to_owned()).filter(|s| !s.is_empty() && s != "—").collect()
+}
+
+/// Workspace member name -> its path relative to the workspace root.
+fn workspace_members() -> BTreeMap<String, String> {
+    let out = Command::new(env!("CARGO"))
+        .args(["metadata", "--format-version", "1", "--offline", "--no-deps"])
+        .current_dir(workspace())
+        .output()
+        .expect("running cargo metadata");
+    assert!(out.status.success(), "cargo metadata: {}", String::from_utf8_lossy(&out.stderr));
+    let meta: Value = serde_json::from_slice(&out.stdout).unwrap();
+    meta["packages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            let manifest = Path::new(p["manifest_path"].as_str().unwrap());
+            let dir = manifest.parent().unwrap().strip_prefix(workspace()).unwrap();
+            (p["name"].as_str().unwrap().to_owned(), dir.to_str().unwrap().to_owned())
+        })
+        .collect()
+}
+
+/// Every dependency a host crate declares is used: its name appears in the
+/// crate's code (`name::`, `use name`, `name!`), the normal ones in `src/`,
+/// the dev ones in `src/`, `tests/`, `benches/` or `examples/`, the build
+/// ones in `build.rs`. A dependency left behind after a refactor costs every
+/// build its compile time and every reader a wrong idea of the crate.
+#[test]
+fn every_declared_dependency_is_used() {
+    // Named only in code outside the crate's folders.
+    let needed_without_a_name: &[(&str, &str)] = &[
+        // Named in tests/src/process.rs, which its tests include by path.
+        ("kvplane-cluster", "libc"),
+    ];
+    let out = Command::new(env!("CARGO"))
+        .args(["metadata", "--format-version", "1", "--offline", "--no-deps"])
+        .current_dir(workspace())
+        .output()
+        .expect("running cargo metadata");
+    assert!(out.status.success(), "cargo metadata: {}", String::from_utf8_lossy(&out.stderr));
+    let meta: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let mut unused = Vec::new();
+    for package in meta["packages"].as_array().unwrap() {
+        let name = package["name"].as_str().unwrap();
+        let dir = Path::new(package["manifest_path"].as_str().unwrap()).parent().unwrap().to_path_buf();
+        if dir.starts_with(workspace().join("plugins")) || dir.starts_with(workspace().join("tests/fixtures")) {
+            continue;
+        }
+        let read_all = |folders: &[&str]| -> String {
+            let mut text = String::new();
+            for folder in folders {
+                let path = dir.join(folder);
+                if path.is_dir() {
+                    for file in rust_files(&path) {
+                        text.push_str(&std::fs::read_to_string(file).unwrap());
+                    }
+                } else if path.is_file() {
+                    text.push_str(&std::fs::read_to_string(path).unwrap());
+                }
+            }
+            text
+        };
+        let normal = read_all(&["src"]);
+        let dev = read_all(&["src", "tests", "benches", "examples"]);
+        let build = read_all(&["build.rs"]);
+        for dep in package["dependencies"].as_array().unwrap() {
+            let declared = dep["rename"].as_str().unwrap_or_else(|| dep["name"].as_str().unwrap());
+            let ident = declared.replace('-', "_");
+            let code = match dep["kind"].as_str() {
+                None => &normal,
+                Some("dev") => &dev,
+                Some(_) => &build,
+            };
+            let named = [format!("{ident}::"), format!("use {ident}"), format!("{ident}!"), format!("extern crate {ident}")]
+                .iter()
+                .any(|pattern| code.contains(pattern.as_str()));
+            if !named && !needed_without_a_name.iter().any(|(p, d)| *p == name && *d == declared) {
+                unused.push(format!("{name}: {declared} ({})", dep["kind"].as_str().unwrap_or("normal")));
+            }
+        }
+    }
+    assert!(unused.is_empty(), "declared in Cargo.toml, never named in the code:\n  {}", unused.join("\n  "));
 }
 
 /// A cluster client looks owners up natively from the table a node hands
@@ -79,27 +214,57 @@ fn the_client_embeds_no_wasm_runtime_and_no_etcd_client() {
     }
 }
 
+/// The lint rules live once, in the root Cargo.toml's `[workspace.lints]`,
+/// at deny, and every host crate opts in (a crate cannot then loosen them in
+/// its manifest; only a module can allow unsafe code, by name).
 #[test]
-fn crates_without_unsafe_code_forbid_it() {
-    for (krate, attribute) in [
-        ("protocol", "#![forbid(unsafe_code)]"),
-        ("client", "#![deny(unsafe_code)]"),
-        ("config", "#![forbid(unsafe_code)]"),
-        ("runtime", "#![deny(unsafe_code)]"),
-        ("driver", "#![deny(unsafe_code)]"),
-        ("admin", "#![forbid(unsafe_code)]"),
-        ("operator", "#![forbid(unsafe_code)]"),
-        ("plugin-kit", "#![forbid(unsafe_code)]"),
-        ("bench", "#![forbid(unsafe_code)]"),
-        ("cli", "#![forbid(unsafe_code)]"),
-        ("cluster", "#![forbid(unsafe_code)]"),
-        ("rdma", "#![deny(unsafe_code)]"),
-        ("node", "#![deny(unsafe_code)]"),
-        ("tests", "#![deny(unsafe_code)]"),
-    ] {
-        let root = if krate == "tests" { workspace().join("tests/src") } else { workspace().join("crates").join(krate).join("src") };
-        let lib = if root.join("lib.rs").exists() { root.join("lib.rs") } else { root.join("main.rs") };
-        let text = std::fs::read_to_string(&lib).unwrap();
-        assert!(text.contains(attribute), "{} lacks {attribute}", lib.display());
+fn every_host_crate_takes_the_workspace_lints() {
+    let root = std::fs::read_to_string(workspace().join("Cargo.toml")).unwrap();
+    for rule in
+        ["unsafe_code = \"deny\"", "unsafe_op_in_unsafe_fn = \"deny\"", "unreachable_pub = \"deny\"", "undocumented_unsafe_blocks = \"deny\""]
+    {
+        assert!(root.contains(rule), "the root Cargo.toml's [workspace.lints] lacks {rule}");
     }
+    for manifest in host_manifests() {
+        let text = std::fs::read_to_string(&manifest).unwrap();
+        assert!(text.contains("\n[lints]\nworkspace = true\n"), "{} does not take the workspace lints", manifest.display());
+    }
+}
+
+/// The manifests of the workspace members that build for the host (the
+/// plugins and fixtures build as Wasm components, with generated bindings).
+fn host_manifests() -> Vec<std::path::PathBuf> {
+    let manifests: Vec<_> = workspace_members()
+        .into_values()
+        .filter(|path| !path.starts_with("plugins/") && !path.starts_with("tests/fixtures/"))
+        .map(|path| workspace().join(path).join("Cargo.toml"))
+        .collect();
+    assert!(manifests.len() >= 15, "too few host crates found: {manifests:?}");
+    manifests
+}
+
+/// Crates that need no unsafe code have none: no module of theirs allows it
+/// (the workspace denies it everywhere else).
+#[test]
+fn crates_without_unsafe_code_allow_it_nowhere() {
+    for krate in ["protocol", "slots", "config", "admin", "operator", "plugin-kit", "bench", "cli", "cluster"] {
+        let src = workspace().join("crates").join(krate).join("src");
+        for file in rust_files(&src) {
+            let text = std::fs::read_to_string(&file).unwrap();
+            assert!(!text.contains("unsafe_code"), "{} mentions unsafe_code: {krate} is to have no unsafe code", file.display());
+        }
+    }
+}
+
+fn rust_files(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            files.extend(rust_files(&path));
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            files.push(path);
+        }
+    }
+    files
 }

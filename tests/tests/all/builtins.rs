@@ -23,7 +23,7 @@ async fn ring_passes_the_key_placement_kit() {
 /// with members in every state and of several weights.
 #[tokio::test]
 async fn ring_agrees_with_the_native_ring() {
-    use kvplane_protocol::placement::{Member, MemberState, SLOTS};
+    use kvplane_slots::{Member, MemberState, SLOTS};
     let ring = runtime().load_key_placement(decl("ring", World::KeyPlacement)).unwrap();
     let mut members: Vec<Member> = (0..7).map(|i| Member::up(format!("n{i}"), format!("h{i}:1"))).collect();
     members[1].state = MemberState::Draining;
@@ -72,7 +72,7 @@ async fn gpu_affinity_renders_aibrix_annotations() {
             })
             .await
             .unwrap();
-        let v = kvplane_operator::placement::to_pod_spec_json(&placement);
+        let v = kvplane_operator::scheduling::to_pod_spec_json(&placement);
         let node =
             &v["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]["matchExpressions"][0];
         assert_eq!(node, &serde_json::json!({"key": "nvidia.com/gpu.product", "operator": "In", "values": ["NVIDIA-L20"]}), "{role}: {v}");

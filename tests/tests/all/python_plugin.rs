@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use kvplane_plugin_kit::conformance;
-use kvplane_protocol::placement::{Member, MemberState, SLOTS};
+use kvplane_slots::{Member, MemberState, SLOTS};
 use kvplane_runtime::{PluginDecl, PluginRuntime, PluginSource, World};
 
 fn decl() -> PluginDecl {

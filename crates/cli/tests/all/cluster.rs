@@ -5,15 +5,12 @@
 //! node cut off from etcd (by a TCP proxy the test cuts, nothing inside the
 //! node) drops out of the table once its lease lapses.
 
-#[path = "../../cluster/tests/support/mod.rs"]
-mod etcd;
-mod support;
-
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::{etcd, support};
 use bytes::Bytes;
 use etcd::{eventually, EtcdCluster, Proxy};
 use kvplane_client::{ClusterClient, ClusterConfig, Endpoint, KvError};

@@ -3,13 +3,12 @@
 //! stopped with SIGTERM. Also the bench drivers against their real baselines
 //! (the raw socket server and Debian's redis-server).
 
-#[path = "../../cluster/tests/support/mod.rs"]
-mod etcd;
-mod support;
+#![allow(unsafe_code)] // prctl(PR_SET_PDEATHSIG) in pre_exec, so servers die with the test.
 
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
 
+use crate::{etcd, support};
 use support::{kvplane, run, tcp_addr, text, wait_for_line, NodeProcess};
 
 #[test]
@@ -71,6 +70,12 @@ fn the_client_commands_drive_a_node_process_that_stops_on_sigterm() {
 
     let status = node.sigterm_and_wait();
     assert!(status.success(), "node exit after SIGTERM: {status}");
+
+    // A failure is not a miss: with the node gone, `get` exits 2 (1 is
+    // "absent") and says why.
+    let out = run(&["get", "--endpoint", &e, "layer0/block7"]);
+    assert_eq!(out.status.code(), Some(2), "node down: exit 2\n{}", text(&out));
+    assert!(text(&out).contains("error:") && !text(&out).contains("not found"), "{}", text(&out));
 }
 
 #[test]

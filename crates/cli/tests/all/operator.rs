@@ -4,6 +4,8 @@
 //! operator` process a Deployment would run, and the tests watch what it
 //! does through the API server.
 
+#![allow(unsafe_code)] // prctl(PR_SET_PDEATHSIG) in pre_exec, so the operator dies with the test.
+
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -142,7 +144,7 @@ fn children(ns: &str, name: &str) -> Vec<String> {
 }
 
 fn seed_example() -> Value {
-    let yaml = include_str!("../../../examples/kvcache/aibrix-seed.yaml");
+    let yaml = include_str!("../../../../examples/kvcache/aibrix-seed.yaml");
     serde_yaml::from_str(yaml).expect("the seed example parses")
 }
 

@@ -1,6 +1,6 @@
 //! A `kvplane node` process as a user runs it, for the CLI's tests.
 
-#![allow(dead_code)] // Each test binary uses a part.
+#![allow(unsafe_code)] // prctl in pre_exec and kill(2) of our own child.
 
 use std::io::{BufRead, BufReader, Read};
 use std::os::unix::process::CommandExt;

@@ -1,7 +1,6 @@
 //! Device memory copies on a real GPU (built with the `cuda` feature).
 //! Without a usable GPU the test prints why, as a skip, and returns; the
 //! full path through a node is scripts/device-check's.
-#![cfg(feature = "cuda")]
 
 use kvplane_gpu::{GpuContext, GpuError, Stream};
 

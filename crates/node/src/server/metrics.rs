@@ -28,7 +28,7 @@ use crate::tier::{operation_name, SecondTier, OPERATIONS};
 
 /// Operations timed by the node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Op {
+pub(crate) enum Op {
     Put,
     Get,
     Exists,
@@ -37,9 +37,9 @@ pub enum Op {
 }
 
 impl Op {
-    pub const ALL: [Op; 5] = [Op::Put, Op::Get, Op::Exists, Op::Delete, Op::MatchPrefix];
+    pub(crate) const ALL: [Op; 5] = [Op::Put, Op::Get, Op::Exists, Op::Delete, Op::MatchPrefix];
 
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Op::Put => "put",
             Op::Get => "get",
@@ -90,7 +90,7 @@ impl LatencyHistogram {
 }
 
 /// Everything a node counts besides what the cache and pool count themselves.
-pub struct Metrics {
+pub(crate) struct Metrics {
     requests_family: Family<OpLabel, Counter>,
     keys_family: Family<OpLabel, Counter>,
     requests: [Counter; 5],
@@ -128,13 +128,13 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    pub fn record(&self, op: Op, keys: usize, elapsed: Duration) {
+    pub(crate) fn record(&self, op: Op, keys: usize, elapsed: Duration) {
         self.requests[op as usize].inc();
         self.keys[op as usize].inc_by(keys as u64);
         self.latency[op as usize].record(elapsed);
     }
 
-    pub fn requests(&self, op: Op) -> u64 {
+    pub(crate) fn requests(&self, op: Op) -> u64 {
         self.requests[op as usize].get()
     }
 
@@ -154,7 +154,7 @@ impl Metrics {
     }
 
     /// The counters sent in a STATS answer and printed by `kvplane stats`.
-    pub fn snapshot(&self, cache: &CacheStats, pool: &PoolStats) -> Vec<(String, u64)> {
+    pub(crate) fn snapshot(&self, cache: &CacheStats, pool: &PoolStats) -> Vec<(String, u64)> {
         let mut out = vec![
             ("hits".to_string(), cache.hits),
             ("misses".into(), cache.misses),

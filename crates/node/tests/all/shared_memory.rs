@@ -5,6 +5,8 @@
 //! it is refused and abandoning it mid-transfer changes nothing for the node,
 //! and a block being read is never reused under the reader.
 
+#![allow(unsafe_code)] // The hostile client: recvmsg and ftruncate on the node's memfd, by hand.
+
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

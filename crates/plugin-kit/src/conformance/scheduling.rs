@@ -17,7 +17,7 @@ fn request(role: &str, annotations: &[(&str, &str)]) -> PodRequest {
 }
 
 /// The annotations of AIBrix's KVCache example plus kvplane's own.
-pub const SAMPLE_ANNOTATIONS: &[(&str, &str)] = &[
+pub(super) const SAMPLE_ANNOTATIONS: &[(&str, &str)] = &[
     ("kvcache.orchestration.aibrix.ai/node-affinity-gpu-type", "NVIDIA-L20"),
     ("kvcache.orchestration.aibrix.ai/pod-affinity-workload", "deepseek-coder-33b-instruct"),
     ("kvplane.io/pod-anti-affinity", "true"),
@@ -28,7 +28,7 @@ pub async fn run(p: &PlacementRule) -> Report {
     for role in ["cache", "etcd"] {
         let outcome = async {
             let placement = p.place(request(role, &[])).await.map_err(|e| e.to_string())?;
-            let json = kvplane_operator::placement::to_pod_spec_json(&placement);
+            let json = kvplane_operator::scheduling::to_pod_spec_json(&placement);
             Ok(json.to_string())
         }
         .await;
@@ -40,14 +40,14 @@ pub async fn run(p: &PlacementRule) -> Report {
             let placement = p.place(request(role, SAMPLE_ANNOTATIONS)).await.map_err(|e| e.to_string())?;
             let again = p.place(request(role, SAMPLE_ANNOTATIONS)).await.map_err(|e| e.to_string())?;
             ensure(placement == again, || "two identical requests gave different answers".into())?;
-            Ok(kvplane_operator::placement::to_pod_spec_json(&placement).to_string())
+            Ok(kvplane_operator::scheduling::to_pod_spec_json(&placement).to_string())
         }
         .await;
         r.record(format!("role {role} with GPU-type, workload and anti-affinity annotations gives valid Kubernetes affinity"), outcome);
     }
     let bad = async {
         match p.place(request("cache", &[("kvcache.orchestration.aibrix.ai/node-affinity-gpu-type", "not a label value!")])).await {
-            Ok(placement) => Ok(format!("accepted; output valid: {}", kvplane_operator::placement::to_pod_spec_json(&placement))),
+            Ok(placement) => Ok(format!("accepted; output valid: {}", kvplane_operator::scheduling::to_pod_spec_json(&placement))),
             Err(e) if matches!(e.fault, Fault::Returned(_)) => Ok(format!("refused: {}", e.fault)),
             Err(e) => Err(format!("an invalid annotation broke the plugin or produced invalid output: {e}")),
         }

@@ -1,7 +1,7 @@
 // The protocol of src/resp.js under plain Node (`node --test test/`), against
 // scripted connections: byte-exact framing, strict reply parsing, config
 // errors, and what a batch does when a reply fails part-way. The component
-// itself is tested against a real redis-server by tests/tests/js_plugin.rs,
+// itself is tested against a real redis-server by tests/tests/all/js_plugin.rs,
 // which also runs this file.
 import { test } from 'node:test';
 import assert from 'node:assert/strict';

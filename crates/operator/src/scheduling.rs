@@ -1,4 +1,4 @@
-//! Placement-rule output as Kubernetes objects.
+//! Pod scheduling: placement-rule output as Kubernetes objects.
 //!
 //! A placement-rule plugin answers in the contract's own types (validated by
 //! the runtime, see `kvplane_runtime::placement_rule`); this module builds
