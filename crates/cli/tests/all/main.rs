@@ -14,6 +14,7 @@ mod etcd;
 mod support;
 
 mod cluster;
+mod examples;
 mod js_scaffold;
 mod node_cli;
 mod operator;
