@@ -18,6 +18,7 @@ mod eic_driver;
 mod js_plugin;
 mod limits;
 mod oci_registry;
+mod plugin_config;
 mod python_plugin;
 mod resp_redis;
 mod tiering;
