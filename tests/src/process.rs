@@ -13,9 +13,9 @@ use std::process::Command;
 /// the process (`PR_SET_PDEATHSIG` follows the forking thread).
 pub(crate) fn dies_with_parent(cmd: &mut Command) {
     let parent = std::process::id();
+    #[allow(unsafe_code)] // pre_exec; see the SAFETY comment below.
     // SAFETY: the closure runs between fork and exec, where only
     // async-signal-safe calls are allowed; prctl, getppid and _exit are.
-    #[allow(unsafe_code)] // pre_exec; see the SAFETY comment above.
     unsafe {
         cmd.pre_exec(move || {
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {

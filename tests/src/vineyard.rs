@@ -22,22 +22,30 @@ const IN_NAMESPACE: &str = "KVPLANE_TEST_PRIVATE_NETWORK";
 /// How long vineyardd may take to listen.
 const START_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Runs test `name` of this test binary again inside a fresh network
+/// Runs test `test` of this test binary again inside a fresh network
 /// namespace, and answers false: the caller returns, its verdict is the
 /// child's. Inside that child it brings the loopback device up and answers
 /// true: the caller runs the test's body there.
 ///
-/// `name` is the test's path as libtest lists it (a top-level test function
-/// of an integration test: its name).
-pub fn in_private_network(name: &str) -> bool {
+/// `module` is the caller's `module_path!()`: with the test function's name
+/// it gives the test's path as libtest lists it (`vineyard::NAME` in a
+/// `tests/all` binary, `NAME` at a binary's root). The child must run
+/// exactly that one test: a name that matched nothing would pass without
+/// having run anything.
+pub fn in_private_network(module: &str, test: &str) -> bool {
     if std::env::var_os(IN_NAMESPACE).is_some() {
         loopback_up();
         return true;
     }
+    // module_path!() starts with the crate's name, which libtest leaves out.
+    let name = match module.split_once("::") {
+        Some((_, path)) => format!("{path}::{test}"),
+        None => test.to_owned(),
+    };
     let exe = std::env::current_exe().expect("the path of this test binary");
     let mut cmd = Command::new("unshare");
     cmd.arg("--user").arg("--map-root-user").arg("--net").arg(&exe);
-    cmd.args([name, "--exact", "--nocapture", "--test-threads=1"]).env(IN_NAMESPACE, "1");
+    cmd.args([name.as_str(), "--exact", "--nocapture", "--test-threads=1"]).env(IN_NAMESPACE, "1");
     crate::process::dies_with_parent(&mut cmd);
     let out = cmd.output().unwrap_or_else(|e| panic!("running {name} under `unshare --user --map-root-user --net` (util-linux): {e}"));
     // Passed on through this test's own output (captured like any other),
@@ -47,15 +55,18 @@ pub fn in_private_network(name: &str) -> bool {
         println!("[private network] {line}");
     }
     assert!(out.status.success(), "{name}, run inside a private network namespace, failed ({}); its output is above", out.status);
+    // libtest's summary of the child run: exactly one test, passed.
+    let ran = String::from_utf8_lossy(&out.stdout).lines().any(|l| l.starts_with("test result: ok. 1 passed;"));
+    assert!(ran, "{name} did not run inside the private network namespace (no test of that name there); its output is above");
     false
 }
 
 /// `ip link set lo up`, without needing iproute2: a new network namespace's
 /// loopback device starts down.
 fn loopback_up() {
+    #[allow(unsafe_code)] // ioctl; see the SAFETY comment below.
     // SAFETY: plain system calls on a socket this function owns and closes,
     // with an `ifreq` that lives on the stack for their duration.
-    #[allow(unsafe_code)] // ioctl; see the SAFETY comment above.
     unsafe {
         let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
         assert!(fd >= 0, "a socket to configure the loopback device: {}", std::io::Error::last_os_error());

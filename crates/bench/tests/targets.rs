@@ -45,7 +45,7 @@ fn moved_all(r: &BenchReport) {
 
 #[test]
 fn the_native_vineyard_client_stores_and_reads_blocks_in_vineyardd() {
-    if !in_private_network("the_native_vineyard_client_stores_and_reads_blocks_in_vineyardd") {
+    if !in_private_network(module_path!(), "the_native_vineyard_client_stores_and_reads_blocks_in_vineyardd") {
         return;
     }
     let server = VineyardServer::start();

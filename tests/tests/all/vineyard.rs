@@ -51,7 +51,7 @@ fn block(i: usize) -> Bytes {
 
 #[tokio::test]
 async fn vineyard_passes_the_backend_kit_against_vineyardd() {
-    if !in_private_network("vineyard_passes_the_backend_kit_against_vineyardd") {
+    if !in_private_network(module_path!(), "vineyard_passes_the_backend_kit_against_vineyardd") {
         return;
     }
     let server = VineyardServer::start();
@@ -63,7 +63,7 @@ async fn vineyard_passes_the_backend_kit_against_vineyardd() {
 
 #[tokio::test]
 async fn sixteen_64k_blocks_round_trip_and_deleted_ones_are_not_found() {
-    if !in_private_network("sixteen_64k_blocks_round_trip_and_deleted_ones_are_not_found") {
+    if !in_private_network(module_path!(), "sixteen_64k_blocks_round_trip_and_deleted_ones_are_not_found") {
         return;
     }
     let server = VineyardServer::start();
@@ -148,7 +148,7 @@ impl RawClient {
 /// the plugin may queue before a flush.
 #[tokio::test]
 async fn a_batch_larger_than_the_queued_bytes_limit_is_stored() {
-    if !in_private_network("a_batch_larger_than_the_queued_bytes_limit_is_stored") {
+    if !in_private_network(module_path!(), "a_batch_larger_than_the_queued_bytes_limit_is_stored") {
         return;
     }
     let server = VineyardServer::start();
@@ -171,7 +171,7 @@ async fn a_batch_larger_than_the_queued_bytes_limit_is_stored() {
 /// nothing, and keeps serving.
 #[tokio::test]
 async fn a_full_store_is_capacity_and_keeps_serving() {
-    if !in_private_network("a_full_store_is_capacity_and_keeps_serving") {
+    if !in_private_network(module_path!(), "a_full_store_is_capacity_and_keeps_serving") {
         return;
     }
     let server = VineyardServer::with_size("8Mi");
@@ -187,7 +187,7 @@ async fn a_full_store_is_capacity_and_keeps_serving() {
 
 #[tokio::test]
 async fn namespaces_and_prefixes_keep_keys_apart() {
-    if !in_private_network("namespaces_and_prefixes_keep_keys_apart") {
+    if !in_private_network(module_path!(), "namespaces_and_prefixes_keep_keys_apart") {
         return;
     }
     let server = VineyardServer::start();
@@ -214,7 +214,7 @@ async fn namespaces_and_prefixes_keep_keys_apart() {
 
 #[tokio::test]
 async fn a_killed_vineyardd_is_unavailable_and_a_restarted_one_serves_again() {
-    if !in_private_network("a_killed_vineyardd_is_unavailable_and_a_restarted_one_serves_again") {
+    if !in_private_network(module_path!(), "a_killed_vineyardd_is_unavailable_and_a_restarted_one_serves_again") {
         return;
     }
     let mut server = VineyardServer::start();

@@ -288,17 +288,10 @@ async fn the_redis_example_writes_every_block_to_redis() {
     assert!(stop(second).await.success());
 }
 
-/// This test's path as libtest names it (`examples::NAME`), for a re-run of
-/// it alone.
-fn test_path(name: &str) -> String {
-    let module = module_path!().split_once("::").map_or(module_path!(), |(_, rest)| rest);
-    format!("{module}::{name}")
-}
-
 #[test]
 fn the_vineyard_example_copies_hot_blocks_to_vineyardd() {
     use kvplane_tests::vineyard::{in_private_network, VineyardServer};
-    if !in_private_network(&test_path("the_vineyard_example_copies_hot_blocks_to_vineyardd")) {
+    if !in_private_network(module_path!(), "the_vineyard_example_copies_hot_blocks_to_vineyardd") {
         return;
     }
     println!("running inside a private network namespace");

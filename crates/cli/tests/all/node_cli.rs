@@ -298,7 +298,7 @@ fn the_config_rendered_for_the_redis_example_serves_with_that_second_tier() {
 #[test]
 fn the_config_rendered_for_the_vineyard_tier_example_serves_with_that_second_tier() {
     use kvplane_tests::vineyard::{in_private_network, VineyardServer};
-    if !in_private_network("the_config_rendered_for_the_vineyard_tier_example_serves_with_that_second_tier") {
+    if !in_private_network(module_path!(), "the_config_rendered_for_the_vineyard_tier_example_serves_with_that_second_tier") {
         return;
     }
     let vineyardd = VineyardServer::start();
