@@ -7,7 +7,7 @@
 //! this again after a change to the wire format.
 
 use bytes::Bytes;
-use kvplane_protocol::rdma::{Descriptor, Endpoint, Gid};
+use kvplane_protocol::rdma::{Descriptor, QueuePairEndpoint, Gid};
 use kvplane_protocol::{
     decode, encode, Block, ErrorCode, Features, Frame, Hello, HelloAck, Limits, PutEntry, Request, Response, StatEntry,
 };
@@ -58,10 +58,10 @@ fn seeds() -> Vec<(&'static str, Frame)> {
 }
 
 /// A RoCE endpoint whose GID ends in `tail` (an IPv4-mapped address).
-fn endpoint(tail: [u8; 6], qp_num: u32, psn: u32) -> Endpoint {
+fn endpoint(tail: [u8; 6], qp_num: u32, psn: u32) -> QueuePairEndpoint {
     let mut gid = [0u8; 16];
     gid[10..].copy_from_slice(&tail);
-    Endpoint { gid: Gid(gid), lid: 0, qp_num, psn }
+    QueuePairEndpoint { gid: Gid(gid), lid: 0, qp_num, psn }
 }
 
 /// The descriptor of docs/protocol.md's worked example (the block `hello`).

@@ -32,7 +32,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use bytes::Bytes;
-use kvplane_client::{Client as NodeClient, ClientConfig, ClusterClient, ClusterConfig, Endpoint, ErrorKind, KvError, PrefixMatch};
+use kvplane_client::{Client as NodeClient, ClientConfig, ClusterClient, ClusterClientConfig, Endpoint, ErrorKind, KvError, PrefixMatch};
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
@@ -424,7 +424,7 @@ impl Client {
         let rt = runtime()?;
         let what = endpoints.join(", ");
         let target = if cluster {
-            let mut config = ClusterConfig::new(parsed);
+            let mut config = ClusterClientConfig::new(parsed);
             config.token = token;
             config.timeout = timeout;
             config.write_quorum = write_quorum;

@@ -184,7 +184,7 @@ async fn cluster_client(endpoint: &str, token: Option<String>, connections: usiz
     let seeds =
         endpoint.split(',').map(|e| e.parse().map_err(anyhow::Error::from)).collect::<anyhow::Result<Vec<kvplane_client::Endpoint>>>()?;
     let expected = seeds.len();
-    let mut config = kvplane_client::ClusterConfig::new(seeds);
+    let mut config = kvplane_client::ClusterClientConfig::new(seeds);
     config.connections = connections.max(1);
     config.token = token;
     let client =

@@ -29,7 +29,7 @@ const TABLE_WAIT: Duration = Duration::from_secs(30);
 
 /// How to reach a cluster.
 #[derive(Debug, Clone)]
-pub struct ClusterConfig {
+pub struct ClusterClientConfig {
     /// Nodes to ask for the first table (any one that answers will do).
     pub seeds: Vec<Endpoint>,
     /// Bearer token the nodes require.
@@ -43,15 +43,15 @@ pub struct ClusterConfig {
     pub write_quorum: Option<usize>,
 }
 
-impl ClusterConfig {
-    pub fn new(seeds: Vec<Endpoint>) -> ClusterConfig {
-        ClusterConfig { seeds, token: None, connections: 2, timeout: Duration::from_secs(10), write_quorum: None }
+impl ClusterClientConfig {
+    pub fn new(seeds: Vec<Endpoint>) -> ClusterClientConfig {
+        ClusterClientConfig { seeds, token: None, connections: 2, timeout: Duration::from_secs(10), write_quorum: None }
     }
 }
 
 /// Connections to the members, opened on first use.
 struct Nodes {
-    config: ClusterConfig,
+    config: ClusterClientConfig,
     clients: Mutex<HashMap<String, Arc<Client>>>,
 }
 
@@ -89,7 +89,7 @@ impl Drop for ClusterClient {
 }
 
 /// Asks `endpoint` for a table newer than `after`, waiting up to `wait`.
-async fn fetch_table(config: &ClusterConfig, endpoint: &Endpoint, after: u64, wait: Duration) -> Result<SlotTable, KvError> {
+async fn fetch_table(config: &ClusterClientConfig, endpoint: &Endpoint, after: u64, wait: Duration) -> Result<SlotTable, KvError> {
     let mut c = ClientConfig::new(endpoint.clone());
     c.token.clone_from(&config.token);
     c.connections = 1;
@@ -110,7 +110,7 @@ async fn fetch_on(client: &Client, after: u64, wait: Duration) -> Result<SlotTab
 impl ClusterClient {
     /// Fetches the table from the first seed that answers and starts
     /// following it.
-    pub async fn connect(config: ClusterConfig) -> Result<ClusterClient, KvError> {
+    pub async fn connect(config: ClusterClientConfig) -> Result<ClusterClient, KvError> {
         let mut last = KvError::Invalid("no seed nodes given".into());
         let mut first = None;
         for seed in &config.seeds {
@@ -365,7 +365,7 @@ impl ClusterClient {
 
 /// Keeps one CLUSTER_TABLE outstanding at a time, moving to another member
 /// when the one asked fails, and publishes every newer table.
-async fn follow(config: ClusterConfig, tx: watch::Sender<Arc<SlotTable>>) {
+async fn follow(config: ClusterClientConfig, tx: watch::Sender<Arc<SlotTable>>) {
     let mut turn = 0usize;
     let mut client: Option<(String, Client)> = None;
     loop {

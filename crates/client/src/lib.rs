@@ -28,7 +28,7 @@ mod rdma;
 mod shm;
 
 pub use client::{Client, ClientConfig, PrefixMatch};
-pub use cluster::{ClusterClient, ClusterConfig};
+pub use cluster::{ClusterClient, ClusterClientConfig};
 pub use connection::Connection;
 pub use endpoint::Endpoint;
 pub use kvplane_protocol::{ErrorKind, KvError, Limits};

@@ -178,7 +178,7 @@ impl ConnRdma {
     /// RDMA_CONNECT: a queue pair for this connection, connected to the
     /// client's; answered with its endpoint. `agreed`: the handshake
     /// granted `RDMA`.
-    pub(crate) fn connect(&self, rdma: &Rdma, agreed: bool, remote: &kvplane_protocol::rdma::Endpoint) -> Response {
+    pub(crate) fn connect(&self, rdma: &Rdma, agreed: bool, remote: &kvplane_protocol::rdma::QueuePairEndpoint) -> Response {
         let offer = match (&rdma.offer, agreed) {
             (Ok(offer), true) => offer,
             _ => return rdma.refusal(),
@@ -238,7 +238,7 @@ impl ConnRdma {
 mod verbs {
     use std::sync::Arc;
 
-    use kvplane_protocol::rdma::{Descriptor, Endpoint};
+    use kvplane_protocol::rdma::{Descriptor, QueuePairEndpoint};
     use kvplane_rdma::verbs::{Device, MemoryRegion, QueuePair, RdmaError};
 
     use super::Pinned;
@@ -256,7 +256,7 @@ mod verbs {
     pub(crate) struct ConnQueuePair(QueuePair);
 
     impl ConnQueuePair {
-        pub(crate) fn endpoint(&self) -> Endpoint {
+        pub(crate) fn endpoint(&self) -> QueuePairEndpoint {
             self.0.endpoint()
         }
     }
@@ -281,7 +281,7 @@ mod verbs {
             self.device.name()
         }
 
-        pub(crate) fn connect(&self, remote: &Endpoint) -> Result<ConnQueuePair, String> {
+        pub(crate) fn connect(&self, remote: &QueuePairEndpoint) -> Result<ConnQueuePair, String> {
             let mut qp = QueuePair::new(&self.device).map_err(|e| format!("making a queue pair: {e}"))?;
             qp.connect(remote).map_err(|e| format!("connecting to the client's queue pair {:#x}: {e}", remote.qp_num))?;
             Ok(ConnQueuePair(qp))
@@ -301,7 +301,7 @@ mod verbs {
 /// Without the feature there is never an offer.
 #[cfg(not(feature = "rdma"))]
 mod verbs {
-    use kvplane_protocol::rdma::{Descriptor, Endpoint};
+    use kvplane_protocol::rdma::{Descriptor, QueuePairEndpoint};
 
     use super::Pinned;
     use crate::cache::BlockCache;
@@ -311,7 +311,7 @@ mod verbs {
     pub(crate) enum ConnQueuePair {}
 
     impl ConnQueuePair {
-        pub(crate) fn endpoint(&self) -> Endpoint {
+        pub(crate) fn endpoint(&self) -> QueuePairEndpoint {
             match *self {}
         }
     }
@@ -325,7 +325,7 @@ mod verbs {
             match *self {}
         }
 
-        pub(crate) fn connect(&self, _: &Endpoint) -> Result<ConnQueuePair, String> {
+        pub(crate) fn connect(&self, _: &QueuePairEndpoint) -> Result<ConnQueuePair, String> {
             match *self {}
         }
 
@@ -436,7 +436,7 @@ mod tests {
         }
         assert!(!rdma.offered());
         let conn = ConnRdma::default();
-        let endpoint = kvplane_protocol::rdma::Endpoint { gid: kvplane_protocol::rdma::Gid::default(), lid: 1, qp_num: 1, psn: 1 };
+        let endpoint = kvplane_protocol::rdma::QueuePairEndpoint { gid: kvplane_protocol::rdma::Gid::default(), lid: 1, qp_num: 1, psn: 1 };
         for (response, agreed) in [
             (conn.connect(&rdma, true, &endpoint), true),
             (conn.describe(&rdma, true, &cache, &[Bytes::from_static(b"a")], 100, 1000), true),

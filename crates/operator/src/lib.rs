@@ -13,11 +13,11 @@ pub(crate) mod conditions;
 #[allow(unreachable_pub)]
 pub mod crd;
 pub(crate) mod leader;
-pub mod scheduling;
 pub(crate) mod plugins;
 pub(crate) mod reconcile;
 pub(crate) mod render;
 pub(crate) mod resolve;
+pub mod scheduling;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

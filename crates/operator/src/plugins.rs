@@ -17,9 +17,9 @@ use kvplane_runtime::PluginRuntime;
 
 use crate::conditions::Reason;
 use crate::crd::{PluginKind, PluginSpec, ResolvedPlugin};
-use crate::scheduling::{merge, role_placement};
 use crate::render::{pod_labels, Placements, RolePlacement, ROLE_CACHE, ROLE_ETCD};
 use crate::resolve::{Metadata, Resolved};
+use crate::scheduling::{merge, role_placement};
 
 /// Why the plugins could not be resolved or a placement rule failed: the
 /// reason goes to the `PluginsResolved` condition, the message to a person.

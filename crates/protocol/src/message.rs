@@ -11,7 +11,7 @@ use kvplane_slots::SlotTable;
 use super::error::ErrorCode;
 use super::frame::{Features, Opcode};
 use super::limits::Limits;
-use super::rdma::{Descriptor, Endpoint};
+use super::rdma::{Descriptor, QueuePairEndpoint};
 
 /// A block payload with its CRC-32C (Castagnoli).
 ///
@@ -174,7 +174,7 @@ pub enum Request {
     /// Connects the client's queue pair (`endpoint`) to one the node makes
     /// for this connection; answered with the node's endpoint.
     RdmaConnect {
-        endpoint: Endpoint,
+        endpoint: QueuePairEndpoint,
     },
 }
 
@@ -223,7 +223,7 @@ pub enum Response {
     /// The node's queue pair for this connection, now connected to the
     /// client's.
     RdmaConnect {
-        endpoint: Endpoint,
+        endpoint: QueuePairEndpoint,
     },
     /// The request as a whole failed (or, with request id 0 and no request to
     /// blame, the connection is about to close).

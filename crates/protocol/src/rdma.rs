@@ -1,6 +1,6 @@
 //! The wire forms of what `RDMA_DESCRIBE` and `RDMA_CONNECT` carry: the
 //! [`Descriptor`] of one pinned block a remote reader may READ, and the
-//! queue pair [`Endpoint`] two ends exchange to connect.
+//! queue pair [`QueuePairEndpoint`] two ends exchange to connect.
 //!
 //! They live here rather than in kvplane-rdma so that the protocol is the
 //! floor: the codec and its fuzz targets build with no RDMA code at all,
@@ -15,4 +15,4 @@ pub mod descriptor;
 pub mod endpoint;
 
 pub use descriptor::{DecodeError, Descriptor, Gid, UseError};
-pub use endpoint::{Endpoint, ENDPOINT_LEN};
+pub use endpoint::{QueuePairEndpoint, ENDPOINT_LEN};

@@ -6,7 +6,7 @@
 //! everything after `#` is a comment and the rest is bytes as two-digit hex.
 
 use bytes::Bytes;
-use kvplane_protocol::rdma::{Descriptor, Endpoint, Gid};
+use kvplane_protocol::rdma::{Descriptor, Gid, QueuePairEndpoint};
 use kvplane_protocol::{
     decode, encode, Block, ErrorCode, Features, Frame, Hello, HelloAck, Limits, Opcode, Request, Response, DEFAULT_MAX_BATCH_KEYS,
     DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_KEY_BYTES, DEFAULT_MAX_LEASE_MS, HEADER_LEN, MAX_ERROR_MESSAGE_BYTES, MAX_STATS_ENTRIES,
@@ -65,10 +65,10 @@ fn examples() -> Vec<(&'static str, Frame)> {
 }
 
 /// A RoCE client's queue pair: GID ::ffff:10.0.0.2, queue pair 0x000456.
-fn client_endpoint() -> Endpoint {
+fn client_endpoint() -> QueuePairEndpoint {
     let mut gid = [0u8; 16];
     gid[10..].copy_from_slice(&[0xff, 0xff, 10, 0, 0, 2]);
-    Endpoint { gid: Gid(gid), lid: 0, qp_num: 0x456, psn: 0x1234 }
+    QueuePairEndpoint { gid: Gid(gid), lid: 0, qp_num: 0x456, psn: 0x1234 }
 }
 
 /// The block `hello` at 0x7f3a00200000 of a node at ::ffff:10.0.0.1, queue

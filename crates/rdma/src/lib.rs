@@ -19,7 +19,7 @@
 //!
 //! What is not: the two wire forms every peer shares, [`Descriptor`] (what
 //! a remote reader needs for one block: GID/LID and queue pair of the node,
-//! address, rkey, length, CRC-32C, lease and its expiry) and [`Endpoint`]
+//! address, rkey, length, CRC-32C, lease and its expiry) and [`QueuePairEndpoint`]
 //! (what a queue pair needs to connect to its peer's). `RDMA_DESCRIBE` and
 //! `RDMA_CONNECT` carry them, so they live in kvplane-protocol
 //! ([`kvplane_protocol::rdma`]), which builds without any of this; this
@@ -35,6 +35,6 @@ pub mod transport;
 #[allow(unsafe_code)]
 pub mod verbs;
 
-pub use kvplane_protocol::rdma::{DecodeError, Descriptor, Endpoint, Gid, UseError, ENDPOINT_LEN};
+pub use kvplane_protocol::rdma::{DecodeError, Descriptor, Gid, QueuePairEndpoint, UseError, ENDPOINT_LEN};
 pub use lease::{Lease, LeaseError, LeaseId, Leases};
 pub use transport::{choose, get, Fallback, Fetched, Path};

@@ -32,7 +32,7 @@ use ibverbs_sys as ffi;
 
 use crate::lease::Lease;
 use kvplane_protocol::rdma::descriptor::{DecodeError, Descriptor, Gid, UseError, ENCODED_LEN};
-pub use kvplane_protocol::rdma::endpoint::{Endpoint, ENDPOINT_LEN};
+pub use kvplane_protocol::rdma::endpoint::{QueuePairEndpoint, ENDPOINT_LEN};
 
 /// The port every queue pair uses: the first (most devices have one).
 const PORT: u8 = 1;
@@ -340,7 +340,7 @@ pub struct QueuePair {
     cq: NonNull<ffi::ibv_cq>,
     qp: NonNull<ffi::ibv_qp>,
     psn: u32,
-    remote: Option<Endpoint>,
+    remote: Option<QueuePairEndpoint>,
     broken: bool,
 }
 
@@ -411,12 +411,12 @@ impl QueuePair {
     }
 
     /// What the peer needs to connect to this queue pair.
-    pub fn endpoint(&self) -> Endpoint {
-        Endpoint { gid: self.dev.gid, lid: self.dev.lid, qp_num: self.qp_num(), psn: self.psn }
+    pub fn endpoint(&self) -> QueuePairEndpoint {
+        QueuePairEndpoint { gid: self.dev.gid, lid: self.dev.lid, qp_num: self.qp_num(), psn: self.psn }
     }
 
     /// Connects to the peer's queue pair (INIT -> RTR -> RTS).
-    pub fn connect(&mut self, remote: &Endpoint) -> Result<(), RdmaError> {
+    pub fn connect(&mut self, remote: &QueuePairEndpoint) -> Result<(), RdmaError> {
         let global = remote.gid != Gid::default();
         let mut attr = ffi::ibv_qp_attr {
             qp_state: ffi::ibv_qp_state::IBV_QPS_RTR,
@@ -582,7 +582,7 @@ fn exchange(stream: &mut TcpStream, qp: &mut QueuePair) -> Result<(), RdmaError>
     stream.write_all(&qp.endpoint().encode()).map_err(side)?;
     let mut b = [0u8; ENDPOINT_LEN];
     stream.read_exact(&mut b).map_err(side)?;
-    let remote = Endpoint::decode(&b).map_err(side)?;
+    let remote = QueuePairEndpoint::decode(&b).map_err(side)?;
     qp.connect(&remote)
 }
 

@@ -16,7 +16,7 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use kvplane_rdma::verbs::{self, Device, Endpoint, RdmaError};
+use kvplane_rdma::verbs::{self, Device, QueuePairEndpoint, RdmaError};
 use kvplane_rdma::{choose, Descriptor, Gid, Leases, Path, UseError};
 
 /// Whether the kernel lists any RDMA device (what libibverbs would open).
@@ -53,11 +53,11 @@ fn open_without_a_device_is_no_device() {
 
 #[test]
 fn endpoint_round_trip() {
-    let e = Endpoint { gid: Gid([9; 16]), lid: 3, qp_num: 0x12_3456, psn: 0xab_cdef };
-    assert_eq!(Endpoint::decode(&e.encode()).unwrap(), e);
+    let e = QueuePairEndpoint { gid: Gid([9; 16]), lid: 3, qp_num: 0x12_3456, psn: 0xab_cdef };
+    assert_eq!(QueuePairEndpoint::decode(&e.encode()).unwrap(), e);
     let mut b = e.encode();
     b[0] = 0;
-    assert_eq!(Endpoint::decode(&b).unwrap_err().kind(), std::io::ErrorKind::InvalidData);
+    assert_eq!(QueuePairEndpoint::decode(&b).unwrap_err().kind(), std::io::ErrorKind::InvalidData);
 }
 
 #[test]

@@ -33,7 +33,7 @@ wasmtime::component::bindgen!({
     additional_derives: [PartialEq],
     with: {
         "kvplane:plugin/buffers.buffer": crate::buffer::BlockBuffer,
-        "kvplane:plugin/transport.connection": crate::transport::Connection,
+        "kvplane:plugin/transport.connection": crate::transport::PluginConnection,
         "kvplane:plugin/driver.session": crate::driver::DriverSession,
     },
 });

@@ -95,7 +95,7 @@ pub use kvplane_config::FailurePolicy;
 /// Resource limits of one plugin instance: everything a plugin can make the
 /// host spend is bounded here, and past a bound the plugin gets `capacity`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Limits {
+pub struct InstanceLimits {
     /// Cap on the linear memory of each instance, in bytes.
     pub memory_bytes: u64,
     /// Deadline of every call into the plugin, including host I/O it waits on.
@@ -118,9 +118,9 @@ pub struct Limits {
     pub metric_series: u32,
 }
 
-impl Default for Limits {
+impl Default for InstanceLimits {
     fn default() -> Self {
-        Limits {
+        InstanceLimits {
             memory_bytes: 64 << 20,
             timeout: Duration::from_secs(2),
             max_instances: 4,
@@ -146,7 +146,7 @@ pub struct PluginDecl {
     pub sha256: Option<String>,
     /// Passed to the plugin's `open` / `configure`.
     pub config: BTreeMap<String, String>,
-    pub limits: Limits,
+    pub limits: InstanceLimits,
     pub failure_policy: FailurePolicy,
     /// What the plugin may connect to (see [`EndpointRule`]). Nothing else
     /// is reachable.
@@ -167,7 +167,7 @@ impl PluginDecl {
             source,
             sha256: None,
             config: BTreeMap::new(),
-            limits: Limits::default(),
+            limits: InstanceLimits::default(),
             failure_policy: FailurePolicy::default(),
             allowed_endpoints: Vec::new(),
             drivers: BTreeMap::new(),

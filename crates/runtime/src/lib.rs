@@ -32,7 +32,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 pub use buffer::WritableMemory;
-pub use decl::{EndpointRule, FailurePolicy, Limits, PluginDecl, PluginSource, World};
+pub use decl::{EndpointRule, FailurePolicy, InstanceLimits, PluginDecl, PluginSource, World};
 pub use engine::PluginEngine;
 pub use error::{Fault, LoadError, PluginError};
 pub use inspect::{ComponentInfo, HOST_WIT_VERSION};

@@ -83,7 +83,7 @@ impl AsyncWrite for QuickAck {
 }
 
 /// One open connection, owned by the plugin instance's resource table.
-pub struct Connection {
+pub struct PluginConnection {
     endpoint: String,
     stream: BufReader<Box<dyn Stream>>,
     /// Segments queued by `write` / `write-buffer`, sent by `flush`: control
@@ -96,9 +96,9 @@ pub struct Connection {
     broken: Option<String>,
 }
 
-impl std::fmt::Debug for Connection {
+impl std::fmt::Debug for PluginConnection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Connection").field("endpoint", &self.endpoint).finish()
+        f.debug_struct("PluginConnection").field("endpoint", &self.endpoint).finish()
     }
 }
 
@@ -123,9 +123,9 @@ async fn bounded<T>(
     })
 }
 
-impl Connection {
-    fn new(endpoint: String, stream: Box<dyn Stream>) -> Connection {
-        Connection {
+impl PluginConnection {
+    fn new(endpoint: String, stream: Box<dyn Stream>) -> PluginConnection {
+        PluginConnection {
             endpoint,
             stream: BufReader::with_capacity(READ_BUFFER, stream),
             pending: VecDeque::new(),
@@ -240,7 +240,7 @@ impl Connection {
 }
 
 impl HostState {
-    fn queue(&mut self, conn: &Resource<Connection>, bytes: QueuedBytes) -> wasmtime::Result<Result<(), Error>> {
+    fn queue(&mut self, conn: &Resource<PluginConnection>, bytes: QueuedBytes) -> wasmtime::Result<Result<(), Error>> {
         let len = bytes.len() as u64;
         let limit = self.shared.decl.limits.queued_bytes;
         if let Err(e) = self.check_limit("queued-bytes", self.usage.queued_bytes, len, limit) {
@@ -265,11 +265,15 @@ impl HostState {
         Ok(Ok(()))
     }
 
-    fn admit_connection(&mut self, endpoint: String, stream: Box<dyn Stream>) -> wasmtime::Result<Result<Resource<Connection>, Error>> {
+    fn admit_connection(
+        &mut self,
+        endpoint: String,
+        stream: Box<dyn Stream>,
+    ) -> wasmtime::Result<Result<Resource<PluginConnection>, Error>> {
         if let Err(e) = self.admit(HandleKind::Connection) {
             return Ok(Err(e));
         }
-        Ok(Ok(self.table.push(Connection::new(endpoint, stream))?))
+        Ok(Ok(self.table.push(PluginConnection::new(endpoint, stream))?))
     }
 }
 
@@ -309,7 +313,7 @@ impl QueuedBytes {
 impl transport::Host for HostState {}
 
 impl transport::HostConnection for HostState {
-    async fn connect(&mut self, endpoint: String) -> wasmtime::Result<Result<Resource<Connection>, Error>> {
+    async fn connect(&mut self, endpoint: String) -> wasmtime::Result<Result<Resource<PluginConnection>, Error>> {
         // Count the handle before any I/O, so a plugin past its limit costs
         // the host no connection attempt.
         let limits = self.shared.decl.limits;
@@ -336,7 +340,7 @@ impl transport::HostConnection for HostState {
         self.admit_connection(endpoint, Box::new(QuickAck(stream)))
     }
 
-    async fn connect_unix(&mut self, path: String) -> wasmtime::Result<Result<Resource<Connection>, Error>> {
+    async fn connect_unix(&mut self, path: String) -> wasmtime::Result<Result<Resource<PluginConnection>, Error>> {
         let decl = &self.shared.decl;
         if !decl.allows_unix(&path) {
             return Ok(Err(Error::Denied(format!(
@@ -355,18 +359,22 @@ impl transport::HostConnection for HostState {
         }
     }
 
-    async fn write(&mut self, conn: Resource<Connection>, bytes: Vec<u8>) -> wasmtime::Result<Result<(), Error>> {
+    async fn write(&mut self, conn: Resource<PluginConnection>, bytes: Vec<u8>) -> wasmtime::Result<Result<(), Error>> {
         self.queue(&conn, QueuedBytes::Control(bytes))
     }
 
-    async fn write_buffer(&mut self, conn: Resource<Connection>, payload: Resource<BlockBuffer>) -> wasmtime::Result<Result<(), Error>> {
+    async fn write_buffer(
+        &mut self,
+        conn: Resource<PluginConnection>,
+        payload: Resource<BlockBuffer>,
+    ) -> wasmtime::Result<Result<(), Error>> {
         match self.table.get(&payload)?.source_bytes() {
             Ok(bytes) => self.queue(&conn, QueuedBytes::Payload(bytes)),
             Err(e) => Ok(Err(e)),
         }
     }
 
-    async fn flush(&mut self, conn: Resource<Connection>) -> wasmtime::Result<Result<(), Error>> {
+    async fn flush(&mut self, conn: Resource<PluginConnection>) -> wasmtime::Result<Result<(), Error>> {
         let deadline = self.deadline;
         let c = self.table.get_mut(&conn)?;
         if let Err(e) = c.usable() {
@@ -380,7 +388,7 @@ impl transport::HostConnection for HostState {
         Ok(result)
     }
 
-    async fn read_until(&mut self, conn: Resource<Connection>, delimiter: u8, max: u32) -> wasmtime::Result<Result<Vec<u8>, Error>> {
+    async fn read_until(&mut self, conn: Resource<PluginConnection>, delimiter: u8, max: u32) -> wasmtime::Result<Result<Vec<u8>, Error>> {
         let deadline = self.deadline;
         let c = self.table.get_mut(&conn)?;
         if let Err(e) = c.usable() {
@@ -391,7 +399,7 @@ impl transport::HostConnection for HostState {
         Ok(c.check(result))
     }
 
-    async fn read_exact(&mut self, conn: Resource<Connection>, len: u32) -> wasmtime::Result<Result<Vec<u8>, Error>> {
+    async fn read_exact(&mut self, conn: Resource<PluginConnection>, len: u32) -> wasmtime::Result<Result<Vec<u8>, Error>> {
         if len > MAX_CONTROL_READ {
             return Ok(Err(Error::Invalid(format!("read-exact of {len} bytes exceeds {MAX_CONTROL_READ}; use read-into for payloads"))));
         }
@@ -406,7 +414,7 @@ impl transport::HostConnection for HostState {
         Ok(c.check(result))
     }
 
-    async fn read_buffer(&mut self, conn: Resource<Connection>, len: u64) -> wasmtime::Result<Result<Resource<BlockBuffer>, Error>> {
+    async fn read_buffer(&mut self, conn: Resource<PluginConnection>, len: u64) -> wasmtime::Result<Result<Resource<BlockBuffer>, Error>> {
         // Check before allocating: a length read off the wire is the peer's
         // word, and the plugin's budget is the host's.
         let limits = self.shared.decl.limits;
@@ -429,7 +437,11 @@ impl transport::HostConnection for HostState {
         }
     }
 
-    async fn read_into(&mut self, conn: Resource<Connection>, destination: Resource<BlockBuffer>) -> wasmtime::Result<Result<(), Error>> {
+    async fn read_into(
+        &mut self,
+        conn: Resource<PluginConnection>,
+        destination: Resource<BlockBuffer>,
+    ) -> wasmtime::Result<Result<(), Error>> {
         let deadline = self.deadline;
         let mut guard = match self.table.get(&destination)?.lock_destination().await {
             Ok(g) => g,
@@ -444,7 +456,7 @@ impl transport::HostConnection for HostState {
         Ok(c.check(result))
     }
 
-    async fn skip(&mut self, conn: Resource<Connection>, len: u64) -> wasmtime::Result<Result<(), Error>> {
+    async fn skip(&mut self, conn: Resource<PluginConnection>, len: u64) -> wasmtime::Result<Result<(), Error>> {
         let deadline = self.deadline;
         let c = self.table.get_mut(&conn)?;
         if let Err(e) = c.usable() {
@@ -462,7 +474,7 @@ impl transport::HostConnection for HostState {
         Ok(c.check(result))
     }
 
-    async fn drop(&mut self, conn: Resource<Connection>) -> wasmtime::Result<()> {
+    async fn drop(&mut self, conn: Resource<PluginConnection>) -> wasmtime::Result<()> {
         let mut c = self.table.delete(conn)?;
         let queued = c.clear_pending();
         self.usage.queued_bytes = self.usage.queued_bytes.saturating_sub(queued);

@@ -55,9 +55,16 @@ fn reachable(graph: &BTreeMap<String, BTreeSet<String>>, from: &str) -> BTreeSet
 #[test]
 fn no_data_plane_crate_depends_on_the_operator_or_kubernetes() {
     let graph = normal_graph();
-    for krate in
-        ["kvplane-protocol", "kvplane-slots", "kvplane-client", "kvplane-config", "kvplane-driver", "kvplane-runtime", "kvplane-admin", "kvplane-node"]
-    {
+    for krate in [
+        "kvplane-protocol",
+        "kvplane-slots",
+        "kvplane-client",
+        "kvplane-config",
+        "kvplane-driver",
+        "kvplane-runtime",
+        "kvplane-admin",
+        "kvplane-node",
+    ] {
         assert!(graph.contains_key(krate), "{krate} is not in the workspace");
         let deps = reachable(&graph, krate);
         for forbidden in ["kvplane-operator", "kube", "kube-client", "k8s-openapi"] {
@@ -93,11 +100,8 @@ fn the_crate_map_in_docs_matches_cargo_metadata() {
         }
         let (doc_path, doc_deps) = rows.get(name).unwrap_or_else(|| panic!("docs/architecture.md's crate map has no row for {name}"));
         assert_eq!(doc_path, path, "docs/architecture.md: {name}'s path");
-        let deps: BTreeSet<String> = graph[name]
-            .iter()
-            .filter(|d| members.contains_key(*d))
-            .map(|d| d.strip_prefix("kvplane-").unwrap_or(d).to_owned())
-            .collect();
+        let deps: BTreeSet<String> =
+            graph[name].iter().filter(|d| members.contains_key(*d)).map(|d| d.strip_prefix("kvplane-").unwrap_or(d).to_owned()).collect();
         assert_eq!(doc_deps, &deps, "docs/architecture.md: what {name} depends on (Cargo.toml says {deps:?})");
         listed.insert(name.clone());
     }
@@ -220,9 +224,12 @@ fn the_client_embeds_no_wasm_runtime_and_no_etcd_client() {
 #[test]
 fn every_host_crate_takes_the_workspace_lints() {
     let root = std::fs::read_to_string(workspace().join("Cargo.toml")).unwrap();
-    for rule in
-        ["unsafe_code = \"deny\"", "unsafe_op_in_unsafe_fn = \"deny\"", "unreachable_pub = \"deny\"", "undocumented_unsafe_blocks = \"deny\""]
-    {
+    for rule in [
+        "unsafe_code = \"deny\"",
+        "unsafe_op_in_unsafe_fn = \"deny\"",
+        "unreachable_pub = \"deny\"",
+        "undocumented_unsafe_blocks = \"deny\"",
+    ] {
         assert!(root.contains(rule), "the root Cargo.toml's [workspace.lints] lacks {rule}");
     }
     for manifest in host_manifests() {

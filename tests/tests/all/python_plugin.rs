@@ -5,8 +5,8 @@
 use std::time::{Duration, Instant};
 
 use kvplane_plugin_kit::conformance;
-use kvplane_slots::{Member, MemberState, SLOTS};
 use kvplane_runtime::{PluginDecl, PluginRuntime, PluginSource, World};
+use kvplane_slots::{Member, MemberState, SLOTS};
 
 fn decl() -> PluginDecl {
     let mut d = PluginDecl::new("python-ring", World::KeyPlacement, PluginSource::File(kvplane_tests::PYTHON_RING.into()));

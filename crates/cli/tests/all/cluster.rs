@@ -13,7 +13,7 @@ use std::time::Duration;
 use crate::{etcd, support};
 use bytes::Bytes;
 use etcd::{eventually, EtcdCluster, Proxy};
-use kvplane_client::{ClusterClient, ClusterConfig, Endpoint, KvError};
+use kvplane_client::{ClusterClient, ClusterClientConfig, Endpoint, KvError};
 use support::{run, text, NodeProcess};
 
 /// Far longer than any state here should take to reach.
@@ -40,7 +40,7 @@ fn node(dir: &std::path::Path, id: &str, etcd: &[String], replicas: u32) -> Node
 }
 
 async fn client(seed: &NodeProcess, write_quorum: usize) -> ClusterClient {
-    let mut config = ClusterConfig::new(vec![Endpoint::Tcp(seed.endpoint.clone())]);
+    let mut config = ClusterClientConfig::new(vec![Endpoint::Tcp(seed.endpoint.clone())]);
     config.write_quorum = Some(write_quorum);
     config.timeout = Duration::from_secs(5);
     ClusterClient::connect(config).await.expect("the cluster client connects")
@@ -195,7 +195,7 @@ async fn a_node_cut_off_from_etcd_leaves_the_table_when_its_lease_lapses() {
     let out = run(&["stats", "--endpoint", &n2.endpoint, "--json"]);
     let stats: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|_| panic!("{}", text(&out)));
     assert_eq!(stats["cluster_registered"], 0, "{stats}");
-    let mut config = ClusterConfig::new(vec![Endpoint::Tcp(n2.endpoint.clone())]);
+    let mut config = ClusterClientConfig::new(vec![Endpoint::Tcp(n2.endpoint.clone())]);
     config.timeout = Duration::from_secs(5);
     match ClusterClient::connect(config).await {
         Err(KvError::Unavailable(m)) => assert!(m.contains("no longer registered"), "{m}"),

@@ -108,7 +108,12 @@ async fn a_node_without_rdma_never_grants_it_refuses_its_requests_and_keeps_serv
             let refusals = [
                 Request::RdmaDescribe { keys: vec![key("k1")], lease_ms: 1_000 },
                 Request::RdmaConnect {
-                    endpoint: kvplane_rdma::Endpoint { gid: kvplane_rdma::Gid([1; 16]), lid: 0, qp_num: 0x11, psn: 0x22 },
+                    endpoint: kvplane_protocol::rdma::QueuePairEndpoint {
+                        gid: kvplane_protocol::rdma::Gid([1; 16]),
+                        lid: 0,
+                        qp_num: 0x11,
+                        psn: 0x22,
+                    },
                 },
                 // A lease of 0 is refused for the same reason first: there is no RDMA.
                 Request::RdmaDescribe { keys: vec![key("k1"), key("missing")], lease_ms: 0 },

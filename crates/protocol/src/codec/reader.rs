@@ -7,7 +7,7 @@ use super::Meta;
 use crate::error::ProtocolError;
 use crate::limits::Limits;
 use crate::message::{Message, Request, Response};
-use crate::rdma::{Endpoint, ENDPOINT_LEN};
+use crate::rdma::{QueuePairEndpoint, ENDPOINT_LEN};
 
 /// A frame's meta being decoded: the cursor over it, the limits it is held
 /// to and how many payload bytes the header says follow it.
@@ -89,10 +89,10 @@ impl Reader {
     }
 
     /// A queue pair endpoint in its own wire form.
-    pub(super) fn endpoint(&mut self, field: &'static str) -> Result<Endpoint, ProtocolError> {
+    pub(super) fn endpoint(&mut self, field: &'static str) -> Result<QueuePairEndpoint, ProtocolError> {
         let mut raw = [0u8; ENDPOINT_LEN];
         raw.copy_from_slice(self.take(ENDPOINT_LEN, field)?);
-        Endpoint::decode(&raw).map_err(|e| ProtocolError::malformed(field, e.to_string()))
+        QueuePairEndpoint::decode(&raw).map_err(|e| ProtocolError::malformed(field, e.to_string()))
     }
 
     pub(super) fn bytes(&mut self, n: usize, field: &'static str) -> Result<Bytes, ProtocolError> {

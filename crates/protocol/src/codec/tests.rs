@@ -70,8 +70,8 @@ fn descriptor() -> crate::rdma::Descriptor {
     }
 }
 
-fn endpoint() -> crate::rdma::Endpoint {
-    crate::rdma::Endpoint { gid: crate::rdma::Gid([7; 16]), lid: 2, qp_num: 0x11, psn: 0x42 }
+fn endpoint() -> crate::rdma::QueuePairEndpoint {
+    crate::rdma::QueuePairEndpoint { gid: crate::rdma::Gid([7; 16]), lid: 2, qp_num: 0x11, psn: 0x42 }
 }
 
 #[test]

@@ -20,7 +20,7 @@ pub const MAX_PSN: u32 = (1 << 24) - 1;
 
 /// What the peer's queue pair needs to connect to this one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Endpoint {
+pub struct QueuePairEndpoint {
     pub gid: Gid,
     pub lid: u16,
     /// Queue pair number (24 bits).
@@ -29,7 +29,7 @@ pub struct Endpoint {
     pub psn: u32,
 }
 
-impl Endpoint {
+impl QueuePairEndpoint {
     /// The wire form: magic, gid (16), lid (2), qp_num (4), psn (4), all
     /// big-endian.
     pub fn encode(&self) -> [u8; ENDPOINT_LEN] {
@@ -42,16 +42,16 @@ impl Endpoint {
         b
     }
 
-    /// Parses [`Endpoint::encode`]'s form; `InvalidData`, naming the field,
+    /// Parses [`QueuePairEndpoint::encode`]'s form; `InvalidData`, naming the field,
     /// for another magic or a queue pair number or PSN wider than 24 bits.
-    pub fn decode(b: &[u8; ENDPOINT_LEN]) -> io::Result<Endpoint> {
+    pub fn decode(b: &[u8; ENDPOINT_LEN]) -> io::Result<QueuePairEndpoint> {
         let invalid = |msg: String| io::Error::new(io::ErrorKind::InvalidData, msg);
         if b[..4] != ENDPOINT_MAGIC {
             return Err(invalid(format!("field `magic`: {:02x?} is not a queue pair endpoint", &b[..4])));
         }
         let mut gid = [0u8; 16];
         gid.copy_from_slice(&b[4..20]);
-        let e = Endpoint {
+        let e = QueuePairEndpoint {
             gid: Gid(gid),
             lid: u16::from_be_bytes([b[20], b[21]]),
             qp_num: u32::from_be_bytes([b[22], b[23], b[24], b[25]]),
@@ -73,14 +73,14 @@ mod tests {
 
     #[test]
     fn round_trip_and_refusals_name_the_field() {
-        let e = Endpoint { gid: Gid([9; 16]), lid: 3, qp_num: 0x12_3456, psn: 0xab_cdef };
-        assert_eq!(Endpoint::decode(&e.encode()).unwrap(), e);
+        let e = QueuePairEndpoint { gid: Gid([9; 16]), lid: 3, qp_num: 0x12_3456, psn: 0xab_cdef };
+        assert_eq!(QueuePairEndpoint::decode(&e.encode()).unwrap(), e);
         let mut b = e.encode();
         b[0] = 0;
-        assert!(Endpoint::decode(&b).unwrap_err().to_string().contains("`magic`"));
-        let wide = Endpoint { qp_num: 1 << 24, ..e }.encode();
-        assert!(Endpoint::decode(&wide).unwrap_err().to_string().contains("`qp_num`"));
-        let wide = Endpoint { psn: 1 << 24, ..e }.encode();
-        assert!(Endpoint::decode(&wide).unwrap_err().to_string().contains("`psn`"));
+        assert!(QueuePairEndpoint::decode(&b).unwrap_err().to_string().contains("`magic`"));
+        let wide = QueuePairEndpoint { qp_num: 1 << 24, ..e }.encode();
+        assert!(QueuePairEndpoint::decode(&wide).unwrap_err().to_string().contains("`qp_num`"));
+        let wide = QueuePairEndpoint { psn: 1 << 24, ..e }.encode();
+        assert!(QueuePairEndpoint::decode(&wide).unwrap_err().to_string().contains("`psn`"));
     }
 }
