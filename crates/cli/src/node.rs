@@ -159,6 +159,10 @@ pub(crate) async fn run(args: NodeArgs) -> anyhow::Result<ExitCode> {
         }
     }
     let policy = config.cache.policy;
+    // The handlers go in before the node serves: a SIGTERM that came once
+    // the port answered but before they were installed would kill the node
+    // (the default action) instead of draining it.
+    let stop = StopSignals::install()?;
     let node = Node::start_with_registry(config, registry).await?;
     let mut parts = Vec::new();
     if let Some(a) = node.tcp_addr() {
@@ -175,7 +179,7 @@ pub(crate) async fn run(args: NodeArgs) -> anyhow::Result<ExitCode> {
         parts.join(", "),
         memory >> 20
     );
-    wait_for_signal().await?;
+    stop.wait().await?;
     eprintln!("kvplane node: draining");
     if cluster_file.as_ref().is_some_and(|f| f.cluster.is_some()) {
         match node.hand_off().await {
@@ -189,12 +193,27 @@ pub(crate) async fn run(args: NodeArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-async fn wait_for_signal() -> anyhow::Result<()> {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
-    tokio::select! {
-        _ = term.recv() => {}
-        r = tokio::signal::ctrl_c() => r.context("installing the SIGINT handler")?,
+/// SIGTERM and SIGINT, caught from the moment [`StopSignals::install`]
+/// returns.
+struct StopSignals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl StopSignals {
+    fn install() -> anyhow::Result<StopSignals> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(StopSignals {
+            term: signal(SignalKind::terminate()).context("installing the SIGTERM handler")?,
+            int: signal(SignalKind::interrupt()).context("installing the SIGINT handler")?,
+        })
     }
-    Ok(())
+
+    async fn wait(mut self) -> anyhow::Result<()> {
+        tokio::select! {
+            _ = self.term.recv() => {}
+            _ = self.int.recv() => {}
+        }
+        Ok(())
+    }
 }

@@ -16,7 +16,7 @@
 use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::process::{ExitStatus, Stdio};
+use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -162,8 +162,11 @@ fn start(config: &Path, dir: &Path, env: &[(&str, &str)]) -> NodeProcess {
 }
 
 /// SIGTERM, and the exit status once the node drained.
-async fn stop(node: NodeProcess) -> ExitStatus {
-    tokio::task::spawn_blocking(move || node.sigterm_and_wait()).await.unwrap()
+/// SIGTERM, and the node must drain and exit 0; its log is shown if not.
+async fn stop(node: NodeProcess) {
+    let log = std::sync::Arc::clone(&node.log);
+    let status = tokio::task::spawn_blocking(move || node.sigterm_and_wait()).await.unwrap();
+    assert!(status.success(), "node exit after SIGTERM: {status}; it said:\n{}", log.lock().unwrap().join("\n"));
 }
 
 fn said(node: &NodeProcess) -> String {
@@ -244,7 +247,7 @@ async fn the_memory_example_serves_from_its_memory_tier() {
     put(&c, "examples/memory/block0").await;
     get(&c, "examples/memory/block0").await;
     assert_eq!(stat(&c, "hits").await, 1);
-    assert!(stop(node).await.success());
+    stop(node).await;
 }
 
 /// `redis.json` with a password, given as a user would: through the
@@ -278,14 +281,14 @@ async fn the_redis_example_writes_every_block_to_redis() {
     let ttl: u64 = replies[3].strip_prefix(':').and_then(|t| t.parse().ok()).unwrap_or_else(|| panic!("TTL {stored}: {replies:?}"));
     let most: u64 = config["ttl-seconds"].parse().unwrap();
     assert!(ttl > 0 && ttl <= most, "{stored} expires in {ttl} s, not within the config's {most} s");
-    assert!(stop(first).await.success());
+    stop(first).await;
 
     // A fresh node holds nothing in memory: the block comes from redis.
     let second = start(&path, dir.path(), &env);
     let c = client(&second).await;
     get(&c, key).await;
     assert_eq!(stat(&c, "backend_hits").await, 1, "the block was not read back from redis");
-    assert!(stop(second).await.success());
+    stop(second).await;
 }
 
 #[test]
@@ -312,13 +315,13 @@ fn the_vineyard_example_copies_hot_blocks_to_vineyardd() {
             get(&c, key).await;
         }
         wait_for_stat(&c, "tier_ingest_stored", 1).await;
-        assert!(stop(first).await.success());
+        stop(first).await;
 
         let second = start(&path, dir.path(), &[]);
         let c = client(&second).await;
         get(&c, key).await;
         assert_eq!(stat(&c, "backend_hits").await, 1, "the block was not read back from vineyardd");
-        assert!(stop(second).await.success());
+        stop(second).await;
     });
 }
 
@@ -356,5 +359,5 @@ async fn the_cluster_example_joins_its_cluster() {
     }
     let plain = client(&node).await;
     assert_eq!(stat(&plain, "cluster_registered").await, 1);
-    assert!(stop(node).await.success());
+    stop(node).await;
 }
