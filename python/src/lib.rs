@@ -537,15 +537,18 @@ impl Client {
         no_overlap(&dests, &keys)?;
         let request = keys.clone();
         let outcome = py.detach(|| -> Result<Vec<Option<usize>>, GetFailure> {
-            // SAFETY: each (addr, len) is a writable, C-contiguous exported
-            // buffer, which stays exported until after this closure, and no
-            // two of them overlap (checked above), so these are disjoint
-            // exclusive slices for the duration of the call.
-            // `run` returns only once the task has finished with them.
+            // `run` returns only once the task has finished with the slices.
             let values = inner
                 .run(|inner| async move {
-                    let mut slices: Vec<&mut [u8]> =
-                        dests.iter().map(|&(addr, len)| unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) }).collect();
+                    let mut slices: Vec<&mut [u8]> = dests
+                        .iter()
+                        // SAFETY: each (addr, len) is a writable, C-contiguous
+                        // exported buffer, which stays exported until after
+                        // this closure, and no two of them overlap (checked
+                        // above), so these are disjoint exclusive slices for
+                        // the duration of the call.
+                        .map(|&(addr, len)| unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) })
+                        .collect();
                     inner.target.get_into(request, &mut slices).await
                 })
                 .map_err(GetFailure::Call)?;
