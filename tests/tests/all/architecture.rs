@@ -13,16 +13,22 @@ fn workspace() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ lives in the workspace")
 }
 
-/// Package name -> names of its normal (non-dev, non-build) dependencies,
-/// resolved for this platform.
-fn normal_graph() -> BTreeMap<String, BTreeSet<String>> {
+/// `cargo metadata` of the workspace, with `args` after the common ones.
+fn cargo_metadata(args: &[&str]) -> Value {
     let out = Command::new(env!("CARGO"))
-        .args(["metadata", "--format-version", "1", "--offline", "--filter-platform", "x86_64-unknown-linux-gnu"])
+        .args(["metadata", "--format-version", "1", "--offline"])
+        .args(args)
         .current_dir(workspace())
         .output()
         .expect("running cargo metadata");
     assert!(out.status.success(), "cargo metadata: {}", String::from_utf8_lossy(&out.stderr));
-    let meta: Value = serde_json::from_slice(&out.stdout).unwrap();
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// Package name -> names of its normal (non-dev, non-build) dependencies,
+/// resolved for this platform.
+fn normal_graph() -> BTreeMap<String, BTreeSet<String>> {
+    let meta = cargo_metadata(&["--filter-platform", "x86_64-unknown-linux-gnu"]);
     let name_of: BTreeMap<&str, &str> =
         meta["packages"].as_array().unwrap().iter().map(|p| (p["id"].as_str().unwrap(), p["name"].as_str().unwrap())).collect();
     let mut graph = BTreeMap::new();
@@ -126,13 +132,7 @@ fn short_names(cell: &str) -> BTreeSet<String> {
 
 /// Workspace member name -> its path relative to the workspace root.
 fn workspace_members() -> BTreeMap<String, String> {
-    let out = Command::new(env!("CARGO"))
-        .args(["metadata", "--format-version", "1", "--offline", "--no-deps"])
-        .current_dir(workspace())
-        .output()
-        .expect("running cargo metadata");
-    assert!(out.status.success(), "cargo metadata: {}", String::from_utf8_lossy(&out.stderr));
-    let meta: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let meta = cargo_metadata(&["--no-deps"]);
     meta["packages"]
         .as_array()
         .unwrap()
@@ -157,13 +157,7 @@ fn every_declared_dependency_is_used() {
         // Named in tests/src/process.rs, which its tests include by path.
         ("kvplane-cluster", "libc"),
     ];
-    let out = Command::new(env!("CARGO"))
-        .args(["metadata", "--format-version", "1", "--offline", "--no-deps"])
-        .current_dir(workspace())
-        .output()
-        .expect("running cargo metadata");
-    assert!(out.status.success(), "cargo metadata: {}", String::from_utf8_lossy(&out.stderr));
-    let meta: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let meta = cargo_metadata(&["--no-deps"]);
     let mut unused = Vec::new();
     for package in meta["packages"].as_array().unwrap() {
         let name = package["name"].as_str().unwrap();
