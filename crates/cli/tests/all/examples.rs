@@ -16,8 +16,6 @@
 use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -26,7 +24,7 @@ use kvplane_config::{IngestMode, NodeConfigFile, PluginSpec};
 use serde_json::Value;
 
 use crate::{etcd, support};
-use support::{kvplane, tcp_addr, wait_for_line_logged, NodeProcess};
+use support::{kvplane, NodeProcess};
 
 /// The configuration files of `examples/node/`, each started by the test
 /// named after it below.
@@ -146,22 +144,15 @@ fn with_servers(name: &str, dir: &Path, servers: &[String]) -> (PathBuf, NodeCon
 /// `kvplane node --config CONFIG` on a kernel-given port, taking every
 /// setting but the addresses from the file (its `memory` included).
 fn start(config: &Path, dir: &Path, env: &[(&str, &str)]) -> NodeProcess {
-    let mut child = kvplane()
-        .args(["node", "--listen", "127.0.0.1:0", "--admin", "none", "--config"])
+    let mut node = kvplane();
+    node.args(["node", "--listen", "127.0.0.1:0", "--admin", "none", "--config"])
         .arg(config)
         .env("KVPLANE_CACHE_DIR", dir.join("cache"))
         .env_remove(kvplane_config::node::BACKEND_SECRET_ENV)
-        .envs(env.iter().copied())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("starting kvplane node");
-    let stderr = child.stderr.take().expect("piped stderr");
-    let log = Arc::default();
-    let line = wait_for_line_logged(&mut child, stderr, "kvplane node serving", "kvplane node", Arc::clone(&log));
-    NodeProcess { endpoint: tcp_addr(&line), child, log }
+        .envs(env.iter().copied());
+    NodeProcess::spawn(node)
 }
 
-/// SIGTERM, and the exit status once the node drained.
 /// SIGTERM, and the node must drain and exit 0; its log is shown if not.
 async fn stop(node: NodeProcess) {
     let log = std::sync::Arc::clone(&node.log);

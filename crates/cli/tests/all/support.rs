@@ -98,14 +98,19 @@ impl NodeProcess {
     pub fn start_with_env(extra: &[&str], env: &[(&str, std::path::PathBuf)]) -> NodeProcess {
         // 64 MiB of memory unless the test asks for another size.
         let memory: &[&str] = if extra.contains(&"--memory") { &[] } else { &["--memory", "64MiB"] };
-        let mut child = kvplane()
-            .args(["node", "--listen", "127.0.0.1:0", "--admin", "none"])
+        let mut node = kvplane();
+        node.args(["node", "--listen", "127.0.0.1:0", "--admin", "none"])
             .args(memory)
             .args(extra)
-            .envs(env.iter().map(|(k, v)| (*k, v.as_os_str())))
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("starting kvplane node");
+            .envs(env.iter().map(|(k, v)| (*k, v.as_os_str())));
+        NodeProcess::spawn(node)
+    }
+
+    /// Starts `node` (a `kvplane node` command listening on a kernel-given
+    /// loopback port) and waits until it says where it serves, keeping
+    /// everything it prints on stderr in `log`.
+    pub fn spawn(mut node: Command) -> NodeProcess {
+        let mut child = node.stderr(Stdio::piped()).spawn().expect("starting kvplane node");
         // The node says where it serves once every listener is bound.
         let stderr = child.stderr.take().expect("piped stderr");
         let log = Arc::default();
