@@ -6,6 +6,14 @@
 //! reason when it does not (a draining node). Everything a process measures
 //! is registered in that one registry by the crate that measures it; this
 //! crate only serves it.
+//!
+//! The accept loop is our own (hyper's HTTP/1 connection server under it),
+//! not `axum::serve`, because the port must stay cheap to hold for anyone
+//! who can reach it: connections are capped ([`AdminLimits`]; past the cap
+//! a connection is closed at once and counted), headers must arrive within
+//! a timeout, each request is answered within another, and a kept-alive
+//! connection lives a bounded time. Idle or slow scrapers therefore cannot
+//! use up the process's file descriptors.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -17,6 +25,10 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -27,10 +39,58 @@ pub type HealthCheck = Arc<dyn Fn() -> Result<(), String> + Send + Sync>;
 
 /// The content type of the OpenMetrics text exposition.
 const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
-/// How long one request may take; a scraper that stalls is cut off.
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long [`AdminServer::stop`] waits for requests in progress.
 const STOP_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The bounds of the admin port.
+#[derive(Debug, Clone, Copy)]
+pub struct AdminLimits {
+    /// Connections open at once; more are closed as they are accepted.
+    pub max_connections: usize,
+    /// How long a request's headers may take to arrive.
+    pub header_timeout: Duration,
+    /// How long one request may take to answer.
+    pub request_timeout: Duration,
+    /// How long one (kept-alive) connection may stay open.
+    pub connection_lifetime: Duration,
+}
+
+impl Default for AdminLimits {
+    fn default() -> Self {
+        AdminLimits {
+            max_connections: 64,
+            header_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(5),
+            connection_lifetime: Duration::from_secs(60),
+        }
+    }
+}
+
+/// The admin port's own series.
+#[derive(Debug, Clone, Default)]
+pub struct AdminMetrics {
+    refused: Counter,
+    open: Gauge,
+}
+
+impl AdminMetrics {
+    /// Registers the series in the registry the server will serve.
+    pub fn register(registry: &mut Registry) -> AdminMetrics {
+        let m = AdminMetrics::default();
+        registry.register(
+            "kvplane_admin_connections_refused",
+            "Admin connections closed at accept because the cap was reached",
+            m.refused.clone(),
+        );
+        registry.register("kvplane_admin_connections_open", "Admin connections open now", m.open.clone());
+        m
+    }
+
+    /// Admin connections refused so far.
+    pub fn refused(&self) -> u64 {
+        self.refused.get()
+    }
+}
 
 struct AdminState {
     registry: Arc<Registry>,
@@ -46,31 +106,38 @@ pub struct AdminServer {
 
 impl AdminServer {
     /// Binds `addr` (port 0 picks a free port; [`AdminServer::addr`] tells
-    /// which) and serves until [`AdminServer::stop`].
+    /// which) and serves until [`AdminServer::stop`], with the default
+    /// [`AdminLimits`] and series registered nowhere.
     pub async fn start(addr: SocketAddr, registry: Arc<Registry>, health: HealthCheck) -> anyhow::Result<AdminServer> {
+        AdminServer::start_with(addr, registry, health, AdminLimits::default(), AdminMetrics::default()).await
+    }
+
+    /// As [`AdminServer::start`], within `limits`, counting in `metrics`
+    /// (registered in `registry` by [`AdminMetrics::register`]).
+    pub async fn start_with(
+        addr: SocketAddr,
+        registry: Arc<Registry>,
+        health: HealthCheck,
+        limits: AdminLimits,
+        metrics: AdminMetrics,
+    ) -> anyhow::Result<AdminServer> {
         let listener = TcpListener::bind(addr).await.with_context(|| format!("binding the admin port {addr}"))?;
         let addr = listener.local_addr().context("reading the admin port's address")?;
         let state = Arc::new(AdminState { registry, health });
+        let request_timeout = limits.request_timeout;
         let app = Router::new()
-            .route("/metrics", get(metrics))
+            .route("/metrics", get(metrics_route))
             .route("/healthz", get(healthz))
             .fallback(|| async { (StatusCode::NOT_FOUND, "try /metrics or /healthz\n") })
             .with_state(state)
-            .layer(axum::middleware::from_fn(|request, next: axum::middleware::Next| async move {
-                match tokio::time::timeout(REQUEST_TIMEOUT, next.run(request)).await {
+            .layer(axum::middleware::from_fn(move |request, next: axum::middleware::Next| async move {
+                match tokio::time::timeout(request_timeout, next.run(request)).await {
                     Ok(response) => response,
                     Err(_) => (StatusCode::SERVICE_UNAVAILABLE, "request timed out\n").into_response(),
                 }
             }));
-        let (shutdown, mut stopped) = watch::channel(false);
-        let task = tokio::spawn(async move {
-            let serve = axum::serve(listener, app).with_graceful_shutdown(async move {
-                let _ = stopped.wait_for(|s| *s).await;
-            });
-            if let Err(e) = serve.await {
-                tracing::warn!(error = %e, "admin server stopped");
-            }
-        });
+        let (shutdown, stopped) = watch::channel(false);
+        let task = tokio::spawn(accept_loop(listener, app, limits, metrics, stopped));
         Ok(AdminServer { addr, shutdown, task })
     }
 
@@ -95,7 +162,50 @@ impl Drop for AdminServer {
     }
 }
 
-async fn metrics(State(state): State<Arc<AdminState>>) -> Response {
+/// Accepts within the cap until stopped, then waits for the connections
+/// still open (the caller bounds that wait).
+async fn accept_loop(listener: TcpListener, app: Router, limits: AdminLimits, metrics: AdminMetrics, mut stopped: watch::Receiver<bool>) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(limits.max_connections.max(1)));
+    let mut conns = tokio::task::JoinSet::new();
+    loop {
+        let (stream, peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    // Out of descriptors: back off instead of spinning.
+                    tracing::warn!(error = %e, "admin accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            Some(_) = conns.join_next(), if !conns.is_empty() => continue,
+            // Only `stop` (or the server's drop) sends, and only `true`.
+            _ = stopped.changed() => break,
+        };
+        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+            metrics.refused.inc();
+            tracing::debug!(%peer, limit = limits.max_connections, "admin connection refused: at the cap");
+            drop(stream);
+            continue;
+        };
+        let (app, open) = (app.clone(), metrics.open.clone());
+        conns.spawn(async move {
+            open.inc();
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(limits.header_timeout)
+                .serve_connection(TokioIo::new(stream), TowerToHyperService::new(app));
+            if let Ok(Err(e)) = tokio::time::timeout(limits.connection_lifetime, conn).await {
+                tracing::debug!(%peer, error = %e, "admin connection ended");
+            }
+            open.dec();
+            drop(slot);
+        });
+    }
+    while conns.join_next().await.is_some() {}
+}
+
+async fn metrics_route(State(state): State<Arc<AdminState>>) -> Response {
     let mut body = String::new();
     match prometheus_client::encoding::text::encode(&mut body, &state.registry) {
         Ok(()) => ([(header::CONTENT_TYPE, OPENMETRICS)], body).into_response(),
@@ -161,6 +271,46 @@ mod tests {
         assert_eq!((status, body.as_str()), (503, "draining\n"));
         let (status, _) = tokio::task::spawn_blocking(move || get(&format!("{base}/nope"))).await.unwrap();
         assert_eq!(status, 404);
+        server.stop().await;
+    }
+
+    /// Idle connections past the cap are closed at accept, those within it
+    /// once their headers are late, and a scraper gets in afterwards.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn idle_connections_are_capped_and_timed_out() {
+        use std::io::Read as _;
+        let mut registry = Registry::default();
+        let metrics = AdminMetrics::register(&mut registry);
+        let limits = AdminLimits { max_connections: 4, header_timeout: Duration::from_millis(300), ..AdminLimits::default() };
+        let health: HealthCheck = Arc::new(|| Ok(()));
+        let server =
+            AdminServer::start_with("127.0.0.1:0".parse().unwrap(), Arc::new(registry), health, limits, metrics.clone()).await.unwrap();
+        let addr = server.addr();
+        let closed = tokio::task::spawn_blocking(move || {
+            let conns: Vec<std::net::TcpStream> = (0..12).map(|_| std::net::TcpStream::connect(addr).unwrap()).collect();
+            conns
+                .into_iter()
+                .map(|mut c| {
+                    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+                    // The end of the stream or a reset; a read timeout
+                    // means the server kept it.
+                    match c.read(&mut [0u8; 1]) {
+                        Ok(0) => true,
+                        Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
+                        Ok(_) => false,
+                    }
+                })
+                .filter(|closed| *closed)
+                .count()
+        })
+        .await
+        .unwrap();
+        assert_eq!(closed, 12, "every idle connection was closed");
+        assert!(metrics.refused() >= 8, "{} refused at the cap", metrics.refused());
+        let base = format!("http://{addr}");
+        let (status, body) = tokio::task::spawn_blocking(move || get(&format!("{base}/metrics"))).await.unwrap();
+        assert_eq!(status, 200);
+        assert!(body.contains("kvplane_admin_connections_refused_total"), "{body}");
         server.stop().await;
     }
 }

@@ -50,6 +50,38 @@ pub(crate) struct NodeArgs {
     /// Connections served at once.
     #[arg(long, default_value_t = 1024)]
     max_connections: usize,
+    /// Connections the admin port (/metrics, /healthz) serves at once; more
+    /// are closed as they arrive. Its headers must arrive within 5 s.
+    #[arg(long, default_value_t = 64)]
+    admin_max_connections: usize,
+    /// Connections one peer may hold at once: a TCP client by its IP
+    /// address, a Unix-socket client by its uid (default: a quarter of
+    /// --max-connections).
+    #[arg(long)]
+    max_connections_per_peer: Option<usize>,
+    /// Failed handshakes (wrong token, bad HELLO, silence) one peer may make
+    /// in a minute; past them its connections are refused until the minute ends.
+    #[arg(long, default_value_t = 20)]
+    max_handshake_failures: u32,
+    /// Silence after which an authenticated connection is closed (it is told
+    /// first, and requests already on their way are answered).
+    #[arg(long, default_value = "120s", value_parser = humantime::parse_duration)]
+    idle_timeout: std::time::Duration,
+    /// Time any frame gets to arrive once its header began, besides its
+    /// length at --min-receive-rate; a slower frame is answered `timeout`
+    /// and its connection closed.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    frame_grace: std::time::Duration,
+    /// Bytes per second a frame must average after --frame-grace.
+    #[arg(long, default_value = "1MiB", value_parser = parse_size)]
+    min_receive_rate: usize,
+    /// Memory held at once for frames still arriving (metas buffered, PUT
+    /// blocks allocated before their bytes are in), apart from the cache:
+    /// past it a slow or stalled sender waits instead of evicting stored
+    /// blocks (default: a quarter of --memory, at least one longest meta
+    /// and one largest block).
+    #[arg(long, value_parser = parse_size)]
+    receive_budget: Option<usize>,
     /// Node configuration written by the operator (backend, plugin
     /// declarations); every declared plugin is fetched, digest-checked and
     /// compiled before the node serves.
@@ -132,7 +164,15 @@ pub(crate) async fn run(args: NodeArgs) -> anyhow::Result<ExitCode> {
     }
     config.cache = CacheConfig { policy: args.eviction, ..CacheConfig::default() };
     config.max_connections = args.max_connections;
+    config.max_connections_per_peer = args.max_connections_per_peer;
+    config.admin_limits.max_connections = args.admin_max_connections;
+    config.max_handshake_failures = args.max_handshake_failures;
+    config.idle_timeout = args.idle_timeout;
+    config.frame_grace = args.frame_grace;
+    config.min_receive_rate = args.min_receive_rate as u64;
+    config.receive_budget = args.receive_budget;
     config.tier = tier;
+    config.plugin_sockets = plugins.iter().map(|p| p.loaded.sockets()).sum();
     config.shm_region_bytes = args.shm_region;
     config.shm_max_regions = args.shm_max;
     config.limits.max_frame_bytes = u32::try_from(args.max_frame).context("--max-frame must be below 4GiB")?;

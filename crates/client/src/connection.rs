@@ -11,8 +11,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kvplane_protocol::{
-    decode_body, encode, Features, Frame, FrameHeader, Hello, HelloAck, KvError, Limits, Message, Meta, Request, Response, ShmGet, ShmPut,
-    HEADER_LEN, VERSION,
+    decode_body, encode, ErrorCode, Features, Frame, FrameHeader, Hello, HelloAck, KvError, Limits, Message, Meta, Request, Response,
+    ShmGet, ShmPut, HEADER_LEN, VERSION,
 };
 use tokio::io::{AsyncRead, AsyncWrite, BufReader};
 use tokio::sync::oneshot;
@@ -60,6 +60,10 @@ struct Shared {
     waiters: Mutex<Waiters>,
     /// Set once the reader has stopped; later calls fail at once.
     closed: AtomicBool,
+    /// Set when the node said it closes this connection for idleness: the
+    /// pool opens another for new calls, while answers to requests already
+    /// sent are still read (the node serves them within its grace).
+    closing: AtomicBool,
     close_reason: Mutex<Option<KvError>>,
 }
 
@@ -157,8 +161,12 @@ impl Connection {
                 (BufReader::with_capacity(READ_BUFFER_BYTES, Box::new(r)), Box::new(w), ack, shm)
             }
         };
-        let shared =
-            Arc::new(Shared { waiters: Mutex::new(HashMap::new()), closed: AtomicBool::new(false), close_reason: Mutex::new(None) });
+        let shared = Arc::new(Shared {
+            waiters: Mutex::new(HashMap::new()),
+            closed: AtomicBool::new(false),
+            closing: AtomicBool::new(false),
+            close_reason: Mutex::new(None),
+        });
         let reader = tokio::spawn(read_loop(reader, Arc::clone(&shared), endpoint.clone()));
         let mut conn = Connection {
             endpoint: endpoint.clone(),
@@ -259,8 +267,10 @@ impl Connection {
     }
 
     /// False once the connection has failed; the pool then opens a new one.
+    /// Whether new calls may use this connection: it is neither closed nor
+    /// announced idle by the node.
     pub fn is_open(&self) -> bool {
-        !self.shared.closed.load(Ordering::Acquire)
+        !self.shared.closed.load(Ordering::Acquire) && !self.shared.closing.load(Ordering::Acquire)
     }
 
     /// Sends one request and waits for its answer. An `Error` answer becomes
@@ -456,7 +466,16 @@ async fn read_loop(mut reader: Reader, shared: Arc<Shared>, endpoint: Endpoint) 
             },
         };
         if request_id == 0 {
-            // Not tied to a request: the node is closing the connection.
+            // `timeout` with id 0: the node closes this idle connection after
+            // a grace in which it still answers (docs/protocol.md, "Idle
+            // connections"); no new call goes here, answers keep coming.
+            if let Answer::Response(Response::Error { code: ErrorCode::Timeout, message }) = &answer {
+                tracing::debug!(%endpoint, message, "the node closes this idle connection");
+                shared.closing.store(true, Ordering::Release);
+                continue;
+            }
+            // Anything else not tied to a request: the node is closing the
+            // connection now.
             if let Answer::Response(Response::Error { code, message }) = answer {
                 break code.into_kv_error(format!("{endpoint} closed the connection: {message}"));
             }

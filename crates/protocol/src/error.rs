@@ -191,6 +191,8 @@ pub enum ProtocolError {
     BadVersion { found: u16, min: u16, max: u16 },
     #[error("frame of {declared} bytes exceeds the limit of {limit} bytes")]
     FrameTooLarge { declared: u64, limit: u64 },
+    #[error("meta of {declared} bytes exceeds the {limit} bytes the longest legal request needs under this node's limits")]
+    MetaTooLarge { declared: u64, limit: u64 },
     #[error("key #{index} is {len} bytes, over the limit of {limit}")]
     KeyTooLong { index: usize, len: usize, limit: usize },
     #[error("key #{index} is empty")]
@@ -213,7 +215,7 @@ impl ProtocolError {
         match self {
             ProtocolError::BadMagic { .. } => ErrorCode::BadMagic,
             ProtocolError::BadVersion { .. } => ErrorCode::BadVersion,
-            ProtocolError::FrameTooLarge { .. } => ErrorCode::FrameTooLarge,
+            ProtocolError::FrameTooLarge { .. } | ProtocolError::MetaTooLarge { .. } => ErrorCode::FrameTooLarge,
             ProtocolError::KeyTooLong { .. } => ErrorCode::KeyTooLong,
             ProtocolError::EmptyKey { .. } => ErrorCode::Invalid,
             ProtocolError::TooManyKeys { .. } => ErrorCode::TooManyKeys,

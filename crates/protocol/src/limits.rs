@@ -63,6 +63,38 @@ impl Limits {
         self.max_key_bytes.min(WIRE_MAX_KEY_BYTES)
     }
 
+    /// The longest meta a legal request can have under these limits. A node
+    /// reads a request's meta whole before decoding it, so this, not
+    /// `max_frame_bytes`, bounds what one frame header can make it buffer
+    /// (payload bytes go straight into blocks). The widest batch is a
+    /// PUT_SHM of `max_batch_keys` keys of `max_key_bytes` each (u32 count;
+    /// per entry a u16 key length, the key, u64 offset, u32 length, u32
+    /// CRC); MATCH_PREFIX has four more leading bytes but narrower entries,
+    /// and a HELLO with the longest token is the widest fixed-size request.
+    pub fn max_request_meta_bytes(&self) -> u64 {
+        let (keys, key) = (self.max_batch_keys as u64, self.effective_max_key_bytes() as u64);
+        let put_shm = 4 + keys * (2 + key + 8 + 4 + 4);
+        let match_prefix = 4 + 4 + keys * (2 + key);
+        let hello = 2 + 8 + 2 + MAX_TOKEN_BYTES as u64;
+        put_shm.max(match_prefix).max(hello)
+    }
+
+    /// Checks a request's header against these limits before any of its body
+    /// is read: the frame within `max_frame_bytes` and its meta within
+    /// [`Limits::max_request_meta_bytes`]. Either failure leaves the body
+    /// unread, so the stream cannot be trusted after it (the connection is
+    /// closed).
+    pub fn check_request_header(&self, header: &crate::FrameHeader) -> Result<(), crate::ProtocolError> {
+        if header.frame_len() > self.max_frame_bytes as u64 {
+            return Err(crate::ProtocolError::FrameTooLarge { declared: header.frame_len(), limit: self.max_frame_bytes as u64 });
+        }
+        let meta_limit = self.max_request_meta_bytes();
+        if header.meta_len as u64 > meta_limit {
+            return Err(crate::ProtocolError::MetaTooLarge { declared: header.meta_len as u64, limit: meta_limit });
+        }
+        Ok(())
+    }
+
     /// The tighter of two limit sets, for a client that must respect both its
     /// own bounds and those the server announced.
     pub fn min(&self, other: &Limits) -> Limits {

@@ -124,6 +124,18 @@ pub enum LoadedPlugin {
 }
 
 impl LoadedPlugin {
+    /// Sockets this plugin may hold open at once: its connections per
+    /// instance times its instances.
+    pub fn sockets(&self) -> usize {
+        let limits = match self {
+            LoadedPlugin::Backend(p) => p.plugin.decl().limits,
+            LoadedPlugin::KeyPlacement(p) => p.plugin.decl().limits,
+            LoadedPlugin::RetryPolicy(p) => p.plugin.decl().limits,
+            LoadedPlugin::PlacementRule(p) => p.plugin.decl().limits,
+        };
+        limits.connections as usize * limits.max_instances.max(1)
+    }
+
     async fn warm_up(&self) -> Result<(), kvplane_runtime::PluginError> {
         match self {
             LoadedPlugin::Backend(p) => p.plugin.warm_up().await,

@@ -17,12 +17,14 @@ use kvplane_protocol::{
     checksum, decode_body, encode, Block, ErrorCode, Features, Frame, FrameHeader, HelloAck, KvError, Message, Meta, Opcode, PayloadSlot,
     ProtocolError, Request, Response, ShmBlock, ShmGet, ShmPut, StatEntry, MAX_CLUSTER_WAIT_MS, MIN_VERSION, VERSION,
 };
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 
+use super::admission::{FailureSeen, Peer};
 use super::metrics::Op;
+use super::receive::{within, Stalled};
 use super::NodeState;
 use crate::memory::BlockMut;
 use crate::rdma::ConnRdma;
@@ -44,7 +46,7 @@ pub(super) async fn accept_tcp(listener: TcpListener, state: Arc<NodeState>, slo
                         tracing::debug!(%peer, error = %e, "TCP_NODELAY refused");
                     }
                     let (r, w) = stream.into_split();
-                    admit(&mut conns, r, w, None, &state, &slots, &shutdown, peer.to_string());
+                    admit(&mut conns, r, w, None, &state, &slots, &shutdown, Peer::Ip(peer.ip()));
                 }
                 Err(e) => accept_failed(e).await,
             },
@@ -61,6 +63,13 @@ pub(super) async fn accept_unix(listener: UnixListener, state: Arc<NodeState>, s
         tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => {
+                    let peer = match stream.peer_cred() {
+                        Ok(cred) => Peer::Uid(cred.uid()),
+                        Err(e) => {
+                            tracing::debug!(error = %e, "no peer credentials on this connection");
+                            Peer::Unknown
+                        }
+                    };
                     // A second handle on the same socket, for the one message
                     // that carries a descriptor (SHM_ATTACH_RESULT).
                     let local = match dup_unix(&stream) {
@@ -71,7 +80,7 @@ pub(super) async fn accept_unix(listener: UnixListener, state: Arc<NodeState>, s
                         }
                     };
                     let (r, w) = stream.into_split();
-                    admit(&mut conns, r, w, local, &state, &slots, &shutdown, "unix".to_string());
+                    admit(&mut conns, r, w, local, &state, &slots, &shutdown, peer);
                 }
                 Err(e) => accept_failed(e).await,
             },
@@ -98,6 +107,9 @@ async fn accept_failed(e: std::io::Error) {
     tokio::time::sleep(Duration::from_millis(50)).await;
 }
 
+/// Starts serving a new connection, or tells it briefly why not: its peer
+/// failed too many handshakes lately, holds its share of the connection
+/// slots, or every slot is taken.
 #[allow(clippy::too_many_arguments)]
 fn admit<R, W>(
     conns: &mut JoinSet<()>,
@@ -107,47 +119,67 @@ fn admit<R, W>(
     state: &Arc<NodeState>,
     slots: &Arc<Semaphore>,
     shutdown: &Shutdown,
-    peer: String,
+    peer: Peer,
 ) where
     // Sync: a request answered across an await (the second tier) holds
     // the connection by reference.
     R: AsyncRead + Unpin + Send + Sync + 'static,
     W: AsyncWrite + Unpin + Send + Sync + 'static,
 {
-    let state = Arc::clone(state);
-    match Arc::clone(slots).try_acquire_owned() {
-        Ok(permit) => {
-            let shutdown = shutdown.clone();
-            conns.spawn(async move {
-                state.metrics.connections_total.inc_by(1);
-                state.metrics.connections_open.inc();
-                let result = serve(reader, writer, local, &state, shutdown).await;
-                state.metrics.connections_open.dec();
-                if let Err(e) = result {
-                    tracing::debug!(%peer, error = %e, "connection closed");
-                }
-                drop::<OwnedSemaphorePermit>(permit);
-            });
-        }
-        Err(_) => {
-            state.metrics.connections_refused.inc_by(1);
-            let limit = state.config.max_connections;
-            tracing::warn!(%peer, limit, "connection refused: too many connections");
-            // Told why, briefly; a flood of these must not pile up tasks that
-            // wait on clients who never read.
-            conns.spawn(async move {
-                let mut writer = writer;
-                let frame = Frame::response(
-                    0,
-                    Response::Error { code: ErrorCode::Unavailable, message: format!("too many connections (limit {limit}); retry later") },
-                );
-                if let Ok(encoded) = encode(&frame) {
-                    let _ = tokio::time::timeout(Duration::from_secs(1), write_frame(&mut writer, &encoded)).await;
-                }
-                drop(reader);
-            });
-        }
+    let metrics = &state.metrics;
+    if let Some(wait) = state.throttle.refuses(peer, std::time::Instant::now()) {
+        metrics.connections_refused.inc_by(1);
+        metrics.handshakes_throttled.inc_by(1);
+        let limit = state.throttle.limit();
+        let message =
+            format!("{peer} failed {limit} handshakes within a minute (--max-handshake-failures); retry in {} s", wait.as_secs().max(1));
+        return refuse(conns, reader, writer, message);
     }
+    let Some(peer_slot) = state.peer_slots.acquire(peer) else {
+        metrics.connections_refused.inc_by(1);
+        metrics.peer_share_refused.inc_by(1);
+        let limit = state.peer_slots.limit();
+        tracing::warn!(%peer, limit, "connection refused: the peer holds its share of the connections");
+        let message = format!("{peer} already holds {limit} connections, one peer's share (--max-connections-per-peer); retry later");
+        return refuse(conns, reader, writer, message);
+    };
+    let Ok(permit) = Arc::clone(slots).try_acquire_owned() else {
+        metrics.connections_refused.inc_by(1);
+        let limit = state.config.max_connections;
+        tracing::warn!(%peer, limit, "connection refused: too many connections");
+        return refuse(conns, reader, writer, format!("too many connections (limit {limit}); retry later"));
+    };
+    let state = Arc::clone(state);
+    let shutdown = shutdown.clone();
+    conns.spawn(async move {
+        state.metrics.connections_total.inc_by(1);
+        state.metrics.connections_open.inc();
+        let result = serve(reader, writer, local, &state, shutdown, peer).await;
+        state.metrics.connections_open.dec();
+        if let Err(e) = result {
+            tracing::debug!(%peer, error = %e, "connection closed");
+        }
+        drop::<OwnedSemaphorePermit>(permit);
+        drop(peer_slot);
+    });
+}
+
+/// Answers `unavailable` with `message` (request id 0) and closes. A flood
+/// of these must not pile up tasks that wait on clients who never read:
+/// the write gets a second.
+fn refuse<R, W>(conns: &mut JoinSet<()>, reader: R, writer: W, message: String)
+where
+    R: Send + 'static,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    conns.spawn(async move {
+        let mut writer = writer;
+        let frame = Frame::response(0, Response::Error { code: ErrorCode::Unavailable, message });
+        if let Ok(encoded) = encode(&frame) {
+            let _ = tokio::time::timeout(Duration::from_secs(1), write_frame(&mut writer, &encoded)).await;
+        }
+        drop(reader);
+    });
 }
 
 /// Why a connection ended early (for the debug log).
@@ -157,7 +189,24 @@ enum ConnectionEnd {
     Io(#[from] std::io::Error),
     #[error("{0}")]
     Refused(String),
+    /// The peer did not complete a valid handshake (counted per peer).
+    #[error("handshake failed: {0}")]
+    HandshakeFailed(String),
+    /// A frame did not arrive within its frame clock.
+    #[error("a frame stalled")]
+    Stalled,
 }
+
+impl From<Stalled> for ConnectionEnd {
+    fn from(_: Stalled) -> Self {
+        ConnectionEnd::Stalled
+    }
+}
+
+/// How long an idle connection that was told it will be closed still
+/// answers what arrives: a request the client sent before it read the
+/// notice is served, not lost (see docs/protocol.md, "Idle connections").
+const IDLE_CLOSE_GRACE: Duration = Duration::from_secs(5);
 
 struct Conn<'a, R, W> {
     reader: BufReader<R>,
@@ -180,6 +229,7 @@ async fn serve<R, W>(
     local: Option<tokio::net::UnixStream>,
     state: &NodeState,
     mut shutdown: Shutdown,
+    peer: Peer,
 ) -> Result<(), ConnectionEnd>
 where
     R: AsyncRead + Unpin,
@@ -196,26 +246,75 @@ where
         rdma: ConnRdma::default(),
     };
     let timeout = state.config.handshake_timeout;
-    match tokio::time::timeout(timeout, conn.handshake()).await {
-        Ok(result) => result?,
-        Err(_) => {
-            state.metrics.connections_refused.inc_by(1);
-            return Err(ConnectionEnd::Refused(format!("no Hello within {timeout:?}")));
-        }
+    let shaken = match tokio::time::timeout(timeout, conn.handshake()).await {
+        Ok(result) => result,
+        Err(_) => Err(ConnectionEnd::HandshakeFailed(format!("no HELLO within {timeout:?}"))),
+    };
+    if let Err(ConnectionEnd::HandshakeFailed(reason)) = &shaken {
+        handshake_failed(state, peer, reason);
     }
+    shaken?;
+    let idle_timeout = state.config.idle_timeout;
+    // Once told it is idle, the connection answers what still arrives within
+    // the grace, then closes.
+    let mut told_idle = false;
     loop {
-        let header = tokio::select! {
-            h = read_header(&mut conn.reader) => h?,
+        let wait = if told_idle { IDLE_CLOSE_GRACE.min(idle_timeout) } else { idle_timeout };
+        // Waits for the first byte of the next frame without consuming it,
+        // so an idle timeout never cuts a header in half.
+        let next = tokio::select! {
+            r = tokio::time::timeout(wait, async { conn.reader.fill_buf().await.map(|b| b.is_empty()) }) => r,
             _ = shutdown.changed() => return Ok(()),
+        };
+        match next {
+            Err(_) if told_idle => return Ok(()),
+            Err(_) => {
+                state.metrics.idle_closed.inc_by(1);
+                conn.tell_idle(idle_timeout).await?;
+                told_idle = true;
+                continue;
+            }
+            Ok(Ok(true)) => return Ok(()),
+            Ok(Ok(false)) => {}
+            Ok(Err(e)) => return Err(e.into()),
+        }
+        let header = match within(tokio::time::Instant::now() + state.frame_clock.grace, read_header(&mut conn.reader)).await {
+            Ok(h) => h?,
+            Err(Stalled) => return conn.stalled(0, "a frame header").await,
         };
         let header = match header {
             None => return Ok(()),
             Some(Ok(h)) => h,
             Some(Err(e)) => return conn.fatal(0, e).await,
         };
-        if !conn.serve_frame(header).await? {
-            return Ok(());
+        match conn.serve_frame(header).await {
+            Ok(true) => {}
+            Ok(false) => return Ok(()),
+            Err(ConnectionEnd::Stalled) => {
+                return conn.stalled(header.request_id, &format!("a frame of {} bytes", header.frame_len())).await
+            }
+            Err(e) => return Err(e),
         }
+    }
+}
+
+/// Counts a failed handshake against its peer, and logs it: the first of
+/// the peer's window and the one that throttles it at warn, the rest at
+/// debug, so a token-guessing flood cannot flood the log as well.
+fn handshake_failed(state: &NodeState, peer: Peer, reason: &str) {
+    state.metrics.connections_refused.inc_by(1);
+    state.metrics.handshake_failures.inc_by(1);
+    match state.throttle.failed(peer, std::time::Instant::now()) {
+        FailureSeen::First => {
+            tracing::warn!(%peer, reason, "handshake failed (this peer's further failures this minute are counted, not logged)")
+        }
+        FailureSeen::Throttled { failures } => tracing::warn!(
+            %peer,
+            failures,
+            reason,
+            "handshake failed; the peer is refused for the rest of the minute (--max-handshake-failures)"
+        ),
+        FailureSeen::Again => tracing::debug!(%peer, reason, "handshake failed"),
     }
 }
 
@@ -232,18 +331,26 @@ where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
+    /// Reads and checks the HELLO and answers it. Every refusal is a
+    /// [`ConnectionEnd::HandshakeFailed`], counted against the peer; a
+    /// client that connects and closes (a port probe) is not a failure.
     async fn handshake(&mut self) -> Result<(), ConnectionEnd> {
+        match self.hello().await {
+            Err(ConnectionEnd::Refused(reason)) => Err(ConnectionEnd::HandshakeFailed(reason)),
+            other => other,
+        }
+    }
+
+    async fn hello(&mut self) -> Result<(), ConnectionEnd> {
         let header = match read_header(&mut self.reader).await? {
-            None => return Err(ConnectionEnd::Refused("closed before the handshake".into())),
+            None => return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "closed before the handshake").into()),
             Some(Ok(h)) => h,
             Some(Err(e)) => {
-                self.state.metrics.connections_refused.inc_by(1);
                 self.fatal(0, e).await?;
                 return Err(ConnectionEnd::Refused("bad first frame".into()));
             }
         };
         if header.opcode != Opcode::Hello as u8 {
-            self.state.metrics.connections_refused.inc_by(1);
             self.send_error(header.request_id, ErrorCode::HandshakeRequired, "the first frame must be HELLO".into()).await?;
             return Err(ConnectionEnd::Refused("first frame was not HELLO".into()));
         }
@@ -262,7 +369,6 @@ where
             }
         };
         if hello.version < MIN_VERSION {
-            self.state.metrics.connections_refused.inc_by(1);
             let msg = format!("client speaks up to version {}, this node speaks {MIN_VERSION}..={VERSION}", hello.version);
             self.send_error(header.request_id, ErrorCode::BadVersion, msg.clone()).await?;
             return Err(ConnectionEnd::Refused(msg));
@@ -270,7 +376,6 @@ where
         if let Some(expected) = &self.state.config.token {
             let presented = hello.token.as_deref().unwrap_or("");
             if !constant_time_eq(presented.as_bytes(), expected.as_bytes()) {
-                self.state.metrics.connections_refused.inc_by(1);
                 let msg = if hello.token.is_none() { "this node requires a bearer token" } else { "wrong bearer token" };
                 self.send_error(header.request_id, ErrorCode::Unauthorized, msg.into()).await?;
                 return Err(ConnectionEnd::Refused(msg.into()));
@@ -290,23 +395,29 @@ where
     }
 
     /// Serves one frame whose header has been read. `Ok(false)` closes the
-    /// connection (after a fatal protocol error has been answered).
+    /// connection (after a fatal protocol error has been answered);
+    /// [`ConnectionEnd::Stalled`]: the frame did not arrive within its
+    /// frame clock (the caller answers and closes).
     async fn serve_frame(&mut self, header: FrameHeader) -> Result<bool, ConnectionEnd> {
         let limits = self.state.config.limits;
-        if header.frame_len() > limits.max_frame_bytes as u64 {
-            let e = ProtocolError::FrameTooLarge { declared: header.frame_len(), limit: limits.max_frame_bytes as u64 };
+        if let Err(e) = limits.check_request_header(&header) {
             self.fatal(header.request_id, e).await?;
             return Ok(false);
         }
         let started = Instant::now();
-        let meta = read_bytes(&mut self.reader, header.meta_len as usize).await?;
+        let deadline = self.state.frame_clock.deadline(header.frame_len());
+        // The meta is buffered whole: reserved first, so stalled frames
+        // hold at most the receive budget between them. The wait counts
+        // against the frame's clock (see `receive.rs`).
+        let meta_reserved = within(deadline, self.state.receive_budget.reserve(header.meta_len as usize)).await?;
+        let meta = within(deadline, read_bytes(&mut self.reader, header.meta_len as usize)).await??;
         self.state.metrics.bytes_received.inc_by(header.frame_len());
         let meta = match decode_body(&header, meta, &limits) {
             Ok(m) => m,
             Err(e) => {
                 // The body length is known and within limits: skip the rest
                 // of the frame and keep the connection.
-                skip(&mut self.reader, header.payload_len() as u64).await?;
+                within(deadline, skip(&mut self.reader, header.payload_len() as u64)).await??;
                 self.state.metrics.protocol_errors.inc_by(1);
                 self.send_error(header.request_id, e.code(), e.to_string()).await?;
                 return Ok(true);
@@ -315,7 +426,8 @@ where
         let response = match meta {
             Meta::Put(slots) => {
                 let n = slots.len();
-                let results = self.put(slots).await?;
+                let results = self.put(slots, deadline).await?;
+                drop(meta_reserved);
                 self.state.metrics.record(Op::Put, n, started.elapsed());
                 Response::Put { results }
             }
@@ -324,11 +436,15 @@ where
                 None => return Ok(true),
                 Some(refusal) => refusal,
             },
-            Meta::Complete(Message::Request(request)) => self.answer(request, started).await,
+            Meta::Complete(Message::Request(request)) => {
+                // Received whole: what it holds now is the request's keys.
+                drop(meta_reserved);
+                self.answer(request, started).await
+            }
             Meta::Complete(Message::Response(_)) | Meta::Get(_) => {
                 // Skip whatever payload the answer frame carries, so the
                 // next frame is read from where the client put it.
-                skip(&mut self.reader, header.payload_len() as u64).await?;
+                within(deadline, skip(&mut self.reader, header.payload_len() as u64)).await??;
                 self.state.metrics.protocol_errors.inc_by(1);
                 Response::Error { code: ErrorCode::Invalid, message: format!("opcode {:#04x} is an answer, not a request", header.opcode) }
             }
@@ -339,28 +455,64 @@ where
 
     /// Reads each PUT payload straight into a pool block, checks it against
     /// its checksum and only then makes it visible. A failed block is reported
-    /// in its slot; the rest of the batch is still stored.
-    async fn put(&mut self, slots: Vec<PayloadSlot>) -> Result<Vec<Result<(), ErrorCode>>, ConnectionEnd> {
+    /// in its slot; the rest of the batch is still stored. Each block is
+    /// reserved in the receive budget before it is allocated (an allocation
+    /// may evict), and read under the frame's `deadline`.
+    async fn put(&mut self, slots: Vec<PayloadSlot>, deadline: tokio::time::Instant) -> Result<Vec<Result<(), ErrorCode>>, ConnectionEnd> {
         let mut results = Vec::with_capacity(slots.len());
+        let max_block = self.state.cache.pool().max_block_bytes();
         for slot in slots {
-            let mut block = match self.allocate(slot.len as usize).await {
+            let len = slot.len as usize;
+            // A block over the largest class is refused by the allocation
+            // below without reserving anything.
+            let reserved =
+                if len <= max_block { within(deadline, self.state.receive_budget.reserve(len)).await? } else { Default::default() };
+            let mut block = match self.allocate(len).await {
                 Ok(b) => b,
                 Err(e) => {
-                    skip(&mut self.reader, slot.len as u64).await?;
+                    within(deadline, skip(&mut self.reader, slot.len as u64)).await??;
                     results.push(Err(ErrorCode::from(&e)));
                     continue;
                 }
             };
-            self.reader.read_exact(block.as_mut_slice()).await?;
+            within(deadline, self.reader.read_exact(block.as_mut_slice())).await??;
             if checksum(&block) != slot.crc {
                 self.state.metrics.checksum_failures.inc_by(1);
                 results.push(Err(ErrorCode::BadChecksum));
                 continue;
             }
             self.store(&slot.key, block, Some(slot.crc)).await;
+            drop(reserved);
             results.push(Ok(()));
         }
         Ok(results)
+    }
+
+    /// Tells the client this connection has been idle for `idle` and will
+    /// close: `ERROR timeout` with request id 0. Requests that arrive in
+    /// the grace that follows are still answered.
+    async fn tell_idle(&mut self, idle: Duration) -> Result<(), ConnectionEnd> {
+        let message = format!(
+            "idle for {} s (--idle-timeout); closing in {} s, answering what arrives until then",
+            idle.as_secs(),
+            IDLE_CLOSE_GRACE.min(idle).as_secs()
+        );
+        self.send(0, Response::Error { code: ErrorCode::Timeout, message }).await
+    }
+
+    /// Answers a frame that did not arrive in time (`what`) with `timeout`,
+    /// briefly (the peer may not read either), and ends the connection.
+    async fn stalled(&mut self, request_id: u64, what: &str) -> Result<(), ConnectionEnd> {
+        self.state.metrics.frames_stalled.inc_by(1);
+        let clock = self.state.frame_clock;
+        let message = format!(
+            "{what} did not arrive in time: a frame gets {:?} (--frame-grace) plus its length at {} bytes/s (--min-receive-rate); closing the connection",
+            clock.grace, clock.min_rate
+        );
+        if let Ok(encoded) = encode(&Frame::response(request_id, Response::Error { code: ErrorCode::Timeout, message: message.clone() })) {
+            let _ = tokio::time::timeout(Duration::from_secs(1), write_frame(&mut self.writer, &encoded)).await;
+        }
+        Err(ConnectionEnd::Refused(message))
     }
 
     /// A pool block for a PUT (through the second tier, which may take what

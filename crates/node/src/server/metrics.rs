@@ -99,6 +99,16 @@ pub(crate) struct Metrics {
     pub connections_open: Gauge,
     pub connections_total: Counter,
     pub connections_refused: Counter,
+    /// Connections refused because their peer held its share.
+    pub peer_share_refused: Counter,
+    /// Handshakes that failed (token, HELLO, version, silence).
+    pub handshake_failures: Counter,
+    /// Connections refused because their peer failed too many handshakes.
+    pub handshakes_throttled: Counter,
+    /// Idle connections told they are closed.
+    pub idle_closed: Counter,
+    /// Frames cut for arriving too slowly.
+    pub frames_stalled: Counter,
     pub protocol_errors: Counter,
     pub checksum_failures: Counter,
     pub bytes_received: Counter,
@@ -119,6 +129,11 @@ impl Default for Metrics {
             connections_open: Gauge::default(),
             connections_total: Counter::default(),
             connections_refused: Counter::default(),
+            peer_share_refused: Counter::default(),
+            handshake_failures: Counter::default(),
+            handshakes_throttled: Counter::default(),
+            idle_closed: Counter::default(),
+            frames_stalled: Counter::default(),
             protocol_errors: Counter::default(),
             checksum_failures: Counter::default(),
             bytes_received: Counter::default(),
@@ -146,6 +161,27 @@ impl Metrics {
         registry.register("kvplane_connections_open", "Client connections currently open", self.connections_open.clone());
         registry.register("kvplane_connections", "Client connections accepted", self.connections_total.clone());
         registry.register("kvplane_connections_refused", "Connections refused (limit, token, handshake)", self.connections_refused.clone());
+        registry.register(
+            "kvplane_connections_refused_peer_share",
+            "Connections refused because their peer held its share (--max-connections-per-peer)",
+            self.peer_share_refused.clone(),
+        );
+        registry.register(
+            "kvplane_handshake_failures",
+            "Handshakes that failed (token, HELLO, version, silence)",
+            self.handshake_failures.clone(),
+        );
+        registry.register(
+            "kvplane_handshakes_throttled",
+            "Connections refused because their peer failed too many handshakes (--max-handshake-failures)",
+            self.handshakes_throttled.clone(),
+        );
+        registry.register("kvplane_idle_closed", "Idle connections closed (--idle-timeout)", self.idle_closed.clone());
+        registry.register(
+            "kvplane_frames_stalled",
+            "Frames cut for arriving too slowly (--frame-grace, --min-receive-rate)",
+            self.frames_stalled.clone(),
+        );
         registry.register("kvplane_protocol_errors", "Frames refused as malformed or over a limit", self.protocol_errors.clone());
         registry.register("kvplane_checksum_failures", "PUT blocks whose payload failed its checksum", self.checksum_failures.clone());
         registry.register("kvplane_received_bytes", "Bytes read from clients", self.bytes_received.clone());
@@ -170,6 +206,11 @@ impl Metrics {
             ("connections_open".into(), self.connections_open.get().max(0) as u64),
             ("connections_total".into(), self.connections_total.get()),
             ("connections_refused".into(), self.connections_refused.get()),
+            ("connections_refused_peer_share".into(), self.peer_share_refused.get()),
+            ("handshake_failures".into(), self.handshake_failures.get()),
+            ("handshakes_throttled".into(), self.handshakes_throttled.get()),
+            ("idle_closed".into(), self.idle_closed.get()),
+            ("frames_stalled".into(), self.frames_stalled.get()),
             ("protocol_errors".into(), self.protocol_errors.get()),
             ("checksum_failures".into(), self.checksum_failures.get()),
             ("bytes_received".into(), self.bytes_received.get()),
@@ -218,6 +259,24 @@ impl Collector for TierCollector {
         gauge(&mut e, "kvplane_cache_bytes_stored", "Payload bytes currently stored", cache.bytes_stored)?;
         gauge(&mut e, "kvplane_memory_capacity_bytes", "Size of the preallocated block pool", pool.capacity_bytes as u64)?;
         gauge(&mut e, "kvplane_memory_used_bytes", "Pool bytes held by live blocks (by size class)", pool.used_bytes as u64)?;
+        gauge(
+            &mut e,
+            "kvplane_receive_budget_bytes",
+            "Bytes frames still arriving may hold (--receive-budget)",
+            state.receive_budget.bytes() as u64,
+        )?;
+        gauge(
+            &mut e,
+            "kvplane_receive_budget_used_bytes",
+            "Bytes held now for frames still arriving",
+            state.receive_budget.used_bytes() as u64,
+        )?;
+        counter(
+            &mut e,
+            "kvplane_receive_budget_waits",
+            "Reservations that waited for the receive budget",
+            state.receive_budget.waits.load(Ordering::Relaxed),
+        )?;
         counter(&mut e, "kvplane_memory_failed_allocations", "Block allocations refused for lack of memory", pool.failed_allocations)?;
         {
             let mut family = e.encode_descriptor(

@@ -5,9 +5,12 @@
 //! lets every connection finish the request it is serving, and waits for
 //! them up to a drain deadline.
 
+mod admission;
 pub mod config;
 mod connection;
+mod descriptors;
 pub(crate) mod metrics;
+mod receive;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -16,7 +19,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use kvplane_admin::{AdminServer, HealthCheck};
+use kvplane_admin::{AdminLimits, AdminMetrics, AdminServer, HealthCheck};
 use kvplane_protocol::Limits;
 use prometheus_client::registry::Registry;
 use tokio::net::{TcpListener, UnixListener};
@@ -28,7 +31,9 @@ use crate::cluster::{ClusterNode, ClusterSetup, HandOff};
 use crate::memory::{MemoryPool, PoolConfig};
 use crate::rdma::{Rdma, WallClock};
 use crate::tier::{SecondTier, TierSetup};
+use admission::{HandshakeThrottle, PeerSlots};
 use metrics::Metrics;
+use receive::{FrameClock, ReceiveBudget};
 
 /// Everything a node is started with. [`NodeConfig::default`] is the
 /// embedded default the README's first command runs.
@@ -40,6 +45,8 @@ pub struct NodeConfig {
     pub unix: Option<PathBuf>,
     /// Address of `/metrics` and `/healthz` (`None`: no admin port).
     pub admin: Option<SocketAddr>,
+    /// Connections the admin port serves at once (and its timeouts).
+    pub admin_limits: AdminLimits,
     pub pool: PoolConfig,
     pub cache: CacheConfig,
     /// Bearer token every connection must present in its `Hello`.
@@ -47,8 +54,28 @@ pub struct NodeConfig {
     pub limits: Limits,
     /// Connections served at once; more are answered `unavailable` and closed.
     pub max_connections: usize,
+    /// Connections one peer may hold at once (TCP clients by IP address,
+    /// Unix-socket clients by uid); `None`: a quarter of `max_connections`.
+    pub max_connections_per_peer: Option<usize>,
     /// How long a new connection may take to send its `Hello`.
     pub handshake_timeout: Duration,
+    /// Failed handshakes one peer may make in a minute before its new
+    /// connections are refused for the rest of that minute.
+    pub max_handshake_failures: u32,
+    /// How long an authenticated connection may stay silent before the node
+    /// announces it closes it. A CLUSTER_TABLE wait counts as activity (the
+    /// connection is answering it).
+    pub idle_timeout: Duration,
+    /// How long any frame may take to arrive once its header began, besides
+    /// its length at `min_receive_rate`.
+    pub frame_grace: Duration,
+    /// Bytes per second a frame must average after `frame_grace`.
+    pub min_receive_rate: u64,
+    /// Bytes held at once, node-wide, for frames still arriving (metas
+    /// buffered and PUT blocks allocated before their bytes are in); `None`:
+    /// a quarter of the pool, and at least one longest meta plus one
+    /// largest block. See `receive.rs`.
+    pub receive_budget: Option<usize>,
     /// How long one answer may take to write: a client that stops reading is
     /// disconnected after this, releasing the blocks its answer holds.
     pub write_timeout: Duration,
@@ -65,6 +92,10 @@ pub struct NodeConfig {
     /// Connections with shared memory at once; later ones use the socket.
     /// With `shm_region_bytes`, it bounds what clients can make the node map.
     pub shm_max_regions: usize,
+    /// Sockets the declared plugins may open together (each plugin's
+    /// connections per instance times its instances), for the descriptor
+    /// budget.
+    pub plugin_sockets: usize,
 }
 
 impl Default for NodeConfig {
@@ -73,19 +104,68 @@ impl Default for NodeConfig {
             listen: Some(SocketAddr::from(([127, 0, 0, 1], 9600))),
             unix: None,
             admin: Some(SocketAddr::from(([127, 0, 0, 1], 9601))),
+            admin_limits: AdminLimits::default(),
             pool: PoolConfig::default(),
             cache: CacheConfig::default(),
             token: None,
             limits: Limits::default(),
             max_connections: 1024,
+            max_connections_per_peer: None,
             handshake_timeout: Duration::from_secs(10),
+            max_handshake_failures: 20,
+            idle_timeout: Duration::from_secs(120),
+            frame_grace: Duration::from_secs(10),
+            min_receive_rate: 1 << 20,
+            receive_budget: None,
             write_timeout: Duration::from_secs(30),
             drain_timeout: Duration::from_secs(10),
             tier: None,
             cluster: None,
             shm_region_bytes: 64 << 20,
             shm_max_regions: 64,
+            plugin_sockets: 0,
         }
+    }
+}
+
+impl NodeConfig {
+    /// One peer's share of the connections.
+    pub fn connections_per_peer(&self) -> usize {
+        self.max_connections_per_peer.unwrap_or(self.max_connections / 4).max(1)
+    }
+
+    /// What one connection may hold of the receive budget at once: the
+    /// longest legal meta and the largest block.
+    pub fn connection_receive_bytes(&self) -> usize {
+        let meta = usize::try_from(self.limits.max_request_meta_bytes()).unwrap_or(usize::MAX);
+        meta.saturating_add(self.pool.max_block_bytes)
+    }
+
+    /// The receive budget in force.
+    pub fn receive_budget_bytes(&self) -> usize {
+        self.receive_budget.unwrap_or_else(|| (self.pool.capacity_bytes / 4).max(self.connection_receive_bytes()))
+    }
+
+    /// Refuses bounds that cannot work together, naming the flags.
+    fn check(&self) -> anyhow::Result<()> {
+        let (budget, one) = (self.receive_budget_bytes(), self.connection_receive_bytes());
+        if budget < one {
+            anyhow::bail!(
+                "--receive-budget {budget} bytes cannot hold one connection's longest meta and largest block together \
+                 ({one} bytes, from --max-block and the batch and key limits)"
+            );
+        }
+        if self.cluster.is_some() && self.idle_timeout <= Duration::from_millis(u64::from(kvplane_protocol::MAX_CLUSTER_WAIT_MS)) {
+            anyhow::bail!(
+                "--idle-timeout {:?} must be longer than the longest CLUSTER_TABLE wait ({} ms) on a cluster node",
+                self.idle_timeout,
+                kvplane_protocol::MAX_CLUSTER_WAIT_MS
+            );
+        }
+        if self.min_receive_rate == 0 || self.idle_timeout.is_zero() {
+            anyhow::bail!("--min-receive-rate and --idle-timeout must be above 0");
+        }
+        Ok(())
     }
 }
 
@@ -101,6 +181,13 @@ pub(crate) struct NodeState {
     /// Whether RDMA is offered (feature `rdma` and a device), and the leases
     /// on described blocks.
     pub(crate) rdma: Rdma,
+    /// Connections per peer (see `admission.rs`).
+    pub(crate) peer_slots: Arc<PeerSlots>,
+    /// Peers refused for failing handshakes.
+    pub(crate) throttle: HandshakeThrottle,
+    /// Bytes held for frames still arriving (see `receive.rs`).
+    pub(crate) receive_budget: ReceiveBudget,
+    pub(crate) frame_clock: FrameClock,
     draining: AtomicBool,
 }
 
@@ -112,6 +199,9 @@ impl NodeState {
     pub(crate) fn stats(&self) -> Vec<(String, u64)> {
         let mut out = self.metrics.snapshot(&self.cache.stats(), &self.cache.pool().stats());
         out.push(("rdma_leases".into(), self.rdma.leases.len() as u64));
+        out.push(("receive_budget_bytes".into(), self.receive_budget.bytes() as u64));
+        out.push(("receive_budget_used_bytes".into(), self.receive_budget.used_bytes() as u64));
+        out.push(("receive_budget_waits".into(), self.receive_budget.waits.load(std::sync::atomic::Ordering::Relaxed)));
         if let Some(tier) = &self.tier {
             out.extend(tier.stats());
         }
@@ -141,6 +231,8 @@ impl Node {
     /// As [`Node::start`], serving on `/metrics` whatever `registry` already
     /// holds (the plugin runtime's series) next to the node's own.
     pub async fn start_with_registry(config: NodeConfig, mut registry: Registry) -> anyhow::Result<Node> {
+        config.check()?;
+        descriptors::settle(descriptors::DescriptorNeed::of(&config))?;
         let pool = MemoryPool::new(config.pool.clone()).context("reserving the memory pool (--memory, or memory in the config file)")?;
         let cache = BlockCache::new(pool, config.cache.clone());
         let rdma = Rdma::start(&cache, WallClock::new(config.cache.clock.clone(), WallClock::system_unix_ms()));
@@ -166,6 +258,10 @@ impl Node {
         let state = Arc::new(NodeState {
             cache,
             metrics: Metrics::default(),
+            peer_slots: PeerSlots::new(config.connections_per_peer()),
+            throttle: HandshakeThrottle::new(config.max_handshake_failures),
+            receive_budget: ReceiveBudget::new(config.receive_budget_bytes()),
+            frame_clock: FrameClock { grace: config.frame_grace, min_rate: config.min_receive_rate },
             config,
             tier,
             cluster,
@@ -184,7 +280,13 @@ impl Node {
                     Some(s) if !s.is_draining() => Ok(()),
                     _ => Err("draining".into()),
                 });
-                Some(AdminServer::start(addr, Arc::new(registry), health).await.context("starting the admin server (--admin)")?)
+                let metrics = AdminMetrics::register(&mut registry);
+                let limits = state.config.admin_limits;
+                Some(
+                    AdminServer::start_with(addr, Arc::new(registry), health, limits, metrics)
+                        .await
+                        .context("starting the admin server (--admin)")?,
+                )
             }
             None => None,
         };

@@ -395,8 +395,16 @@ async fn a_client_that_never_reads_is_cut_off_without_stalling_others() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_flood_is_refused_politely_and_silent_connections_time_out() {
-    let node =
-        Node::start(NodeConfig { max_connections: 8, handshake_timeout: Duration::from_millis(300), ..config(8 * MIB) }).await.unwrap();
+    // One peer (this test) may hold every slot: the per-peer share has a
+    // test of its own in the CLI's hostile-client tests.
+    let node = Node::start(NodeConfig {
+        max_connections: 8,
+        max_connections_per_peer: Some(8),
+        handshake_timeout: Duration::from_millis(300),
+        ..config(8 * MIB)
+    })
+    .await
+    .unwrap();
     let addr = node.tcp_addr().unwrap();
     let (refused, silent_closed) = tokio::task::spawn_blocking(move || {
         let mut conns: Vec<TcpStream> = (0..64).map(|_| TcpStream::connect(addr).unwrap()).collect();

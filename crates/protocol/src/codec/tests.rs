@@ -365,3 +365,45 @@ fn an_error_message_over_the_limit_or_not_utf8_is_refused() {
         assert_eq!(decode_err(wire, &Limits::default()).code(), ErrorCode::Malformed);
     }
 }
+
+/// The widest request a client may send under the limits: the meta bound
+/// must hold it exactly, so a node that refuses metas above the bound
+/// refuses nothing legal.
+#[test]
+fn the_request_meta_bound_is_the_widest_legal_request() {
+    let limits = Limits { max_batch_keys: 64, max_key_bytes: 300, ..Limits::default() };
+    let long_key = |i: usize| {
+        let mut k = format!("{i:04}").into_bytes();
+        k.resize(300, b'k');
+        Bytes::from(k)
+    };
+    let keys: Vec<Bytes> = (0..64).map(long_key).collect();
+    let widest = [
+        Request::PutShm { entries: keys.iter().map(|k| ShmPut { key: k.clone(), offset: 1, len: 2, crc: 3 }).collect() },
+        Request::GetShm { entries: keys.iter().map(|k| ShmGet { key: k.clone(), offset: 1, capacity: 2 }).collect() },
+        Request::MatchPrefix { keys: keys.clone(), lease_ms: 5 },
+        Request::RdmaDescribe { keys: keys.clone(), lease_ms: 5 },
+        Request::Get { keys: keys.clone() },
+        Request::Put { entries: keys.iter().map(|k| PutEntry { key: k.clone(), block: Block::new(Bytes::new()) }).collect() },
+    ];
+    let mut longest = 0;
+    for request in widest {
+        let encoded = encode(&Frame::request(1, request)).expect("encodes");
+        let header = FrameHeader::parse(encoded.to_vec()[..HEADER_LEN].try_into().unwrap()).unwrap();
+        limits.check_request_header(&header).expect("a legal request passes the header check");
+        longest = longest.max(header.meta_len as u64);
+    }
+    assert_eq!(longest, limits.max_request_meta_bytes(), "the bound is the PUT_SHM of the widest keys");
+    // One byte more is refused before the body is read.
+    let header = FrameHeader {
+        version: VERSION,
+        opcode: Opcode::Get as u8,
+        flags: 0,
+        request_id: 9,
+        body_len: longest as u32 + 1,
+        meta_len: longest as u32 + 1,
+    };
+    let e = limits.check_request_header(&header).unwrap_err();
+    assert!(matches!(e, ProtocolError::MetaTooLarge { declared, limit } if declared == longest + 1 && limit == longest), "{e}");
+    assert_eq!(e.code(), ErrorCode::FrameTooLarge);
+}
