@@ -3,9 +3,9 @@
 
 use std::process::ExitCode;
 
-use kvplane_runtime::bindings::WitError;
-use kvplane_runtime::worlds::{Decision, Failure, Operation, PodRequest};
-use kvplane_runtime::{PluginDecl, PluginRuntime, PluginSource, World};
+use kvplane_runtime::scheduling::PodRequest;
+use kvplane_runtime::worlds::{Decision, Failure, Operation};
+use kvplane_runtime::{KvError, PluginDecl, PluginRuntime, PluginSource, World};
 use kvplane_slots::{Member, MemberState, SlotTable, SLOTS};
 
 /// The ids of `key`'s owners in `table`, primary first, for printing.
@@ -52,7 +52,7 @@ pub async fn run() -> anyhow::Result<ExitCode> {
             target: "cache-1".into(),
             replica: 0,
             attempt,
-            error: WitError::Timeout("peer slow".into()),
+            error: KvError::Timeout("peer slow".into()),
             elapsed_ms: elapsed,
             deadline_left_ms: deadline_ms - elapsed.min(deadline_ms),
             jitter_seed: fastrand::u64(..),

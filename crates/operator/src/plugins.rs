@@ -11,8 +11,8 @@ use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::{Api, Client};
+use kvplane_runtime::scheduling::PodRequest;
 use kvplane_runtime::source::{self, Fetched, SourceError, SourceFailure};
-use kvplane_runtime::worlds::PodRequest;
 use kvplane_runtime::PluginRuntime;
 
 use crate::conditions::Reason;

@@ -1,9 +1,11 @@
 //! Pod scheduling: placement-rule output as Kubernetes objects.
 //!
-//! A placement-rule plugin answers in the contract's own types (validated by
-//! the runtime, see `kvplane_runtime::placement_rule`); this module builds
-//! the typed `Affinity`, `Toleration` and `TopologySpreadConstraint` the pod
-//! template carries, field by field, and merges the output of several rules.
+//! A placement-rule plugin's answer arrives as the runtime's
+//! [`kvplane_runtime::scheduling`] types, one per record of the contract,
+//! checked by the runtime against the API server's rules; this module
+//! builds the typed `Affinity`, `Toleration` and `TopologySpreadConstraint`
+//! the pod template carries, field by field, and merges the output of
+//! several rules.
 
 use std::collections::BTreeMap;
 
@@ -13,11 +15,10 @@ use k8s_openapi::api::core::v1::{
     WeightedPodAffinityTerm,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector as K8sLabelSelector, LabelSelectorRequirement};
-use kvplane_runtime::bindings::scheduling::{
-    LabelOperator, LabelSelector, NodeAffinity, NodeOperator, NodeRequirement, PodAffinity, PodTerm, TaintEffect, Toleration,
+use kvplane_runtime::scheduling::{
+    LabelOperator, LabelSelector, NodeAffinity, NodeOperator, NodeRequirement, Placement, PodAffinity, PodTerm, TaintEffect, Toleration,
     TolerationOperator, TopologySpread, UnsatisfiableAction,
 };
-use kvplane_runtime::worlds::Placement;
 
 use crate::render::RolePlacement;
 

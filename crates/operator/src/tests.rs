@@ -160,8 +160,8 @@ fn spec_edits_change_the_rendered_template_so_they_roll_out() {
 #[test]
 fn placement_is_rendered_into_both_roles() {
     let r = resolve(&seed()).unwrap();
-    use kvplane_runtime::bindings::scheduling::{NodeAffinity, NodeOperator, NodeRequirement, TaintEffect, Toleration, TolerationOperator};
-    let cache = crate::scheduling::role_placement(&kvplane_runtime::worlds::Placement {
+    use kvplane_runtime::scheduling::{NodeAffinity, NodeOperator, NodeRequirement, TaintEffect, Toleration, TolerationOperator};
+    let cache = crate::scheduling::role_placement(&kvplane_runtime::scheduling::Placement {
         node_affinity: Some(NodeAffinity {
             required: vec![vec![NodeRequirement {
                 key: "nvidia.com/gpu.product".into(),

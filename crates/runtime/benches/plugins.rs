@@ -22,10 +22,9 @@ use std::net::TcpStream;
 use bytes::Bytes;
 use criterion::{black_box, criterion_group, criterion_main, Criterion};
 
-use kvplane_plugin_resp::client::{CallOptions as RespOptions, Client, Conn, Dial, Fail, Settings};
-use kvplane_runtime::bindings::{CallOptions, WitError};
-use kvplane_runtime::worlds::{native_slot_table, Failure, Operation};
-use kvplane_runtime::{PluginDecl, PluginRuntime, PluginSource, World};
+use kvplane_plugin_resp::client::{CallOptions, Client, Conn, Dial, Fail, Settings};
+use kvplane_runtime::worlds::{native_slot_table, BackendCallOptions, Failure, Operation};
+use kvplane_runtime::{KvError, PluginDecl, PluginRuntime, PluginSource, World};
 use kvplane_slots::{Member, SlotTable, SLOTS};
 
 const MEMBERS: usize = 64;
@@ -87,7 +86,7 @@ fn retry(c: &mut Criterion, rt: &tokio::runtime::Runtime, runtime: &PluginRuntim
         target: "cache-07".into(),
         replica: 0,
         attempt: 2,
-        error: WitError::Timeout("t".into()),
+        error: KvError::Timeout("t".into()),
         elapsed_ms: 30,
         deadline_left_ms: 500,
         jitter_seed: 12345,
@@ -198,7 +197,7 @@ fn backend(c: &mut Criterion, rt: &tokio::runtime::Runtime, runtime: &PluginRunt
 
     let keys: Vec<Vec<u8>> = (0..BATCH).map(|i| format!("bench/block-{i:02}").into_bytes()).collect();
     let values: Vec<Bytes> = (0..BATCH).map(|i| Bytes::from(vec![i as u8; BLOCK])).collect();
-    let none = || CallOptions { ttl_ms: None, namespace: None };
+    let none = BackendCallOptions::default;
 
     // The values the GET rows read, stored whatever rows a filter selects.
     let stored = rt.block_on(wasm.put(keys.iter().cloned().zip(values.iter().cloned()).collect(), none())).expect("seeding put");
@@ -216,7 +215,7 @@ fn backend(c: &mut Criterion, rt: &tokio::runtime::Runtime, runtime: &PluginRunt
     g.bench_function("put/native-resp-client", |b| {
         b.iter(|| {
             let entries: Vec<(Vec<u8>, &Bytes)> = keys.iter().cloned().zip(values.iter()).collect();
-            let r = native.put(&entries, &RespOptions::default());
+            let r = native.put(&entries, &CallOptions::default());
             assert!(r.iter().all(Result::is_ok));
         })
     });
@@ -235,7 +234,7 @@ fn backend(c: &mut Criterion, rt: &tokio::runtime::Runtime, runtime: &PluginRunt
     g.bench_function("get/native-resp-client", |b| {
         b.iter(|| {
             let entries: Vec<(Vec<u8>, &RefCell<Vec<u8>>)> = keys.iter().cloned().zip(native_dests.iter()).collect();
-            let r = native.get(&entries, &RespOptions::default());
+            let r = native.get(&entries, &CallOptions::default());
             assert!(r.iter().all(|r| *r == Ok(BLOCK as u64)));
         })
     });

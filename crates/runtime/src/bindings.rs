@@ -4,7 +4,13 @@
 //! interface, so each host interface is implemented once; each plugin world
 //! is then linked with only its own imports (`engine.rs`) and loaded through
 //! the `GuestIndices` of the one interface it exports. Hand-written host code
-//! lives beside this module, never in it.
+//! lives beside this module, never in it; only the conversions between the
+//! contract's errors and members and the host's own live here.
+//!
+//! Private to the runtime: the rest of the host calls the typed handles of
+//! `worlds`, which take and answer hand-written types (`worlds`,
+//! `scheduling`, [`KvError`](kvplane_protocol::KvError)) converted at that
+//! boundary, so no other crate depends on what the generator emits.
 
 wasmtime::component::bindgen!({
     path: "../../wit",
@@ -38,8 +44,8 @@ wasmtime::component::bindgen!({
     },
 });
 
-pub use exports::kvplane::plugin::{placement, retry, scheduling, store};
-pub use kvplane::plugin::types::{
+pub(crate) use exports::kvplane::plugin::{placement, retry, scheduling, store};
+pub(crate) use kvplane::plugin::types::{
     BackendFeatures, Busy, CallOptions, Error as WitError, Member as WitMember, MemberState as WitMemberState,
 };
 

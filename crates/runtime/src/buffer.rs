@@ -173,7 +173,7 @@ impl BlockBuffer {
     }
 
     /// A sub-view; `invalid` when it does not fit in this one.
-    pub fn slice(&self, offset: u64, len: u64) -> Result<BlockBuffer, Error> {
+    pub(crate) fn slice(&self, offset: u64, len: u64) -> Result<BlockBuffer, Error> {
         let start = usize::try_from(offset).ok();
         let end = start.zip(usize::try_from(len).ok()).and_then(|(s, l)| s.checked_add(l));
         match (start, end) {
@@ -185,7 +185,7 @@ impl BlockBuffer {
     }
 
     /// Copy `len` bytes at `offset` of this view out (a header peek).
-    pub fn peek(&self, offset: u64, len: usize) -> Result<Vec<u8>, Error> {
+    pub(crate) fn peek(&self, offset: u64, len: usize) -> Result<Vec<u8>, Error> {
         let view = self.slice(offset, len as u64)?;
         let m = self.region.memory.try_lock().map_err(|_| Error::Internal("buffer is busy".into()))?;
         let range = view.offset..view.offset + view.len;
@@ -197,7 +197,7 @@ impl BlockBuffer {
     }
 
     /// The bytes of a source view, shared (no copy), for queueing a write.
-    pub fn source_bytes(&self) -> Result<Bytes, Error> {
+    pub(crate) fn source_bytes(&self) -> Result<Bytes, Error> {
         let m = self.region.memory.try_lock().map_err(|_| Error::Internal("buffer is busy".into()))?;
         match &*m {
             Memory::Source(b) => Ok(b.slice(self.offset..self.offset + self.len)),
@@ -208,7 +208,7 @@ impl BlockBuffer {
 
     /// Exclusive access to a destination view's memory, held across an
     /// `.await` (the socket read of `read-into`, a driver call).
-    pub async fn lock_destination(&self) -> Result<DestinationGuard, Error> {
+    pub(crate) async fn lock_destination(&self) -> Result<DestinationGuard, Error> {
         let guard = self.region.memory.clone().lock_owned().await;
         match &*guard {
             Memory::Destination(_) => Ok(DestinationGuard { guard, offset: self.offset, len: self.len }),

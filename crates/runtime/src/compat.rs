@@ -118,7 +118,7 @@ pub struct SchedulingV1 {
 }
 
 impl SchedulingV1 {
-    pub async fn call_configure(
+    pub(crate) async fn call_configure(
         &self,
         mut store: impl AsContextMut<Data = HostState>,
         config: &Config,
@@ -130,7 +130,7 @@ impl SchedulingV1 {
         Ok(r.map_err(WitError::from))
     }
 
-    pub async fn call_place(
+    pub(crate) async fn call_place(
         &self,
         mut store: impl AsContextMut<Data = HostState>,
         request: &PodRequest,

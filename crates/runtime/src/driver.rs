@@ -20,6 +20,10 @@ use super::host::{HandleKind, HostState};
 use kvplane_driver::{Driver, Options, Session, Status};
 
 /// One open driver session, owned by the plugin instance's resource table.
+// `pub` although only this crate reaches it: the bindings (`with:`)
+// re-export it as the `driver.session` resource with a `pub use`, which a
+// `pub(crate)` type cannot be.
+#[allow(unreachable_pub)]
 pub struct DriverSession {
     name: String,
     session: Arc<Mutex<Session>>,

@@ -192,7 +192,7 @@ impl HostState {
 
     /// Refuse with `capacity` (and count it) when `used + more` would pass
     /// `limit`.
-    pub fn check_limit(&self, name: &'static str, used: u64, more: u64, limit: u64) -> Result<(), types::Error> {
+    pub(crate) fn check_limit(&self, name: &'static str, used: u64, more: u64, limit: u64) -> Result<(), types::Error> {
         if used.saturating_add(more) > limit {
             self.shared.hit_limit(name);
             return Err(types::Error::Capacity(format!(
@@ -204,7 +204,7 @@ impl HostState {
     }
 
     /// Admit one more table entry of `kind`, or refuse with `capacity`.
-    pub fn admit(&mut self, kind: HandleKind) -> Result<(), types::Error> {
+    pub(crate) fn admit(&mut self, kind: HandleKind) -> Result<(), types::Error> {
         let limits = self.shared.decl.limits;
         self.check_limit("handles", u64::from(self.usage.handles), 1, u64::from(limits.handles))?;
         match kind {
@@ -225,7 +225,7 @@ impl HostState {
     }
 
     /// Undo [`admit`](Self::admit) when an entry leaves the table.
-    pub fn release(&mut self, kind: HandleKind) {
+    pub(crate) fn release(&mut self, kind: HandleKind) {
         self.usage.handles = self.usage.handles.saturating_sub(1);
         match kind {
             HandleKind::Connection => self.usage.connections = self.usage.connections.saturating_sub(1),
@@ -238,7 +238,7 @@ impl HostState {
     }
 
     /// Put a buffer view in the table, counted against the limits.
-    pub fn push_buffer(&mut self, buffer: BlockBuffer) -> wasmtime::Result<Result<Resource<BlockBuffer>, types::Error>> {
+    pub(crate) fn push_buffer(&mut self, buffer: BlockBuffer) -> wasmtime::Result<Result<Resource<BlockBuffer>, types::Error>> {
         let charged = Self::charge_of(&buffer);
         if let Err(e) = self.admit(HandleKind::Buffer { charged }) {
             return Ok(Err(e));
@@ -259,7 +259,7 @@ impl HostState {
     }
 
     /// Remove a buffer from the table and uncount it.
-    pub fn delete_buffer(&mut self, buffer: Resource<BlockBuffer>) -> wasmtime::Result<BlockBuffer> {
+    pub(crate) fn delete_buffer(&mut self, buffer: Resource<BlockBuffer>) -> wasmtime::Result<BlockBuffer> {
         let b = self.table.delete(buffer)?;
         let charged = Self::charge_of(&b);
         self.release(HandleKind::Buffer { charged });

@@ -1,15 +1,23 @@
 //! The WebAssembly plugin runtime.
 //!
 //! It knows nothing of the node or of Kubernetes: it loads components
-//! ([`source`] fetches them, [`load`] checks and compiles them), runs them
+//! ([`source`] fetches them, `load` checks and compiles them), runs them
 //! under their declared limits, and reports typed faults.
 //!
 //! `PluginRuntime` owns the one `Engine` of the process and a cache of
 //! compiled components; `load_*` turns a [`PluginDecl`] into a typed handle
 //! ([`KeyPlacement`], [`RetryPolicy`], [`PlacementRule`], [`Backend`]) whose
 //! calls run under the declaration's deadline, memory cap and failure policy.
+//!
+//! The handles take and answer the host's own types, defined in [`worlds`]
+//! (retry-policy and backend) and [`scheduling`] (placement-rule), with
+//! [`KvError`] for the contract's errors and `kvplane_slots` for members and
+//! slot tables. The wasmtime-generated bindings are private to this crate
+//! and converted at that boundary, so that no other crate changes with the
+//! bindings generator (tests/tests/all/architecture.rs checks that none
+//! names them).
 
-pub mod bindings;
+mod bindings;
 pub mod buffer;
 pub mod builtin;
 mod compat;
@@ -24,6 +32,7 @@ pub mod metrics;
 mod oci;
 mod placement_rule;
 mod pool;
+pub mod scheduling;
 pub mod source;
 mod transport;
 pub mod worlds;

@@ -1,12 +1,12 @@
 //! Scheduling constraints produced by placement-rule plugins, validated by
-//! the API server's rules on the contract's own types.
+//! the API server's rules on the host's own [`crate::scheduling`] types.
 //!
 //! Validation happens on the host so a plugin's mistake is reported as the
 //! plugin's (with the field named), not as an opaque API-server rejection
 //! of a whole StatefulSet. Turning a valid placement into Kubernetes objects
 //! is the operator's business, not the runtime's.
 
-use crate::bindings::scheduling::{
+use crate::scheduling::{
     LabelOperator, LabelSelector, NodeOperator, NodeRequirement, Placement, PodAffinity, PodTerm, TaintEffect, TolerationOperator,
 };
 
@@ -189,10 +189,10 @@ pub(crate) fn validate(p: &Placement) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bindings::scheduling::{NodeAffinity, Toleration};
+    use crate::scheduling::{NodeAffinity, Toleration};
 
     fn empty() -> Placement {
-        Placement { node_affinity: None, pod_affinity: None, pod_anti_affinity: None, tolerations: vec![], topology_spread: vec![] }
+        Placement::default()
     }
 
     #[test]

@@ -109,7 +109,7 @@ impl GuestExports for SchedulingGuest {
 }
 
 impl SchedulingGuest {
-    pub async fn call_place(
+    pub(crate) async fn call_place(
         &self,
         store: &mut Store<HostState>,
         request: &scheduling::PodRequest,
@@ -135,12 +135,9 @@ struct Broken {
 }
 
 /// One live instance.
-pub struct Instance<G> {
-    pub store: Store<HostState>,
-    pub guest: G,
-    /// World-specific sync marker (the membership generation a placement
-    /// instance has seen).
-    pub synced: u64,
+pub(crate) struct Instance<G> {
+    pub(crate) store: Store<HostState>,
+    pub(crate) guest: G,
 }
 
 /// A loaded plugin: its compiled component and its instance pool.
@@ -283,13 +280,13 @@ impl<G: GuestExports> Plugin<G> {
             Err(_) => Err(self.error("instantiate", Fault::Deadline { timeout })),
             Ok(Err(e)) => Err(self.error("instantiate", classify(&store, e))),
             Ok(Ok((_, Err(e)))) => Err(self.error("configure", Fault::Configure(e.into()))),
-            Ok(Ok((guest, Ok(())))) => Ok(Instance { store, guest, synced: 0 }),
+            Ok(Ok((guest, Ok(())))) => Ok(Instance { store, guest }),
         }
     }
 
     /// Run `call` on an instance under the declaration's deadline. `call`
     /// returns the guest's answer or a `Fault` it found in that answer.
-    pub async fn call<R: Send>(
+    pub(crate) async fn call<R: Send>(
         &self,
         function: &'static str,
         call: impl for<'a> FnOnce(&'a mut Instance<G>) -> BoxFuture<'a, wasmtime::Result<Result<R, Fault>>>,

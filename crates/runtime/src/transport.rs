@@ -83,6 +83,10 @@ impl AsyncWrite for QuickAck {
 }
 
 /// One open connection, owned by the plugin instance's resource table.
+// `pub` although only this crate reaches it: the bindings (`with:`)
+// re-export it as the `transport.connection` resource with a `pub use`,
+// which a `pub(crate)` type cannot be.
+#[allow(unreachable_pub)]
 pub struct PluginConnection {
     endpoint: String,
     stream: BufReader<Box<dyn Stream>>,

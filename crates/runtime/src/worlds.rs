@@ -1,6 +1,14 @@
 //! Typed handles for the four plugin worlds: the API the rest of the host
 //! calls. Each validates the plugin's answer against the contract and
 //! applies the declaration's failure policy.
+//!
+//! The handles take and answer the host's own types, not the generated
+//! bindings: the retry-policy and backend worlds' types are defined here,
+//! the placement-rule world's records in [`crate::scheduling`]; errors are
+//! [`KvError`], members and slot tables `kvplane_slots` types. Each handle
+//! converts them to and from the bindings inside its call (the `From` impls
+//! below), so a caller never names generated code and a change of the
+//! bindings stays in this crate.
 
 use std::sync::Arc;
 
@@ -8,14 +16,149 @@ use bytes::Bytes;
 use kvplane_protocol::KvError;
 use kvplane_slots::{Member, RingTableError, SlotTable, DEFAULT_VNODES};
 
-use super::bindings::{placement, retry, store, BackendFeatures, CallOptions, WitMember};
+use super::bindings::{self, placement, retry, store, WitMember};
 use super::buffer::{BlockBuffer, Region, WritableMemory};
 use super::decl::FailurePolicy;
 use super::error::{Fault, PluginError};
 use super::pool::{Plugin, SchedulingGuest};
+use super::scheduling::{Placement, PodRequest};
 
-pub use super::bindings::scheduling::{Placement, PodRequest};
-pub use retry::{Decision, Failure, Operation};
+/// The store operation that failed, as a retry policy is told.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Operation {
+    Put,
+    Get,
+    Exists,
+    Delete,
+}
+
+/// Everything known about one failed attempt: what a retry policy decides
+/// on ([`RetryPolicy::decide`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    pub operation: Operation,
+    /// Whether repeating the operation is harmless (true for get, exists,
+    /// delete, and for put of content-addressed keys).
+    pub idempotent: bool,
+    /// The node id or backend the attempt went to.
+    pub target: String,
+    /// Which owner of the key that was: 0 for the primary, 1 for the first
+    /// replica, ...
+    pub replica: u32,
+    /// 1 for the first failure of this operation, 2 after one retry, ...
+    pub attempt: u32,
+    /// What went wrong this time.
+    pub error: KvError,
+    /// Milliseconds since the first attempt started.
+    pub elapsed_ms: u64,
+    /// Milliseconds left before the caller's deadline; a retry that cannot
+    /// finish in it is wasted.
+    pub deadline_left_ms: u64,
+    /// A random number drawn by the caller for this decision, so that
+    /// plugins need no randomness of their own and tests can replay it.
+    pub jitter_seed: u64,
+}
+
+/// What a retry policy decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decision {
+    /// Try the same target again after this many milliseconds.
+    RetryAfter(u64),
+    /// Try the next replica / owner now.
+    FailOver,
+    /// Stop and report the error to the caller.
+    GiveUp,
+}
+
+/// Options that travel with one [`Backend`] call. `None` in a field means
+/// the backend's configured default, which is what [`Default`] gives.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BackendCallOptions {
+    /// Time to live of written values in milliseconds; `None`: the
+    /// backend's configured default (or forever).
+    pub ttl_ms: Option<u64>,
+    /// Namespace the keys live in, applied to every operation including
+    /// `exists`; `None`: the backend's configured default.
+    pub namespace: Option<String>,
+}
+
+/// What a backend plugin announces it can do ([`Backend::features`]).
+/// The default announces nothing.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BackendFeatures {
+    /// `put` of many keys travels in one round trip (pipelined / MSET).
+    pub batch_put: bool,
+    /// `get` of many keys travels in one round trip (pipelined / MGET).
+    pub batch_get: bool,
+    /// `exists` is answered without transferring values.
+    pub exists: bool,
+    /// Keys can be deleted.
+    pub delete: bool,
+    /// Stored values expire after the configured time to live.
+    pub ttl: bool,
+    /// Keys are isolated under a configurable namespace (key prefix).
+    pub namespaces: bool,
+}
+
+// The boundary of the retry-policy and backend worlds: what goes into a
+// call is converted to the bindings, what comes out from them.
+
+impl From<Operation> for retry::Operation {
+    fn from(op: Operation) -> Self {
+        match op {
+            Operation::Put => retry::Operation::Put,
+            Operation::Get => retry::Operation::Get,
+            Operation::Exists => retry::Operation::Exists,
+            Operation::Delete => retry::Operation::Delete,
+        }
+    }
+}
+
+impl From<Failure> for retry::Failure {
+    fn from(f: Failure) -> Self {
+        retry::Failure {
+            operation: f.operation.into(),
+            idempotent: f.idempotent,
+            target: f.target,
+            replica: f.replica,
+            attempt: f.attempt,
+            error: f.error.into(),
+            elapsed_ms: f.elapsed_ms,
+            deadline_left_ms: f.deadline_left_ms,
+            jitter_seed: f.jitter_seed,
+        }
+    }
+}
+
+impl From<retry::Decision> for Decision {
+    fn from(d: retry::Decision) -> Self {
+        match d {
+            retry::Decision::RetryAfter(ms) => Decision::RetryAfter(ms),
+            retry::Decision::FailOver => Decision::FailOver,
+            retry::Decision::GiveUp => Decision::GiveUp,
+        }
+    }
+}
+
+impl From<BackendCallOptions> for bindings::CallOptions {
+    fn from(o: BackendCallOptions) -> Self {
+        bindings::CallOptions { ttl_ms: o.ttl_ms, namespace: o.namespace }
+    }
+}
+
+impl From<bindings::BackendFeatures> for BackendFeatures {
+    fn from(f: bindings::BackendFeatures) -> Self {
+        use bindings::BackendFeatures as F;
+        BackendFeatures {
+            batch_put: f.contains(F::BATCH_PUT),
+            batch_get: f.contains(F::BATCH_GET),
+            exists: f.contains(F::EXISTS),
+            delete: f.contains(F::DELETE),
+            ttl: f.contains(F::TTL),
+            namespaces: f.contains(F::NAMESPACES),
+        }
+    }
+}
 
 /// Log and count a fail-open fallback; return whether to fall back.
 fn falls_open<G: super::pool::GuestExports>(plugin: &Plugin<G>, error: &PluginError) -> bool {
@@ -84,9 +227,10 @@ impl RetryPolicy {
     /// What to do about `failure`. `jitter_seed` is drawn by the caller.
     /// Fail-open default: give up (the caller sees the original error).
     pub async fn decide(&self, failure: Failure) -> Result<Decision, PluginError> {
+        let failure = retry::Failure::from(failure);
         let result = self
             .plugin
-            .call("decide", move |inst| Box::pin(async move { Ok(Ok(inst.guest.call_decide(&mut inst.store, &failure).await?)) }))
+            .call("decide", move |inst| Box::pin(async move { Ok(Ok(inst.guest.call_decide(&mut inst.store, &failure).await?.into())) }))
             .await;
         match result {
             Err(e) if falls_open(&self.plugin, &e) => Ok(Decision::GiveUp),
@@ -104,25 +248,23 @@ impl PlacementRule {
     /// Scheduling constraints for `request`'s pods, validated as Kubernetes
     /// would. Fail-open default: no constraints.
     pub async fn place(&self, request: PodRequest) -> Result<Placement, PluginError> {
+        let request = bindings::scheduling::PodRequest::from(request);
         let result = self
             .plugin
             .call("place", move |inst| {
                 Box::pin(async move {
                     Ok(match inst.guest.call_place(&mut inst.store, &request).await? {
                         Err(e) => Err(Fault::Returned(e.into())),
-                        Ok(p) => crate::placement_rule::validate(&p).map(|()| p).map_err(Fault::BadOutput),
+                        Ok(p) => {
+                            let p = Placement::from(p);
+                            crate::placement_rule::validate(&p).map(|()| p).map_err(Fault::BadOutput)
+                        }
                     })
                 })
             })
             .await;
         match result {
-            Err(e) if falls_open(&self.plugin, &e) => Ok(Placement {
-                node_affinity: None,
-                pod_affinity: None,
-                pod_anti_affinity: None,
-                tolerations: Vec::new(),
-                topology_spread: Vec::new(),
-            }),
+            Err(e) if falls_open(&self.plugin, &e) => Ok(Placement::default()),
             other => other,
         }
     }
@@ -159,14 +301,15 @@ fn lend(
 
 impl Backend {
     pub async fn features(&self) -> Result<BackendFeatures, PluginError> {
-        self.plugin.call("features", |inst| Box::pin(async move { Ok(Ok(inst.guest.call_features(&mut inst.store).await?)) })).await
+        self.plugin.call("features", |inst| Box::pin(async move { Ok(Ok(inst.guest.call_features(&mut inst.store).await?.into())) })).await
     }
 
     /// Store each (key, payload). The payloads are lent to the plugin as
     /// source buffers: shared, never copied, and taken back when the call
     /// returns. Fail-open default: the write is skipped (a later read misses).
-    pub async fn put(&self, entries: Vec<(Vec<u8>, Bytes)>, options: CallOptions) -> Result<Vec<Result<(), KvError>>, PluginError> {
+    pub async fn put(&self, entries: Vec<(Vec<u8>, Bytes)>, options: BackendCallOptions) -> Result<Vec<Result<(), KvError>>, PluginError> {
         let n = entries.len();
+        let options = bindings::CallOptions::from(options);
         let (keys, payloads): (Vec<Vec<u8>>, Vec<Bytes>) = entries.into_iter().unzip();
         let regions: Vec<Arc<Region>> = payloads.into_iter().map(Region::source).collect();
         let lent = regions.clone();
@@ -200,9 +343,10 @@ impl Backend {
     pub async fn get<M: WritableMemory>(
         &self,
         entries: Vec<(Vec<u8>, M)>,
-        options: CallOptions,
+        options: BackendCallOptions,
     ) -> (Vec<M>, Result<Vec<Result<usize, KvError>>, PluginError>) {
         let n = entries.len();
+        let options = bindings::CallOptions::from(options);
         let (keys, memories): (Vec<Vec<u8>>, Vec<M>) = entries.into_iter().unzip();
         let regions: Vec<Arc<Region>> = memories.into_iter().map(Region::destination).collect();
         let sizes: Vec<usize> = regions.iter().map(|r| r.len()).collect();
@@ -250,8 +394,9 @@ impl Backend {
     }
 
     /// Whether each key exists. Fail-open default: none does.
-    pub async fn exists(&self, keys: Vec<Vec<u8>>, options: CallOptions) -> Result<Vec<Result<bool, KvError>>, PluginError> {
+    pub async fn exists(&self, keys: Vec<Vec<u8>>, options: BackendCallOptions) -> Result<Vec<Result<bool, KvError>>, PluginError> {
         let n = keys.len();
+        let options = bindings::CallOptions::from(options);
         let result = self
             .plugin
             .call("exists", move |inst| {
@@ -268,8 +413,9 @@ impl Backend {
     }
 
     /// Remove each key. Fail-open default: skipped.
-    pub async fn delete(&self, keys: Vec<Vec<u8>>, options: CallOptions) -> Result<Vec<Result<(), KvError>>, PluginError> {
+    pub async fn delete(&self, keys: Vec<Vec<u8>>, options: BackendCallOptions) -> Result<Vec<Result<(), KvError>>, PluginError> {
         let n = keys.len();
+        let options = bindings::CallOptions::from(options);
         let result = self
             .plugin
             .call("delete", move |inst| {
@@ -283,5 +429,35 @@ impl Backend {
             Err(e) if falls_open(&self.plugin, &e) => Ok((0..n).map(|_| Ok(())).collect()),
             other => other,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scheduling::tests::same_case;
+
+    #[test]
+    fn every_case_keeps_its_name_across_the_boundary() {
+        for op in [Operation::Put, Operation::Get, Operation::Exists, Operation::Delete] {
+            same_case::<_, retry::Operation>(op);
+        }
+        for d in [retry::Decision::RetryAfter(3), retry::Decision::FailOver, retry::Decision::GiveUp] {
+            same_case::<_, Decision>(d);
+        }
+        assert_eq!(Decision::from(retry::Decision::RetryAfter(3)), Decision::RetryAfter(3));
+    }
+
+    #[test]
+    fn every_backend_feature_is_read() {
+        use bindings::BackendFeatures as F;
+        let one = |f: F| BackendFeatures::from(f);
+        assert_eq!(one(F::empty()), BackendFeatures::default());
+        assert_eq!(one(F::BATCH_PUT), BackendFeatures { batch_put: true, ..Default::default() });
+        assert_eq!(one(F::BATCH_GET), BackendFeatures { batch_get: true, ..Default::default() });
+        assert_eq!(one(F::EXISTS), BackendFeatures { exists: true, ..Default::default() });
+        assert_eq!(one(F::DELETE), BackendFeatures { delete: true, ..Default::default() });
+        assert_eq!(one(F::TTL), BackendFeatures { ttl: true, ..Default::default() });
+        assert_eq!(one(F::NAMESPACES), BackendFeatures { namespaces: true, ..Default::default() });
     }
 }

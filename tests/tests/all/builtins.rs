@@ -55,7 +55,7 @@ async fn gpu_affinity_passes_the_placement_rule_kit() {
 /// expect, for both roles of the pool.
 #[tokio::test]
 async fn gpu_affinity_renders_aibrix_annotations() {
-    use kvplane_runtime::worlds::PodRequest;
+    use kvplane_runtime::scheduling::PodRequest;
     let rule = runtime().load_placement_rule(decl("gpu-affinity", World::PlacementRule)).unwrap();
     for role in ["cache", "etcd"] {
         let placement = rule

@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use kvplane_runtime::bindings::CallOptions;
+use kvplane_runtime::worlds::BackendCallOptions;
 use kvplane_runtime::{Backend, FailurePolicy, Fault, LoadError, PluginDecl, PluginRuntime, PluginSource, World};
 use kvplane_tests::hostile;
 
@@ -24,8 +24,8 @@ fn loaded(decl: PluginDecl) -> Backend {
     runtime().load_backend(decl).expect("loading the hostile fixture")
 }
 
-fn no_options() -> CallOptions {
-    CallOptions { ttl_ms: None, namespace: None }
+fn no_options() -> BackendCallOptions {
+    BackendCallOptions { ttl_ms: None, namespace: None }
 }
 
 /// After a fault the next well-behaved call must succeed on a fresh instance.

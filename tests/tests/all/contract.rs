@@ -9,17 +9,17 @@
 use std::time::Duration;
 
 use kvplane_protocol::KvError;
-use kvplane_runtime::bindings::CallOptions;
 use kvplane_runtime::error::Fault;
-use kvplane_runtime::worlds::PodRequest;
+use kvplane_runtime::scheduling::PodRequest;
+use kvplane_runtime::worlds::BackendCallOptions;
 use kvplane_runtime::{FailurePolicy, LoadError, PluginDecl, PluginRuntime, PluginSource, World};
 
 fn runtime() -> PluginRuntime {
     PluginRuntime::new(None).expect("creating the plugin runtime")
 }
 
-fn options(namespace: Option<&str>) -> CallOptions {
-    CallOptions { ttl_ms: None, namespace: namespace.map(str::to_owned) }
+fn options(namespace: Option<&str>) -> BackendCallOptions {
+    BackendCallOptions { ttl_ms: None, namespace: namespace.map(str::to_owned) }
 }
 
 #[tokio::test]

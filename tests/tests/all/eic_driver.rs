@@ -16,10 +16,10 @@ use std::sync::OnceLock;
 
 use bytes::Bytes;
 use kvplane_plugin_kit::conformance;
-use kvplane_runtime::bindings::CallOptions;
+use kvplane_runtime::worlds::BackendCallOptions;
 use kvplane_runtime::{Backend, Fault, KvError, PluginDecl, PluginRuntime, PluginSource, World};
 
-const NONE: CallOptions = CallOptions { ttl_ms: None, namespace: None };
+const NONE: BackendCallOptions = BackendCallOptions { ttl_ms: None, namespace: None };
 
 /// The EIC test driver, compiled once per test process.
 fn eic_test_driver() -> &'static Path {
@@ -53,29 +53,29 @@ fn load(d: PluginDecl) -> Backend {
     PluginRuntime::new(None).unwrap().load_backend(d).expect("loading builtin:eic")
 }
 
-fn ns(namespace: &str) -> CallOptions {
-    CallOptions { ttl_ms: None, namespace: Some(namespace.into()) }
+fn ns(namespace: &str) -> BackendCallOptions {
+    BackendCallOptions { ttl_ms: None, namespace: Some(namespace.into()) }
 }
 
-fn ttl(ttl_ms: u64) -> CallOptions {
-    CallOptions { ttl_ms: Some(ttl_ms), namespace: None }
+fn ttl(ttl_ms: u64) -> BackendCallOptions {
+    BackendCallOptions { ttl_ms: Some(ttl_ms), namespace: None }
 }
 
 fn block(i: usize, len: usize) -> Bytes {
     Bytes::from((0..len).map(|j| (j as u64).wrapping_mul(131).wrapping_add(i as u64 * 7) as u8).collect::<Vec<u8>>())
 }
 
-async fn exists(b: &Backend, keys: &[&[u8]], options: CallOptions) -> Vec<Result<bool, KvError>> {
+async fn exists(b: &Backend, keys: &[&[u8]], options: BackendCallOptions) -> Vec<Result<bool, KvError>> {
     b.exists(keys.iter().map(|k| k.to_vec()).collect(), options).await.expect("exists")
 }
 
-async fn put(b: &Backend, entries: &[(&[u8], &[u8])], options: CallOptions) -> Vec<Result<(), KvError>> {
+async fn put(b: &Backend, entries: &[(&[u8], &[u8])], options: BackendCallOptions) -> Vec<Result<(), KvError>> {
     let entries = entries.iter().map(|(k, v)| (k.to_vec(), Bytes::copy_from_slice(v))).collect();
     b.put(entries, options).await.expect("put")
 }
 
 /// GET one key into a 1 KiB destination: its bytes, or the error.
-async fn get(b: &Backend, key: &[u8], options: CallOptions) -> Result<Vec<u8>, KvError> {
+async fn get(b: &Backend, key: &[u8], options: BackendCallOptions) -> Result<Vec<u8>, KvError> {
     let (mut memories, answers) = b.get(vec![(key.to_vec(), vec![0u8; 1024])], options).await;
     let len = answers.expect("get").remove(0)?;
     let mut memory = memories.remove(0);

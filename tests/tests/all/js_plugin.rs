@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kvplane_plugin_kit::conformance;
-use kvplane_runtime::bindings::CallOptions;
+use kvplane_runtime::worlds::BackendCallOptions;
 use kvplane_runtime::{Backend, Fault, KvError, PluginDecl, PluginRuntime, PluginSource, World};
 use kvplane_tests::redis::RedisServer;
 
@@ -55,12 +55,12 @@ fn load(server: &RedisServer, extra: &[(&str, &str)]) -> Backend {
     runtime().load_backend(decl(&server.endpoint(), extra)).expect("loading the JS backend")
 }
 
-fn plain() -> CallOptions {
-    CallOptions { ttl_ms: None, namespace: None }
+fn plain() -> BackendCallOptions {
+    BackendCallOptions { ttl_ms: None, namespace: None }
 }
 
-fn in_namespace(ns: &str) -> CallOptions {
-    CallOptions { ttl_ms: None, namespace: Some(ns.to_owned()) }
+fn in_namespace(ns: &str) -> BackendCallOptions {
+    BackendCallOptions { ttl_ms: None, namespace: Some(ns.to_owned()) }
 }
 
 /// Block `i`: 64 KiB in which every byte value appears, CR and LF included,
@@ -185,7 +185,10 @@ async fn bad_config_and_bad_options_are_invalid_naming_the_key() {
         let want = format!("namespace {ns:?}: must be non-empty and contain no ':'");
         assert!(r.iter().all(|r| matches!(r, Err(KvError::Invalid(m)) if *m == want)), "{ns:?}: {r:?}");
     }
-    let r = backend.put(vec![(b"k".to_vec(), Bytes::from_static(b"v"))], CallOptions { ttl_ms: Some(0), namespace: None }).await.unwrap();
+    let r = backend
+        .put(vec![(b"k".to_vec(), Bytes::from_static(b"v"))], BackendCallOptions { ttl_ms: Some(0), namespace: None })
+        .await
+        .unwrap();
     assert!(matches!(&r[0], Err(KvError::Invalid(m)) if m.starts_with("ttl-ms 0: Redis accepts PX 1..=")), "{r:?}");
     // Nothing was sent: the key is absent and the connection still in step.
     assert_eq!(backend.exists(vec![b"k".to_vec()], plain()).await.unwrap(), vec![Ok(false)]);
@@ -210,8 +213,10 @@ async fn namespaces_and_ttl_ms_apply_per_call() {
     assert_eq!(raw.exists(vec![b"js/a:k".to_vec()], plain()).await.unwrap(), vec![Ok(true)]);
 
     let started = Instant::now();
-    let put =
-        backend.put(vec![(b"short".to_vec(), Bytes::from_static(b"x"))], CallOptions { ttl_ms: Some(300), namespace: None }).await.unwrap();
+    let put = backend
+        .put(vec![(b"short".to_vec(), Bytes::from_static(b"x"))], BackendCallOptions { ttl_ms: Some(300), namespace: None })
+        .await
+        .unwrap();
     assert!(put[0].is_ok(), "{put:?}");
     // Polled, never slept on for a fixed time: Redis expires it on its clock.
     let mut tick = tokio::time::interval(Duration::from_millis(25));

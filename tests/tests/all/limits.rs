@@ -13,13 +13,13 @@
 use std::time::Duration;
 
 use kvplane_protocol::KvError;
-use kvplane_runtime::bindings::CallOptions;
+use kvplane_runtime::worlds::BackendCallOptions;
 use kvplane_runtime::{Backend, PluginDecl, PluginRuntime, PluginSource, World};
 use kvplane_tests::hostile;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-fn no_options() -> CallOptions {
-    CallOptions { ttl_ms: None, namespace: None }
+fn no_options() -> BackendCallOptions {
+    BackendCallOptions { ttl_ms: None, namespace: None }
 }
 
 /// A loopback peer that accepts every connection, holds it open, and

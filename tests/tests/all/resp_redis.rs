@@ -6,11 +6,11 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use kvplane_plugin_kit::conformance;
 use kvplane_protocol::KvError;
-use kvplane_runtime::bindings::CallOptions;
+use kvplane_runtime::worlds::BackendCallOptions;
 use kvplane_runtime::{Backend, Fault, PluginDecl, PluginRuntime, PluginSource, World};
 use kvplane_tests::redis::RedisServer;
 
-const NONE: CallOptions = CallOptions { ttl_ms: None, namespace: None };
+const NONE: BackendCallOptions = BackendCallOptions { ttl_ms: None, namespace: None };
 
 /// GET `keys` into 1 KiB destinations; each value cut to the length the
 /// plugin answered.

@@ -14,7 +14,7 @@ use kvplane_config::{AtBound, ByteSize, FailurePolicy, IngestMode, TieringConfig
 use kvplane_node::memory::PoolConfig;
 use kvplane_node::server::{Node, NodeConfig};
 use kvplane_node::tier::TierSetup;
-use kvplane_runtime::bindings::CallOptions;
+use kvplane_runtime::worlds::BackendCallOptions;
 use kvplane_runtime::{Backend, PluginDecl, PluginRuntime, PluginSource, World};
 use kvplane_tests::redis::RedisServer;
 
@@ -23,7 +23,7 @@ const MIB: usize = 1 << 20;
 /// How long a test waits for a state it polls for: far longer than any
 /// should take, so a slow machine is not a failure.
 const PATIENCE: Duration = Duration::from_secs(30);
-const NONE: CallOptions = CallOptions { ttl_ms: None, namespace: None };
+const NONE: BackendCallOptions = BackendCallOptions { ttl_ms: None, namespace: None };
 
 fn resp(endpoint: &str, policy: FailurePolicy) -> PluginDecl {
     let mut d = PluginDecl::new("resp", World::Backend, PluginSource::Builtin("resp".into()));

@@ -12,16 +12,16 @@ use std::time::Duration;
 use bytes::Bytes;
 use kvplane_plugin_kit::conformance;
 use kvplane_protocol::KvError;
-use kvplane_runtime::bindings::CallOptions;
+use kvplane_runtime::worlds::BackendCallOptions;
 use kvplane_runtime::{Backend, Fault, PluginDecl, PluginError, PluginRuntime, PluginSource, World};
 use kvplane_tests::vineyard::{in_private_network, VineyardServer};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-const NONE: CallOptions = CallOptions { ttl_ms: None, namespace: None };
+const NONE: BackendCallOptions = BackendCallOptions { ttl_ms: None, namespace: None };
 
-fn in_namespace(ns: &str) -> CallOptions {
-    CallOptions { ttl_ms: None, namespace: Some(ns.to_owned()) }
+fn in_namespace(ns: &str) -> BackendCallOptions {
+    BackendCallOptions { ttl_ms: None, namespace: Some(ns.to_owned()) }
 }
 
 fn decl(endpoint: &str, extra: &[(&str, &str)]) -> PluginDecl {
@@ -40,7 +40,12 @@ fn load(d: PluginDecl) -> Backend {
 
 /// GET `keys` into destinations of `size` bytes; each value cut to the
 /// length the plugin answered.
-async fn get(backend: &Backend, keys: &[Vec<u8>], size: usize, options: CallOptions) -> Result<Vec<Result<Bytes, KvError>>, PluginError> {
+async fn get(
+    backend: &Backend,
+    keys: &[Vec<u8>],
+    size: usize,
+    options: BackendCallOptions,
+) -> Result<Vec<Result<Bytes, KvError>>, PluginError> {
     let (memories, answers) = backend.get(keys.iter().map(|k| (k.clone(), vec![0u8; size])).collect(), options).await;
     Ok(answers?.into_iter().zip(memories).map(|(r, m)| r.map(|len| Bytes::copy_from_slice(&m[..len]))).collect())
 }
@@ -207,7 +212,8 @@ async fn namespaces_and_prefixes_keep_keys_apart() {
     let bad = a.exists(vec![key.clone()], in_namespace("ns1:x")).await.unwrap();
     assert!(matches!(&bad[0], Err(KvError::Invalid(m)) if m.contains("namespace")), "{bad:?}");
     // vineyardd has no expiry: a ttl is refused, not ignored.
-    let ttl = a.put(vec![(key.clone(), Bytes::from_static(b"x"))], CallOptions { ttl_ms: Some(1000), namespace: None }).await.unwrap();
+    let ttl =
+        a.put(vec![(key.clone(), Bytes::from_static(b"x"))], BackendCallOptions { ttl_ms: Some(1000), namespace: None }).await.unwrap();
     assert!(matches!(&ttl[0], Err(KvError::Unsupported(m)) if m.contains("ttl")), "{ttl:?}");
     assert_eq!(get(&a, &[key], 64, NONE).await.unwrap()[0].as_ref().unwrap(), &Bytes::from_static(b"from a"));
 }

@@ -24,8 +24,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use kvplane_config::{IngestMode, TieringConfig};
 use kvplane_protocol::{checksum, ErrorKind, KvError};
-use kvplane_runtime::bindings::CallOptions;
-use kvplane_runtime::worlds::Operation;
+use kvplane_runtime::worlds::{BackendCallOptions, Operation};
 use kvplane_runtime::{Backend, FailurePolicy, RetryPolicy, WritableMemory};
 
 use crate::cache::{Allocation, BlockCache, CachedBlock, Evicted};
@@ -34,7 +33,7 @@ use ingest::{Budget, Ingest, Queued};
 use retry::{plugin_error, Attempts, Next, Retrier};
 
 /// The second tier's calls use the store's configured namespace and TTL.
-pub(crate) const NO_OPTIONS: CallOptions = CallOptions { ttl_ms: None, namespace: None };
+pub(crate) const NO_OPTIONS: BackendCallOptions = BackendCallOptions { ttl_ms: None, namespace: None };
 
 /// `reads` of a block the memory tier got from the second tier: it is
 /// already there, so neither `hot` nor `on-evict` copies it back.

@@ -79,7 +79,7 @@ impl Retrier {
                     target: self.target.clone(),
                     replica: 0,
                     attempt: attempts.failed,
-                    error: error.into(),
+                    error: error.clone(),
                     elapsed_ms: elapsed.as_millis() as u64,
                     deadline_left_ms: left.as_millis() as u64,
                     jitter_seed: fastrand::u64(..),

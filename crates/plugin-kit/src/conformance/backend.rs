@@ -12,8 +12,8 @@ use bytes::Bytes;
 use tokio::io::AsyncReadExt;
 
 use super::{ensure, Report};
-use kvplane_runtime::bindings::{BackendFeatures, CallOptions};
 use kvplane_runtime::error::Fault;
+use kvplane_runtime::worlds::BackendCallOptions;
 use kvplane_runtime::KvError;
 use kvplane_runtime::{Backend, PluginDecl, PluginRuntime};
 
@@ -38,12 +38,12 @@ fn describe<T: std::fmt::Debug>(results: &[Result<T, KvError>]) -> String {
 }
 
 /// Options of a plain call: the backend's defaults.
-fn plain() -> CallOptions {
-    CallOptions { ttl_ms: None, namespace: None }
+fn plain() -> BackendCallOptions {
+    BackendCallOptions { ttl_ms: None, namespace: None }
 }
 
-fn in_namespace(ns: &str) -> CallOptions {
-    CallOptions { ttl_ms: None, namespace: Some(ns.to_owned()) }
+fn in_namespace(ns: &str) -> BackendCallOptions {
+    BackendCallOptions { ttl_ms: None, namespace: Some(ns.to_owned()) }
 }
 
 /// `get` into destinations of `sizes` bytes, each filled with [`SENTINEL`]:
@@ -52,7 +52,7 @@ async fn get_into(
     backend: &Backend,
     keys: &[Vec<u8>],
     sizes: &[usize],
-    options: CallOptions,
+    options: BackendCallOptions,
 ) -> Result<(Vec<Vec<u8>>, Vec<Result<usize, KvError>>), String> {
     let entries = keys.iter().cloned().zip(sizes.iter().map(|&n| vec![SENTINEL; n])).collect();
     let (memories, result) = backend.get(entries, options).await;
@@ -61,7 +61,7 @@ async fn get_into(
 }
 
 /// `get` of one key into a destination of `size` bytes: its bytes, or the error.
-async fn get_one(backend: &Backend, key: &[u8], size: usize, options: CallOptions) -> Result<Result<Vec<u8>, KvError>, String> {
+async fn get_one(backend: &Backend, key: &[u8], size: usize, options: BackendCallOptions) -> Result<Result<Vec<u8>, KvError>, String> {
     let (mut memories, mut results) = get_into(backend, &[key.to_vec()], &[size], options).await?;
     let (mut memory, result) = (memories.remove(0), results.remove(0));
     Ok(result.map(|len| {
@@ -90,7 +90,7 @@ fn holds(memory: &[u8], len: usize, value: &[u8]) -> Result<(), String> {
     })
 }
 
-async fn put_ok(backend: &Backend, entries: Vec<(Vec<u8>, Bytes)>, options: CallOptions) -> Result<(), String> {
+async fn put_ok(backend: &Backend, entries: Vec<(Vec<u8>, Bytes)>, options: BackendCallOptions) -> Result<(), String> {
     let res = backend.put(entries, options).await.map_err(|e| e.to_string())?;
     ensure(res.iter().all(|r| r.is_ok()), || format!("put: {}", describe(&res)))
 }
@@ -109,7 +109,7 @@ pub async fn run(runtime: &PluginRuntime, decl: &PluginDecl) -> Report {
     r.record("the plugin loads", Ok(format!("{} bytes, sha256 {}", backend.plugin.info.size, &backend.plugin.info.sha256[..12])));
     let features = backend.features().await;
     r.record("features", features.as_ref().map(|f| format!("{f:?}")).map_err(|e| e.to_string()));
-    let features = features.unwrap_or(BackendFeatures::empty());
+    let features = features.unwrap_or_default();
 
     let run_id = format!("kvplane-conformance-{:016x}", fastrand::u64(..));
     let mut keys: Vec<Vec<u8>> = Vec::new();
@@ -200,12 +200,12 @@ pub async fn run(runtime: &PluginRuntime, decl: &PluginDecl) -> Report {
     .await;
     r.record("put replaces an existing value", overwrite);
 
-    if features.contains(BackendFeatures::NAMESPACES) {
+    if features.namespaces {
         r.record("namespaces given per call keep the same key apart", namespaces(&backend, &run_id).await);
     } else {
         r.record("namespaces given per call keep the same key apart", Ok("skipped: the plugin does not announce namespaces".into()));
     }
-    if features.contains(BackendFeatures::TTL) {
+    if features.ttl {
         r.record("a value put with a ttl expires", ttl(&backend, &run_id).await);
     } else {
         r.record("a value put with a ttl expires", Ok("skipped: the plugin does not announce ttl".into()));
@@ -273,7 +273,7 @@ async fn ttl(backend: &Backend, run_id: &str) -> Result<String, String> {
     let key = format!("{run_id}/ttl").into_bytes();
     let ttl_ms = 400;
     let started = Instant::now();
-    put_ok(backend, vec![(key.clone(), payload(3, 100))], CallOptions { ttl_ms: Some(ttl_ms), namespace: None }).await?;
+    put_ok(backend, vec![(key.clone(), payload(3, 100))], BackendCallOptions { ttl_ms: Some(ttl_ms), namespace: None }).await?;
     let first = backend.exists(vec![key.clone()], plain()).await.map_err(|e| e.to_string())?;
     // On a slow machine the value may already have expired; only a value
     // that was never stored is a failure, and that shows below as well.

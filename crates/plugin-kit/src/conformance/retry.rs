@@ -3,9 +3,8 @@
 //! budget, is deterministic for a given jitter seed.
 
 use super::{ensure, Report};
-use kvplane_runtime::bindings::{Busy, WitError};
 use kvplane_runtime::worlds::{Decision, Failure, Operation};
-use kvplane_runtime::RetryPolicy;
+use kvplane_runtime::{KvError, RetryPolicy};
 
 /// The overall budget the kit declares (`budget-ms`) unless the caller
 /// configured one: every retry loop must end within it.
@@ -20,7 +19,7 @@ fn seeds(n: u64) -> impl Iterator<Item = u64> {
     (0..n).map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15))
 }
 
-fn failure(attempt: u32, error: WitError, elapsed_ms: u64, seed: u64) -> Failure {
+fn failure(attempt: u32, error: KvError, elapsed_ms: u64, seed: u64) -> Failure {
     Failure {
         operation: Operation::Get,
         idempotent: true,
@@ -34,18 +33,18 @@ fn failure(attempt: u32, error: WitError, elapsed_ms: u64, seed: u64) -> Failure
     }
 }
 
-fn busy(retry_after_ms: u64) -> WitError {
-    WitError::Busy(Busy { retry_after_ms, message: "overloaded".into() })
+fn busy(retry_after_ms: u64) -> KvError {
+    KvError::Busy { retry_after_ms, message: "overloaded".into() }
 }
 
 pub async fn run(p: &RetryPolicy, budget_ms: u64) -> Report {
     let mut r = Report::default();
 
     for (name, error) in [
-        ("not-found", WitError::NotFound),
-        ("invalid", WitError::Invalid("bad key".into())),
-        ("unsupported", WitError::Unsupported("no ttl".into())),
-        ("denied", WitError::Denied("credentials refused".into())),
+        ("not-found", KvError::NotFound),
+        ("invalid", KvError::Invalid("bad key".into())),
+        ("unsupported", KvError::Unsupported("no ttl".into())),
+        ("denied", KvError::Denied("credentials refused".into())),
     ] {
         let outcome = async {
             for operation in [Operation::Put, Operation::Get, Operation::Exists, Operation::Delete] {
@@ -78,7 +77,7 @@ pub async fn run(p: &RetryPolicy, budget_ms: u64) -> Report {
     r.record("a busy store's retry-after (50 ms) is honoured", busy_waits);
 
     let deadline = async {
-        let errors = [WitError::Timeout("slow".into()), WitError::Unavailable("reset".into()), busy(5), busy(50)];
+        let errors = [KvError::Timeout("slow".into()), KvError::Unavailable("reset".into()), busy(5), busy(50)];
         for deadline_left in [0u64, 1, 5, 20, 49, 50, 100, 1000] {
             for error in &errors {
                 for seed in seeds(8) {
@@ -106,7 +105,7 @@ pub async fn run(p: &RetryPolicy, budget_ms: u64) -> Report {
             let mut elapsed = 0u64;
             let mut attempt = 1;
             loop {
-                let d = p.decide(failure(attempt, WitError::Timeout("slow".into()), elapsed, seed)).await.map_err(|e| e.to_string())?;
+                let d = p.decide(failure(attempt, KvError::Timeout("slow".into()), elapsed, seed)).await.map_err(|e| e.to_string())?;
                 match d {
                     Decision::RetryAfter(ms) => {
                         elapsed = elapsed.saturating_add(ms);
@@ -126,7 +125,7 @@ pub async fn run(p: &RetryPolicy, budget_ms: u64) -> Report {
     r.record("a retry loop never exceeds the budget and always ends", budget);
 
     let spent = async {
-        let d = p.decide(failure(1, WitError::Unavailable("down".into()), budget_ms + 1, 3)).await.map_err(|e| e.to_string())?;
+        let d = p.decide(failure(1, KvError::Unavailable("down".into()), budget_ms + 1, 3)).await.map_err(|e| e.to_string())?;
         ensure(!matches!(d, Decision::RetryAfter(_)), || format!("with the budget spent it decided {d:?}"))?;
         Ok(format!("{d:?}"))
     }
@@ -135,8 +134,8 @@ pub async fn run(p: &RetryPolicy, budget_ms: u64) -> Report {
 
     let deterministic = async {
         for attempt in 1..5 {
-            let a = p.decide(failure(attempt, WitError::Timeout("t".into()), 10, 42)).await.map_err(|e| e.to_string())?;
-            let b = p.decide(failure(attempt, WitError::Timeout("t".into()), 10, 42)).await.map_err(|e| e.to_string())?;
+            let a = p.decide(failure(attempt, KvError::Timeout("t".into()), 10, 42)).await.map_err(|e| e.to_string())?;
+            let b = p.decide(failure(attempt, KvError::Timeout("t".into()), 10, 42)).await.map_err(|e| e.to_string())?;
             ensure(a == b, || format!("attempt {attempt}: {a:?} then {b:?} for the same failure"))?;
         }
         Ok(String::new())

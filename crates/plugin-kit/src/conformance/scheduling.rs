@@ -3,7 +3,7 @@
 
 use super::{ensure, Report};
 use kvplane_runtime::error::Fault;
-use kvplane_runtime::worlds::PodRequest;
+use kvplane_runtime::scheduling::PodRequest;
 use kvplane_runtime::PlacementRule;
 
 fn request(role: &str, annotations: &[(&str, &str)]) -> PodRequest {
