@@ -257,6 +257,64 @@ fn crates_without_unsafe_code_allow_it_nowhere() {
     }
 }
 
+/// The runtime's wasmtime-generated bindings stay its own, a private `mod
+/// bindings`: every other crate calls the typed handles of
+/// `kvplane_runtime::worlds` with the host's own types, converted at that
+/// boundary, so that what the bindings generator emits never reaches their
+/// code. The compiler already refuses a path into a private module; this
+/// also catches the module being made public again, and says why it is not.
+/// The runtime's own benches and tests are crates of their own: scanned too.
+#[test]
+fn no_crate_but_the_runtime_names_its_generated_bindings() {
+    let lib = std::fs::read_to_string(workspace().join("crates/runtime/src/lib.rs")).unwrap();
+    assert!(
+        lib.lines().any(|l| l == "mod bindings;"),
+        "crates/runtime/src/lib.rs: the generated bindings are to be a private `mod bindings;`, other crates use the host's own types"
+    );
+    let krate = "kvplane_runtime";
+    assert!(names_runtime_bindings(&format!("use {krate}::bindings::CallOptions;")), "the scan misses a path");
+    assert!(names_runtime_bindings(&format!("use {krate}::{{bindings::CallOptions, Backend}};")), "the scan misses a group");
+    assert!(!names_runtime_bindings(&format!("use {krate}::{{worlds::BackendCallOptions, Backend}};")), "the scan sees what is not there");
+    let mut named = Vec::new();
+    for (name, dir) in workspace_members() {
+        for folder in ["src", "tests", "benches", "examples", "build.rs"] {
+            if name == "kvplane-runtime" && folder == "src" {
+                continue;
+            }
+            let path = workspace().join(&dir).join(folder);
+            let files = if path.is_dir() {
+                rust_files(&path)
+            } else if path.is_file() {
+                vec![path]
+            } else {
+                Vec::new()
+            };
+            for file in files {
+                if names_runtime_bindings(&std::fs::read_to_string(&file).unwrap()) {
+                    named.push(file.strip_prefix(workspace()).unwrap().display().to_string());
+                }
+            }
+        }
+    }
+    assert!(
+        named.is_empty(),
+        "these files name the runtime's generated bindings; use the types of kvplane_runtime::worlds and kvplane_runtime::scheduling instead:\n  {}",
+        named.join("\n  ")
+    );
+}
+
+/// Whether `code` names the runtime's `bindings` module, as a path or in a
+/// grouped `use kvplane_runtime::{..}`. The needle is put together here so
+/// that this file does not name it.
+fn names_runtime_bindings(code: &str) -> bool {
+    let krate = "kvplane_runtime";
+    code.contains(&format!("{krate}::bindings"))
+        || code.match_indices(&format!("{krate}::{{")).any(|(at, _)| {
+            let group = code[at..].split(';').next().unwrap_or_default();
+            group.split(|c: char| !(c.is_alphanumeric() || c == '_')).any(|word| word == "bindings")
+        })
+}
+
 fn rust_files(dir: &Path) -> Vec<std::path::PathBuf> {
     let mut files = Vec::new();
     for entry in std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
