@@ -15,6 +15,7 @@ mod support;
 
 mod cluster;
 mod examples;
+mod hostile;
 mod js_scaffold;
 mod node_cli;
 mod operator;
