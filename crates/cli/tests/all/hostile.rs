@@ -224,6 +224,7 @@ async fn a_meta_longer_than_any_legal_request_is_refused_unread() {
     }
     let grown = rss_bytes(&node).saturating_sub(before);
     assert!(grown < 64 * MIB, "eight 100 MiB metas grew the node by {} MiB", grown >> 20);
+    println!("eight 100 MiB metas: node RSS {} MiB before, grew {} KiB", before >> 20, grown >> 10);
     let c = client(&node).await;
     c.ping().await.expect("served afterwards");
 }
