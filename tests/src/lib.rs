@@ -60,6 +60,16 @@ pub mod hostile {
     /// `get`: sends `PING`, reads 100 bytes the peer never sends (a read
     /// that times out mid-message), keeps the connection.
     pub const HALF_READ: &[u8] = b"half-read";
+    /// `get`: sends `PING` to config `endpoint`, then reads a line with
+    /// `read-until` and a maximum of 4 GiB; answers the line's length.
+    pub const READ_UNTIL: &[u8] = b"read-until";
+    /// `exists`: writes [`LOG_FLOOD_RECORDS`] log records of
+    /// [`LOG_FLOOD_RECORD_BYTES`] each, then answers normally.
+    pub const LOG_FLOOD: &[u8] = b"log-flood";
+    /// Records the [`LOG_FLOOD`] case writes.
+    pub const LOG_FLOOD_RECORDS: usize = 20_000;
+    /// Bytes of each record the [`LOG_FLOOD`] case writes.
+    pub const LOG_FLOOD_RECORD_BYTES: usize = 64 << 10;
     /// `get`: reads one byte on the connection `HALF_READ` kept.
     pub const REUSE: &[u8] = b"reuse";
     /// `exists`: reports 100 000 distinct counters.

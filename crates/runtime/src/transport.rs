@@ -157,28 +157,42 @@ impl PluginConnection {
         result
     }
 
-    async fn read_until(&mut self, delimiter: u8, max: u32) -> std::io::Result<Result<Vec<u8>, Error>> {
+    /// Read up to and including `delimiter`, at most `max` bytes, holding
+    /// the line on the host only up to `budget` bytes: the bytes the
+    /// instance's `buffer-bytes` limit has left. A peer that never sends the
+    /// delimiter otherwise makes the host hold whatever arrives before the
+    /// deadline (gigabytes on loopback), whatever the plugin's declaration.
+    async fn read_until(&mut self, delimiter: u8, max: u32, budget: u64) -> std::io::Result<Result<Vec<u8>, LineStop>> {
+        let max = max as usize;
+        // What the line may ever hold, so the vector never grows past it.
+        let ceiling = (max as u64).min(budget) as usize;
         let mut out = Vec::new();
         loop {
             let available = self.stream.fill_buf().await?;
             if available.is_empty() {
                 return Err(std::io::ErrorKind::UnexpectedEof.into());
             }
-            let room = (max as usize).saturating_sub(out.len());
+            let room = max.saturating_sub(out.len());
             let window = &available[..available.len().min(room)];
-            if let Some(pos) = window.iter().position(|&b| b == delimiter) {
-                out.extend_from_slice(&window[..=pos]);
-                self.stream.consume(pos + 1);
+            let (take, ends) = match window.iter().position(|&b| b == delimiter) {
+                Some(pos) => (pos + 1, true),
+                None => (window.len(), false),
+            };
+            let wanted = out.len() + take;
+            if wanted as u64 > budget {
+                return Ok(Err(LineStop::OverBudget { wanted: wanted as u64 }));
+            }
+            if out.capacity() < wanted {
+                let grown = (out.capacity() * 2).max(wanted).min(ceiling);
+                out.reserve_exact(grown - out.len());
+            }
+            out.extend_from_slice(&window[..take]);
+            self.stream.consume(take);
+            if ends {
                 return Ok(Ok(out));
             }
-            let taken = window.len();
-            out.extend_from_slice(window);
-            self.stream.consume(taken);
-            if out.len() >= max as usize {
-                return Ok(Err(Error::Invalid(format!(
-                    "read-until from {}: no delimiter 0x{delimiter:02x} within {max} bytes",
-                    self.endpoint
-                ))));
+            if out.len() >= max {
+                return Ok(Err(LineStop::TooLong));
             }
         }
     }
@@ -241,6 +255,14 @@ impl PluginConnection {
         self.tail.clear();
         std::mem::take(&mut self.queued)
     }
+}
+
+/// Why `read-until` stopped before the delimiter.
+enum LineStop {
+    /// `max` bytes came without it.
+    TooLong,
+    /// Holding the line would pass the instance's `buffer-bytes` limit.
+    OverBudget { wanted: u64 },
 }
 
 impl HostState {
@@ -393,19 +415,49 @@ impl transport::HostConnection for HostState {
     }
 
     async fn read_until(&mut self, conn: Resource<PluginConnection>, delimiter: u8, max: u32) -> wasmtime::Result<Result<Vec<u8>, Error>> {
+        // The line is held on the host until it ends: it counts against the
+        // instance's buffer bytes like a `read-buffer` does.
+        let limit = self.shared.decl.limits.buffer_bytes;
+        let used = self.usage.buffer_bytes;
         let deadline = self.deadline;
         let c = self.table.get_mut(&conn)?;
         if let Err(e) = c.usable() {
             return Ok(Err(e));
         }
         let endpoint = c.endpoint.clone();
-        let result = bounded(deadline, &endpoint, "read from", c.read_until(delimiter, max)).await.and_then(|r| r);
+        let read = bounded(deadline, &endpoint, "read from", c.read_until(delimiter, max, limit.saturating_sub(used))).await;
+        let result = match read {
+            Ok(Ok(line)) => Ok(line),
+            Err(e) => Err(e),
+            Ok(Err(LineStop::TooLong)) => {
+                Err(Error::Invalid(format!("read-until from {endpoint}: no delimiter 0x{delimiter:02x} within {max} bytes")))
+            }
+            Ok(Err(LineStop::OverBudget { wanted })) => {
+                // `wanted` passed what `used` left of `limit`, so this refuses
+                // (and counts the hit); the message names the limit.
+                let refused = self.check_limit("buffer-bytes", used, wanted, limit).err();
+                let why = match refused {
+                    Some(Error::Capacity(m)) => m,
+                    _ => format!(
+                        "plugin {}: buffer-bytes limit reached ({used} in use, {wanted} more asked, limit {limit})",
+                        self.plugin_name()
+                    ),
+                };
+                Err(Error::Capacity(format!("read-until from {endpoint}, a line without delimiter 0x{delimiter:02x}: {why}")))
+            }
+        };
+        let c = self.table.get_mut(&conn)?;
         Ok(c.check(result))
     }
 
     async fn read_exact(&mut self, conn: Resource<PluginConnection>, len: u32) -> wasmtime::Result<Result<Vec<u8>, Error>> {
         if len > MAX_CONTROL_READ {
             return Ok(Err(Error::Invalid(format!("read-exact of {len} bytes exceeds {MAX_CONTROL_READ}; use read-into for payloads"))));
+        }
+        // Held on the host until it is lowered into the guest: counted like
+        // every host-buffered read.
+        if let Err(e) = self.check_limit("buffer-bytes", self.usage.buffer_bytes, u64::from(len), self.shared.decl.limits.buffer_bytes) {
+            return Ok(Err(e));
         }
         let deadline = self.deadline;
         let c = self.table.get_mut(&conn)?;

@@ -245,3 +245,102 @@ async fn unix_sockets_are_allowed_by_path_and_read_into_the_destination() {
     assert_eq!(result.unwrap(), vec![Ok(11)]);
     assert_eq!(&memories[0][..], b"hello block.....", "the value landed at the front of the destination, the rest untouched");
 }
+
+/// A loopback peer that answers every connection with `total` bytes that
+/// hold no line end, as fast as the socket takes them, then holds the
+/// connection open without a word more: a line that never ends. `total`
+/// bounds what a host that buffered it all would spend, so the test fails
+/// on such a host instead of taking the machine's memory.
+async fn endless_line_peer(total: usize) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("binding a loopback peer");
+    let addr = listener.local_addr().expect("peer address").to_string();
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let chunk = vec![b'x'; 64 << 10];
+                let mut sent = 0;
+                while sent < total && socket.write_all(&chunk).await.is_ok() {
+                    sent += chunk.len();
+                }
+                let mut sink = [0u8; 1024];
+                while matches!(socket.read(&mut sink).await, Ok(n) if n > 0) {}
+            });
+        }
+    });
+    addr
+}
+
+/// Resident set size of this process, from `/proc/self/status`.
+fn rss_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").expect("reading /proc/self/status");
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmRSS in /proc/self/status");
+    kib << 10
+}
+
+/// Runs the test `name` alone in a child process of this test binary and
+/// asserts that it passed, so that what it reads of the process's RSS is
+/// its own and not that of tests running beside it. Answers `true` in the
+/// child, where the test body should run.
+fn alone(name: &str) -> bool {
+    const CHILD: &str = "KVPLANE_TEST_ALONE";
+    if std::env::var_os(CHILD).is_some() {
+        return true;
+    }
+    let exe = std::env::current_exe().expect("the path of this test binary");
+    let out = std::process::Command::new(exe)
+        .args([name, "--exact", "--nocapture", "--test-threads=1"])
+        .env(CHILD, "1")
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .expect("running the test alone");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{name}, run alone, failed:\n{text}");
+    assert!(text.contains("1 passed"), "{name} did not run in the child:\n{text}");
+    eprintln!("{text}");
+    false
+}
+
+/// `read-until` with a 4 GiB maximum against a peer whose line never ends:
+/// the host buffers the line against the instance's `bufferBytes` and
+/// answers `capacity` at that bound (counted as a `buffer-bytes` hit)
+/// instead of holding the whole line until the deadline. The RSS sampled
+/// throughout the call stays within the bound plus 64 MiB.
+#[tokio::test]
+async fn a_line_that_never_ends_is_bounded_by_buffer_bytes() {
+    if !alone("limits::a_line_that_never_ends_is_bounded_by_buffer_bytes") {
+        return;
+    }
+    const BOUND: u64 = 32 << 20;
+    const SLACK: u64 = 64 << 20;
+    let addr = endless_line_peer(512 << 20).await;
+    let mut d = decl(&addr);
+    d.limits.buffer_bytes = BOUND;
+    d.limits.timeout = Duration::from_secs(2);
+    let p = load(d);
+    p.plugin.warm_up().await.expect("warm-up");
+    let before = rss_bytes();
+    let peak = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(before));
+    let sampling = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let sampler = {
+        let (peak, sampling) = (peak.clone(), sampling.clone());
+        std::thread::spawn(move || {
+            while sampling.load(std::sync::atomic::Ordering::Relaxed) {
+                peak.fetch_max(rss_bytes(), std::sync::atomic::Ordering::Relaxed);
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        })
+    };
+    let answer = spend(&p, hostile::READ_UNTIL, 8).await;
+    sampling.store(false, std::sync::atomic::Ordering::Relaxed);
+    sampler.join().expect("the RSS sampler");
+    let grown = peak.load(std::sync::atomic::Ordering::Relaxed).saturating_sub(before);
+    eprintln!("read-until against an endless line: answer {answer:?}, RSS grew {} MiB at peak", grown >> 20);
+    assert_capacity(answer, "buffer-bytes", BOUND);
+    assert_eq!(hits(&p, "buffer-bytes"), 1, "the refusal is counted");
+    assert!(grown < BOUND + SLACK, "RSS grew {grown} bytes, more than bufferBytes {BOUND} + {SLACK}");
+    still_serves(&p).await;
+}
