@@ -116,6 +116,13 @@ pub struct InstanceLimits {
     pub handles: u32,
     /// Distinct metric series the plugin may report (over all instances).
     pub metric_series: u32,
+    /// Log records per second the plugin may write (over all instances);
+    /// past it, and past [`log_burst`](Self::log_burst), records are dropped
+    /// and counted. Why: any client request can make a backend log, and a
+    /// node log nobody bounded fills its disk (790 MB in 8 s was measured).
+    pub log_records_per_second: u32,
+    /// Records the plugin may write at once above its rate, after quiet.
+    pub log_burst: u32,
 }
 
 impl Default for InstanceLimits {
@@ -130,6 +137,8 @@ impl Default for InstanceLimits {
             buffer_bytes: 256 << 20,
             handles: 8192,
             metric_series: 256,
+            log_records_per_second: 100,
+            log_burst: 1000,
         }
     }
 }

@@ -21,8 +21,12 @@ use super::decl::PluginDecl;
 const STDERR_CAPACITY: usize = 16 << 10;
 /// The most bytes one `buffer.peek` may return (`buffers.max-peek`).
 pub const MAX_PEEK: u32 = 4096;
-/// Longest log line accepted from a plugin; the rest is cut.
-const MAX_LOG_LINE: usize = 4096;
+/// Longest log record accepted from a plugin, in bytes; the rest is cut
+/// (and counted as truncated), so one record cannot carry a flood.
+pub const MAX_LOG_RECORD: usize = 4096;
+/// How often, at most, the node log says that a plugin's records were
+/// dropped: the report itself must not become the flood.
+const LOG_DROP_REPORT_INTERVAL: Duration = Duration::from_secs(1);
 /// Longest metric name accepted; longer names are dropped and counted.
 const MAX_METRIC_NAME: usize = 128;
 
@@ -46,17 +50,92 @@ pub struct PluginShared {
     pub(crate) drivers: Mutex<BTreeMap<String, Arc<kvplane_driver::Driver>>>,
     /// Metric updates dropped because the series limit was reached.
     pub dropped_metric_updates: AtomicU64,
+    /// The plugin's log records: the rate limiter and what it let through.
+    log: Mutex<LogLimiter>,
+}
+
+/// What became of a plugin's log records, for metrics and tests.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct LogCounts {
+    /// Records written to the node log.
+    pub written: u64,
+    /// Bytes of the messages written (after truncation).
+    pub written_bytes: u64,
+    /// Records dropped past `logRecordsPerSecond` / `logBurst`.
+    pub dropped: u64,
+    /// Records written cut to [`MAX_LOG_RECORD`] bytes.
+    pub truncated: u64,
+}
+
+/// A token bucket over a plugin's log records: `rate` records a second,
+/// `burst` at once. Shared by the plugin's instances, because the node log
+/// is one disk whichever instance writes.
+#[derive(Debug)]
+struct LogLimiter {
+    rate: f64,
+    burst: f64,
+    tokens: f64,
+    refilled: std::time::Instant,
+    counts: LogCounts,
+    /// Drops not yet reported in the node log, and when it last said so.
+    unreported: u64,
+    reported: Option<std::time::Instant>,
+}
+
+impl LogLimiter {
+    fn new(rate: u32, burst: u32) -> LogLimiter {
+        let burst = f64::from(burst.max(1));
+        LogLimiter {
+            rate: f64::from(rate),
+            burst,
+            tokens: burst,
+            refilled: std::time::Instant::now(),
+            counts: LogCounts::default(),
+            unreported: 0,
+            reported: None,
+        }
+    }
+
+    /// Whether one more record may be written now (counted either way).
+    fn admit(&mut self, now: std::time::Instant) -> bool {
+        let elapsed = now.saturating_duration_since(self.refilled).as_secs_f64();
+        self.refilled = now;
+        self.tokens = (self.tokens + elapsed * self.rate).min(self.burst);
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            return true;
+        }
+        self.counts.dropped += 1;
+        self.unreported += 1;
+        false
+    }
+
+    /// Drops to report in the node log now, if any and if the last report
+    /// is old enough.
+    fn report_due(&mut self, now: std::time::Instant) -> Option<u64> {
+        if self.unreported == 0 || self.reported.is_some_and(|t| now.saturating_duration_since(t) < LOG_DROP_REPORT_INTERVAL) {
+            return None;
+        }
+        self.reported = Some(now);
+        Some(std::mem::take(&mut self.unreported))
+    }
 }
 
 impl PluginShared {
     pub fn new(decl: PluginDecl) -> Arc<PluginShared> {
         Arc::new(PluginShared {
-            decl,
             metrics: Mutex::new(BTreeMap::new()),
             limit_hits: Mutex::new(BTreeMap::new()),
             drivers: Mutex::new(BTreeMap::new()),
             dropped_metric_updates: AtomicU64::new(0),
+            log: Mutex::new(LogLimiter::new(decl.limits.log_records_per_second, decl.limits.log_burst)),
+            decl,
         })
+    }
+
+    /// What became of the plugin's log records so far.
+    pub fn log_counts(&self) -> LogCounts {
+        self.log.lock().map(|l| l.counts).unwrap_or_default()
     }
 
     pub fn metrics_snapshot(&self) -> BTreeMap<String, MetricValue> {
@@ -326,16 +405,45 @@ impl buffers::HostBuffer for HostState {
 
 impl log::Host for HostState {
     fn log(&mut self, level: log::Level, message: String) -> wasmtime::Result<()> {
+        let limits = self.shared.decl.limits;
+        let now = std::time::Instant::now();
+        let (admitted, report) = match self.shared.log.lock() {
+            Ok(mut limiter) => {
+                let admitted = limiter.admit(now);
+                (admitted, limiter.report_due(now))
+            }
+            Err(_) => (false, None),
+        };
+        let plugin = self.plugin_name();
+        if let Some(dropped) = report {
+            tracing::warn!(
+                plugin,
+                dropped,
+                "plugin {plugin}: {dropped} log records dropped since the last report: past its log rate limit \
+                 (limits.logRecordsPerSecond {}, limits.logBurst {})",
+                limits.log_records_per_second,
+                limits.log_burst
+            );
+        }
+        if !admitted {
+            self.shared.hit_limit("log-rate");
+            return Ok(());
+        }
         let mut message = message;
-        if message.len() > MAX_LOG_LINE {
-            let mut cut = MAX_LOG_LINE;
+        let truncated = message.len() > MAX_LOG_RECORD;
+        if truncated {
+            let mut cut = MAX_LOG_RECORD;
             while !message.is_char_boundary(cut) {
                 cut -= 1;
             }
             message.truncate(cut);
             message.push_str(" [truncated]");
         }
-        let plugin = self.plugin_name();
+        if let Ok(mut limiter) = self.shared.log.lock() {
+            limiter.counts.written += 1;
+            limiter.counts.written_bytes += message.len() as u64;
+            limiter.counts.truncated += u64::from(truncated);
+        }
         match level {
             log::Level::Trace => tracing::trace!(plugin, "{message}"),
             log::Level::Debug => tracing::debug!(plugin, "{message}"),
@@ -415,5 +523,30 @@ impl wasmtime_wasi::HostMonotonicClock for FrozenClock {
     }
     fn now(&self) -> u64 {
         0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::LogLimiter;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn the_log_limiter_lets_the_burst_then_the_rate_through_and_reports_drops_once_a_second() {
+        let mut l = LogLimiter::new(10, 3);
+        let t0 = Instant::now();
+        let admitted: Vec<bool> = (0..5).map(|_| l.admit(t0)).collect();
+        assert_eq!(admitted, [true, true, true, false, false]);
+        assert_eq!(l.report_due(t0), Some(2), "the first drops are reported at once");
+        assert!(!l.admit(t0));
+        assert_eq!(l.report_due(t0 + Duration::from_millis(500)), None, "not twice within the interval");
+        // 100 ms at 10/s is one record more.
+        assert!(l.admit(t0 + Duration::from_millis(100)));
+        assert!(!l.admit(t0 + Duration::from_millis(100)));
+        assert_eq!(l.report_due(t0 + Duration::from_secs(1)), Some(2), "the drops since the last report");
+        assert_eq!(l.counts.dropped, 4);
+        // Quiet refills the burst and no more.
+        let later = t0 + Duration::from_secs(60);
+        assert_eq!((0..5).filter(|_| l.admit(later)).count(), 3);
     }
 }

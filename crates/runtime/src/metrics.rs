@@ -8,6 +8,9 @@
 //! - `kvplane_plugin_reported_*` carry what a plugin recorded through the
 //!   contract's `metrics` interface, labelled with the plugin and the name it
 //!   chose (bounded per plugin, see `host.rs`).
+//! - `kvplane_plugin_log_records_*` count what became of the records a
+//!   plugin wrote through `log`: written, dropped past its log rate, cut to
+//!   the longest record.
 
 use std::fmt;
 use std::sync::{Arc, Mutex, Weak};
@@ -196,12 +199,20 @@ impl prometheus_client::collector::Collector for Reported {
         let histogram_counts: Family<ReportedLabels, Counter> = Family::default();
         let histogram_sums: Family<ReportedLabels, Gauge<f64, AtomicU64>> = Family::default();
         let limit_hits: Family<LimitLabels, Counter> = Family::default();
+        let log_written: Family<PluginLabels, Counter> = Family::default();
+        let log_dropped: Family<PluginLabels, Counter> = Family::default();
+        let log_truncated: Family<PluginLabels, Counter> = Family::default();
         let plugins: Vec<Arc<PluginShared>> =
             self.0.plugins.lock().map(|p| p.iter().filter_map(Weak::upgrade).collect()).unwrap_or_default();
         for plugin in plugins {
             for (limit, hits) in plugin.limit_hits_snapshot() {
                 limit_hits.get_or_create(&LimitLabels { plugin: plugin.decl.name.clone(), limit }).inc_by(hits);
             }
+            let logs = plugin.log_counts();
+            let labels = PluginLabels { plugin: plugin.decl.name.clone() };
+            log_written.get_or_create(&labels).inc_by(logs.written);
+            log_dropped.get_or_create(&labels).inc_by(logs.dropped);
+            log_truncated.get_or_create(&labels).inc_by(logs.truncated);
             for (name, value) in plugin.metrics_snapshot() {
                 let labels = ReportedLabels { plugin: plugin.decl.name.clone(), name };
                 match value {
@@ -219,15 +230,22 @@ impl prometheus_client::collector::Collector for Reported {
             }
         }
         if !limit_hits.is_empty() {
-            let help = "Times a plugin was refused by one of its declared host limits (connections, queued-bytes, buffers, buffer-bytes, handles, metric-series)";
+            let help = "Times a plugin was refused by one of its declared host limits (connections, queued-bytes, buffers, buffer-bytes, handles, metric-series, log-rate)";
             limit_hits.encode(encoder.encode_descriptor("kvplane_plugin_limit_hits", help, None, limit_hits.metric_type())?)?;
         }
         for (name, help, family) in [
+            ("kvplane_plugin_log_records", "Log records a plugin wrote to the node log", &log_written as &dyn EncodeMetric),
             (
-                "kvplane_plugin_reported",
-                "Counters a plugin reported about itself (label name: the plugin's own name)",
-                &counters as &dyn EncodeMetric,
+                "kvplane_plugin_log_records_dropped",
+                "Log records of a plugin dropped past its log rate (limits.logRecordsPerSecond, limits.logBurst)",
+                &log_dropped,
             ),
+            (
+                "kvplane_plugin_log_records_truncated",
+                "Log records of a plugin cut to the longest record the host writes (4096 bytes)",
+                &log_truncated,
+            ),
+            ("kvplane_plugin_reported", "Counters a plugin reported about itself (label name: the plugin's own name)", &counters),
             ("kvplane_plugin_reported_gauge", "Gauges a plugin reported about itself", &gauges),
             ("kvplane_plugin_reported_observations", "Observations a plugin recorded in its own histograms", &histogram_counts),
             ("kvplane_plugin_reported_observation_sum", "Sum of the observations a plugin recorded in its own histograms", &histogram_sums),

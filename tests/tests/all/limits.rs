@@ -344,3 +344,47 @@ async fn a_line_that_never_ends_is_bounded_by_buffer_bytes() {
     assert!(grown < BOUND + SLACK, "RSS grew {grown} bytes, more than bufferBytes {BOUND} + {SLACK}");
     still_serves(&p).await;
 }
+
+/// A plugin that logs as fast as it can writes no more than its log rate
+/// allows: the burst, then the rate; every record beyond is dropped and
+/// counted (in `/metrics` too), and each record written is cut to the
+/// longest the host writes. The fixture's flood is itself bounded (20 000
+/// records), and this test installs no log subscriber, so a host without
+/// the limit fails the counts without writing gigabytes anywhere.
+#[tokio::test]
+async fn a_log_flood_is_rate_limited_and_the_drops_counted() {
+    const RATE: u32 = 50;
+    const BURST: u32 = 200;
+    let rt = PluginRuntime::new(None).expect("runtime");
+    let mut d = decl("127.0.0.1:9");
+    d.limits.log_records_per_second = RATE;
+    d.limits.log_burst = BURST;
+    d.limits.timeout = Duration::from_secs(30);
+    let p = rt.load_backend(d).expect("loading the hostile fixture");
+    let started = std::time::Instant::now();
+    p.exists(vec![hostile::LOG_FLOOD.to_vec()], no_options()).await.expect("logging never fails the call");
+    let elapsed = started.elapsed();
+    let logs = p.plugin.shared().log_counts();
+    eprintln!("log flood of {} records in {elapsed:?}: {logs:?}", hostile::LOG_FLOOD_RECORDS);
+    let allowed = u64::from(BURST) + (elapsed.as_secs_f64() * f64::from(RATE)).ceil() as u64;
+    assert!(logs.written <= allowed, "{} records written, more than burst {BURST} + {RATE}/s over {elapsed:?}", logs.written);
+    assert!(logs.written >= u64::from(BURST), "the burst was not let through: {logs:?}");
+    assert_eq!(logs.written + logs.dropped, hostile::LOG_FLOOD_RECORDS as u64, "every record is written or counted dropped");
+    assert_eq!(logs.truncated, logs.written, "every 64 KiB record is cut");
+    let longest = (kvplane_runtime::host::MAX_LOG_RECORD + " [truncated]".len()) as u64;
+    assert!(logs.written_bytes <= logs.written * longest, "{logs:?}");
+    assert_eq!(hits(&p, "log-rate"), logs.dropped);
+
+    let mut registry = prometheus_client::registry::Registry::default();
+    rt.metrics().register(&mut registry);
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+    for line in [
+        format!(r#"kvplane_plugin_log_records_dropped_total{{plugin="hostile"}} {}"#, logs.dropped),
+        format!(r#"kvplane_plugin_log_records_total{{plugin="hostile"}} {}"#, logs.written),
+        format!(r#"kvplane_plugin_limit_hits_total{{plugin="hostile",limit="log-rate"}} {}"#, logs.dropped),
+    ] {
+        assert!(text.contains(&line), "missing {line:?} in\n{text}");
+    }
+    still_serves(&p).await;
+}
