@@ -146,6 +146,18 @@ pub struct PluginLimits {
     /// Distinct metric series the plugin may report (default 256).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub metric_series: Option<u32>,
+    /// Instances kept, and calls run at once, for this plugin (default 4);
+    /// a further call waits for an instance.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub max_instances: Option<u32>,
+    /// Log records the plugin may write per second, over all its instances
+    /// (default 100); more are dropped and counted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub log_records_per_second: Option<u32>,
+    /// Log records the plugin may write at once above its rate (default 1000).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub log_burst: Option<u32>,
 }
 
 impl PluginLimits {

@@ -190,6 +190,18 @@ pub fn decl(spec: &PluginSpec, fetched: Fetched) -> Result<PluginDecl, SourceErr
         if let Some(n) = limits.metric_series {
             d.limits.metric_series = n;
         }
+        if let Some(n) = limits.max_instances {
+            if n == 0 {
+                return Err(invalid("limits.maxInstances must be 1 or more".into()));
+            }
+            d.limits.max_instances = n as usize;
+        }
+        if let Some(n) = limits.log_records_per_second {
+            d.limits.log_records_per_second = n;
+        }
+        if let Some(n) = limits.log_burst {
+            d.limits.log_burst = n;
+        }
     }
     d.drivers = spec.drivers.iter().map(|r| (r.name.clone(), std::path::PathBuf::from(&r.path))).collect();
     Ok(d)

@@ -388,3 +388,52 @@ async fn a_log_flood_is_rate_limited_and_the_drops_counted() {
     }
     still_serves(&p).await;
 }
+
+/// Every key of the docs' table of limits (`docs/plugins.md`, "Limits a
+/// declaration sets") is one a declaration may write, is in the CRD's
+/// schema, and reaches the instance's limits: declared at another value
+/// than its documented default, it changes them. A key the docs promise and
+/// the config refuses (`maxInstances` was) fails here.
+#[test]
+fn every_documented_limit_is_declarable_and_reaches_the_instance() {
+    use kvplane_config::plugin::PluginSpec;
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let doc = std::fs::read_to_string(root.join("docs/plugins.md")).expect("reading docs/plugins.md");
+    let crd = std::fs::read_to_string(root.join("crds/kvcache.yaml")).expect("reading crds/kvcache.yaml");
+    let section = doc.split("## Limits a declaration sets").nth(1).expect("the limits section").split("\n## ").next().unwrap();
+    let rows: Vec<(String, String)> = section
+        .lines()
+        .filter_map(|l| {
+            let cells: Vec<&str> = l.trim().trim_matches('|').split('|').map(str::trim).collect();
+            let key = cells.first()?.strip_prefix('`')?.strip_suffix('`').filter(|k| !k.ends_with('.'))?;
+            Some((key.to_owned(), cells.get(1)?.to_string()))
+        })
+        .collect();
+    assert!(rows.len() >= 8, "the limits table: {rows:?}");
+    let defaults = kvplane_runtime::InstanceLimits::default();
+    for (key, default) in rows {
+        // Another value than the default, in the default's spelling.
+        let other = match default.parse::<u64>() {
+            Ok(n) => serde_json::json!(n + 1),
+            Err(_) => {
+                let digits: String = default.chars().take_while(char::is_ascii_digit).collect();
+                let unit = &default[digits.len()..];
+                serde_json::json!(format!("{}{unit}", digits.parse::<u64>().expect("a number and a unit") + 1))
+            }
+        };
+        let spec = serde_json::json!({"name": "p", "kind": "backend", "source": {"builtin": "resp"}, "limits": {key.as_str(): other}});
+        let spec: PluginSpec =
+            kvplane_config::from_json_strict(&spec.to_string()).unwrap_or_else(|e| panic!("limits.{key}, documented, is refused: {e}"));
+        let fetched = kvplane_runtime::source::Fetched { origin: "test".into(), bytes: std::sync::Arc::from(&b""[..]) };
+        let d = kvplane_runtime::source::decl(&spec, fetched).unwrap_or_else(|e| panic!("limits.{key}: {e}"));
+        assert_ne!(d.limits, defaults, "limits.{key} = {other} changed no instance limit");
+        assert!(crd.contains(&format!("\n                        {key}:\n")), "limits.{key} is not in crds/kvcache.yaml");
+    }
+    let spec: PluginSpec = kvplane_config::from_json_strict(
+        r#"{"name":"p","kind":"backend","source":{"builtin":"resp"},"limits":{"maxInstances":7,"logRecordsPerSecond":9,"logBurst":11}}"#,
+    )
+    .expect("parses");
+    let fetched = kvplane_runtime::source::Fetched { origin: "test".into(), bytes: std::sync::Arc::from(&b""[..]) };
+    let d = kvplane_runtime::source::decl(&spec, fetched).expect("a declaration");
+    assert_eq!((d.limits.max_instances, d.limits.log_records_per_second, d.limits.log_burst), (7, 9, 11));
+}
