@@ -20,6 +20,13 @@
 //! the send time of the last confirmed renewal plus the TTL — and reports
 //! [`Registration::Lost`] then, never later than the others stop seeing it.
 //!
+//! Why a lapsed member registers again by itself: a lapse is most often an
+//! etcd outage, not the member's fault, and a member that stays out after
+//! etcd is back serves no one (clients get no table from it, the others
+//! route nothing to it) while looking healthy to everyone who does not ask
+//! etcd. So the keeper that declared the lapse keeps asking etcd for a new
+//! lease, with a bounded backoff, and puts the record again under it.
+//!
 //! Why the JSON gateway: the gRPC clients of etcd generate their code with
 //! `protoc` at build time; etcd's own HTTP/JSON gateway offers the same few
 //! calls (lease grant/keep-alive/revoke, put, range, watch) with the HTTP
@@ -34,7 +41,7 @@ mod record;
 mod routing;
 mod watch;
 
-pub use membership::{Membership, Registration};
+pub use membership::{Membership, Registration, RegistrationCounters};
 pub use record::{decode_member, encode_member, member_key, members_prefix};
 pub use routing::{Router, Routing};
 pub use watch::{MemberView, MembershipWatch};
@@ -47,7 +54,9 @@ pub struct Options {
     pub request_timeout: Duration,
     /// Longest wait for a TCP connection to one etcd endpoint.
     pub connect_timeout: Duration,
-    /// Longest pause between attempts to list and watch again.
+    /// Longest pause between attempts to list and watch again, and between
+    /// attempts to register again after a lapse (counted by
+    /// [`RegistrationCounters::failed_attempts`]).
     pub retry_max: Duration,
 }
 

@@ -1,5 +1,7 @@
-//! A member's own registration: its record under a lease, kept alive.
+//! A member's own registration: its record under a lease, kept alive, and
+//! put again under a new lease whenever the old one lapsed.
 
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,7 +13,7 @@ use tokio::time::Instant;
 use crate::etcd::Etcd;
 use crate::lease::LeaseClock;
 use crate::record::{check_name, encode_member, member_key};
-use crate::watch::MembershipWatch;
+use crate::watch::{Backoff, MembershipWatch};
 use crate::{Error, Options};
 
 /// gRPC status `NOT_FOUND`, as etcd answers for a lease it does not have.
@@ -23,8 +25,53 @@ pub enum Registration {
     /// Its lease is surely alive (see the crate docs for "surely").
     Registered,
     /// Its lease lapsed or was revoked: the others no longer see it, and its
-    /// keys have moved. Final: register again to come back.
+    /// keys have moved. The member asks etcd for a new lease until one is
+    /// granted, then puts its record again and is `Registered` once more.
     Lost { reason: String },
+}
+
+/// How often a member's registration lapsed and came back; shared with the
+/// keeper, read by whoever reports them (STATS, `/metrics`).
+#[derive(Debug, Default)]
+pub struct RegistrationCounters {
+    lapses: AtomicU64,
+    reregistrations: AtomicU64,
+    failed_attempts: AtomicU64,
+}
+
+impl RegistrationCounters {
+    /// Times the lease lapsed (no confirmed renewal within its TTL, or etcd
+    /// no longer had it).
+    pub fn lapses(&self) -> u64 {
+        self.lapses.load(Ordering::Relaxed)
+    }
+
+    /// Times the member registered again after a lapse.
+    pub fn reregistrations(&self) -> u64 {
+        self.reregistrations.load(Ordering::Relaxed)
+    }
+
+    /// Attempts to register again that etcd did not answer or refused.
+    pub fn failed_attempts(&self) -> u64 {
+        self.failed_attempts.load(Ordering::Relaxed)
+    }
+}
+
+/// What the member and its keeper share.
+struct Shared {
+    /// The lease the record is (to be) attached to; replaced on every
+    /// registration after a lapse.
+    lease: AtomicI64,
+    record: Mutex<Member>,
+    /// Until when the lease is surely alive, as the keeper last learned.
+    until: std::sync::Mutex<Instant>,
+    counters: Arc<RegistrationCounters>,
+}
+
+impl Shared {
+    fn set_until(&self, until: Instant) {
+        *self.until.lock().unwrap_or_else(|e| e.into_inner()) = until;
+    }
 }
 
 /// A member registered in etcd. Dropping it stops the keep-alive without
@@ -34,11 +81,8 @@ pub struct Membership {
     etcd: Arc<Etcd>,
     cluster: String,
     key: String,
-    lease: i64,
-    record: Mutex<Member>,
+    shared: Arc<Shared>,
     status: watch::Receiver<Registration>,
-    /// Until when the lease is surely alive, as the keeper last learned.
-    until: Arc<std::sync::Mutex<Instant>>,
     keeper: JoinHandle<()>,
     options: Options,
 }
@@ -65,33 +109,27 @@ impl Membership {
         check_name("member id", &member.id)?;
         let etcd = Arc::new(Etcd::new(endpoints, options.connect_timeout)?);
         let key = member_key(cluster, &member.id);
-        let during = || format!("registering {key}");
-        let (lease, ttl, sent) = etcd.grant(lease_ttl, options.request_timeout).await.map_err(Error::during(during))?;
-        let mut clock = LeaseClock::granted(sent, ttl);
-        // Renew once right after the put: when etcd was slow to take the put
-        // (an election), the lease may be near the end its grant gave it.
-        let registered = async {
-            etcd.put(&key, &encode_member(&member), lease, options.request_timeout).await?;
-            match etcd.keep_alive(lease, options.request_timeout).await? {
-                (ttl, _) if ttl.is_zero() => {
-                    Err(Error::Lost { key: key.clone(), reason: format!("lease {lease:x} expired while registering") })
-                }
-                (ttl, sent) => {
-                    clock.renewed(sent, ttl);
-                    Ok(())
-                }
-            }
-        };
-        if let Err(e) = registered.await {
-            // Best effort: an unused lease would only expire later.
-            let _ = etcd.revoke(lease, options.request_timeout).await;
-            return Err(Error::during(during)(e));
-        }
-        tracing::info!(key, lease = format!("{lease:x}"), ?ttl, "registered in etcd");
+        let (lease, clock) = register_once(&etcd, &key, &member, lease_ttl, &options).await?;
+        tracing::info!(key, member = member.id, lease = format!("{lease:x}"), ttl = ?clock.ttl(), "registered in etcd");
         let (tx, status) = watch::channel(Registration::Registered);
-        let until = Arc::new(std::sync::Mutex::new(clock.expires()));
-        let keeper = tokio::spawn(keep_alive(Arc::clone(&etcd), key.clone(), lease, clock, tx, Arc::clone(&until), options.clone()));
-        Ok(Membership { etcd, cluster: cluster.to_owned(), key, lease, record: Mutex::new(member), status, until, keeper, options })
+        let id = member.id.clone();
+        let shared = Arc::new(Shared {
+            lease: AtomicI64::new(lease),
+            record: Mutex::new(member),
+            until: std::sync::Mutex::new(clock.expires()),
+            counters: Arc::default(),
+        });
+        let keeper = Keeper {
+            etcd: Arc::clone(&etcd),
+            key: key.clone(),
+            member: id,
+            ttl: lease_ttl,
+            shared: Arc::clone(&shared),
+            status: tx,
+            options: options.clone(),
+        };
+        let keeper = tokio::spawn(keeper.run(lease, clock));
+        Ok(Membership { etcd, cluster: cluster.to_owned(), key, shared, status, keeper, options })
     }
 
     /// The etcd key of this member's record.
@@ -99,14 +137,20 @@ impl Membership {
         &self.key
     }
 
-    /// The etcd lease the record is attached to.
+    /// The etcd lease the record is attached to: a new one after every
+    /// registration that followed a lapse.
     pub fn lease_id(&self) -> i64 {
-        self.lease
+        self.shared.lease.load(Ordering::Acquire)
     }
 
     /// The record as last written.
     pub async fn member(&self) -> Member {
-        self.record.lock().await.clone()
+        self.shared.record.lock().await.clone()
+    }
+
+    /// How often the registration lapsed and came back.
+    pub fn counters(&self) -> Arc<RegistrationCounters> {
+        Arc::clone(&self.shared.counters)
     }
 
     /// Where the registration stands now.
@@ -117,7 +161,7 @@ impl Membership {
     /// Until when the lease is surely alive: the send time of the last
     /// confirmed renewal plus the TTL. Past it, the registration is lost.
     pub fn registered_until(&self) -> Instant {
-        *self.until.lock().unwrap_or_else(|e| e.into_inner())
+        *self.shared.until.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Changes of [`Membership::registration`].
@@ -125,7 +169,7 @@ impl Membership {
         self.status.clone()
     }
 
-    /// Wait until the registration is lost; why.
+    /// Wait until the registration is lost (now or later); why.
     pub async fn lost(&self) -> String {
         let mut status = self.status.clone();
         let lost = status.wait_for(|s| matches!(s, Registration::Lost { .. })).await;
@@ -143,15 +187,19 @@ impl Membership {
 
     /// Change this member's record (its id cannot change).
     pub async fn update(&self, change: impl FnOnce(&mut Member)) -> Result<(), Error> {
-        let mut record = self.record.lock().await;
+        // Held across the put: the keeper reads the record to register
+        // again only between updates, so it never puts an older one.
+        let mut record = self.shared.record.lock().await;
         if let Registration::Lost { reason } = self.registration() {
             return Err(Error::Lost { key: self.key.clone(), reason });
         }
         let mut next = record.clone();
         change(&mut next);
         next.id.clone_from(&record.id);
+        // Should the lease lapse meanwhile, etcd refuses a put under it (the
+        // keeper revokes a lapsed lease before it asks for a new one).
         self.etcd
-            .put(&self.key, &encode_member(&next), self.lease, self.options.request_timeout)
+            .put(&self.key, &encode_member(&next), self.lease_id(), self.options.request_timeout)
             .await
             .map_err(Error::during(|| format!("updating {}", self.key)))?;
         *record = next;
@@ -167,10 +215,11 @@ impl Membership {
     /// A lease etcd no longer has (it lapsed) counts as revoked.
     pub async fn leave(self) -> Result<(), Error> {
         self.keeper.abort();
-        match self.etcd.revoke(self.lease, self.options.request_timeout).await {
+        let lease = self.lease_id();
+        match self.etcd.revoke(lease, self.options.request_timeout).await {
             Ok(()) => {}
             Err(Error::Etcd { code: GRPC_NOT_FOUND, .. }) => {}
-            Err(e) => return Err(Error::during(|| format!("revoking lease {:x} of {}", self.lease, self.key))(e)),
+            Err(e) => return Err(Error::during(|| format!("revoking lease {lease:x} of {}", self.key))(e)),
         }
         tracing::info!(key = self.key, "left the cluster");
         Ok(())
@@ -183,45 +232,129 @@ impl Drop for Membership {
     }
 }
 
-/// Renew `lease` every third of its TTL until it can no longer be sure it
-/// is alive; then say so on `status` and stop.
-async fn keep_alive(
-    etcd: Arc<Etcd>,
-    key: String,
-    lease: i64,
-    mut clock: LeaseClock,
-    status: watch::Sender<Registration>,
-    until: Arc<std::sync::Mutex<Instant>>,
-    options: Options,
-) {
-    let mut last_error: Option<Error> = None;
-    let reason = loop {
-        tokio::time::sleep_until(clock.next_wakeup()).await;
-        let now = Instant::now();
-        if clock.expired(now) {
-            let why = last_error.as_ref().map(|e| format!("; last error: {e}")).unwrap_or_default();
-            break format!("no keep-alive of lease {lease:x} was confirmed within its TTL of {:?}{why}", clock.ttl());
-        }
-        let budget = clock.expires().saturating_duration_since(now).min(options.request_timeout);
-        match etcd.keep_alive(lease, budget).await {
-            Ok((ttl, _)) if ttl.is_zero() => break format!("etcd no longer has lease {lease:x} (it expired or was revoked)"),
-            Ok((ttl, sent)) => {
-                if let Some(e) = last_error.take() {
-                    tracing::info!(key, "keep-alive works again after: {e}");
-                }
-                clock.renewed(sent, ttl);
-                *until.lock().unwrap_or_else(|e| e.into_inner()) = clock.expires();
+/// Grant a lease of `ttl`, put `member` under `key` attached to it, and
+/// renew it once; the lease and its clock. A lease granted for a put that
+/// failed is revoked (best effort: unused, it would only expire later).
+async fn register_once(etcd: &Etcd, key: &str, member: &Member, ttl: Duration, options: &Options) -> Result<(i64, LeaseClock), Error> {
+    let during = || format!("registering {key}");
+    let (lease, granted, sent) = etcd.grant(ttl, options.request_timeout).await.map_err(Error::during(during))?;
+    let mut clock = LeaseClock::granted(sent, granted);
+    // Renew once right after the put: when etcd was slow to take the put
+    // (an election), the lease may be near the end its grant gave it.
+    let registered = async {
+        etcd.put(key, &encode_member(member), lease, options.request_timeout).await?;
+        match etcd.keep_alive(lease, options.request_timeout).await? {
+            (ttl, _) if ttl.is_zero() => {
+                Err(Error::Lost { key: key.to_owned(), reason: format!("lease {lease:x} expired while registering") })
             }
-            Err(e) => {
-                tracing::warn!(key, "keep-alive of lease {lease:x} failed: {e}");
-                last_error = Some(e);
-                clock.failed(Instant::now());
+            (ttl, sent) => {
+                clock.renewed(sent, ttl);
+                Ok(())
             }
         }
     };
-    tracing::error!(key, "lost the registration: {reason}");
-    status.send_replace(Registration::Lost { reason: format!("{key}: {reason}") });
-    // Should etcd answer again before it expires the lease itself, the
-    // record must not outlive the member's belief that it is gone.
-    let _ = etcd.revoke(lease, options.request_timeout).await;
+    if let Err(e) = registered.await {
+        let _ = etcd.revoke(lease, options.request_timeout).await;
+        return Err(Error::during(during)(e));
+    }
+    Ok((lease, clock))
+}
+
+/// The background task of a [`Membership`]: keeps the lease alive while it
+/// can, and after a lapse registers again until etcd takes it.
+struct Keeper {
+    etcd: Arc<Etcd>,
+    key: String,
+    /// The member's id, for the log.
+    member: String,
+    /// The TTL asked for at every registration.
+    ttl: Duration,
+    shared: Arc<Shared>,
+    status: watch::Sender<Registration>,
+    options: Options,
+}
+
+impl Keeper {
+    async fn run(self, mut lease: i64, mut clock: LeaseClock) {
+        loop {
+            let reason = self.keep_alive(lease, clock).await;
+            self.shared.counters.lapses.fetch_add(1, Ordering::Relaxed);
+            let member = &self.member;
+            tracing::error!(key = self.key, member, "lost the registration, registering again once etcd answers: {reason}");
+            self.status.send_replace(Registration::Lost { reason: format!("{}: {reason}", self.key) });
+            (lease, clock) = self.register_again(lease).await;
+            self.shared.lease.store(lease, Ordering::Release);
+            self.shared.set_until(clock.expires());
+            self.shared.counters.reregistrations.fetch_add(1, Ordering::Relaxed);
+            tracing::info!(key = self.key, member, lease = format!("{lease:x}"), ttl = ?clock.ttl(), "registered in etcd again");
+            self.status.send_replace(Registration::Registered);
+        }
+    }
+
+    /// Renew `lease` every third of its TTL until it can no longer be sure
+    /// it is alive; why not.
+    async fn keep_alive(&self, lease: i64, mut clock: LeaseClock) -> String {
+        let (etcd, key) = (&self.etcd, &self.key);
+        let mut last_error: Option<Error> = None;
+        loop {
+            tokio::time::sleep_until(clock.next_wakeup()).await;
+            let now = Instant::now();
+            if clock.expired(now) {
+                let why = last_error.as_ref().map(|e| format!("; last error: {e}")).unwrap_or_default();
+                return format!("no keep-alive of lease {lease:x} was confirmed within its TTL of {:?}{why}", clock.ttl());
+            }
+            let budget = clock.expires().saturating_duration_since(now).min(self.options.request_timeout);
+            match etcd.keep_alive(lease, budget).await {
+                Ok((ttl, _)) if ttl.is_zero() => return format!("etcd no longer has lease {lease:x} (it expired or was revoked)"),
+                Ok((ttl, sent)) => {
+                    if let Some(e) = last_error.take() {
+                        tracing::info!(key, "keep-alive works again after: {e}");
+                    }
+                    clock.renewed(sent, ttl);
+                    self.shared.set_until(clock.expires());
+                }
+                Err(e) => {
+                    tracing::warn!(key, "keep-alive of lease {lease:x} failed: {e}");
+                    last_error = Some(e);
+                    clock.failed(Instant::now());
+                }
+            }
+        }
+    }
+
+    /// Revoke the lapsed lease, then register the current record under a
+    /// new lease, pausing between failed attempts (100 ms doubling up to
+    /// `retry_max`) until etcd takes it. The revoke comes first: should
+    /// etcd still hold the old lease (a restarted etcd grants every lease a
+    /// fresh TTL), the record must not outlive the member's belief that it
+    /// is gone, nor a put of [`Membership::update`] under it succeed.
+    async fn register_again(&self, lapsed: i64) -> (i64, LeaseClock) {
+        let mut backoff = Backoff::new(self.options.retry_max);
+        let mut revoked = false;
+        for attempt in 1u64.. {
+            let result = async {
+                if !revoked {
+                    match self.etcd.revoke(lapsed, self.options.request_timeout).await {
+                        Ok(()) | Err(Error::Etcd { code: GRPC_NOT_FOUND, .. }) => revoked = true,
+                        Err(e) => return Err(Error::during(|| format!("revoking the lapsed lease {lapsed:x} of {}", self.key))(e)),
+                    }
+                }
+                // Not held across the calls: an update waiting for it
+                // would wait out an outage. While the registration is lost
+                // no update changes it, so this is the record to put.
+                let record = self.shared.record.lock().await.clone();
+                register_once(&self.etcd, &self.key, &record, self.ttl, &self.options).await
+            }
+            .await;
+            match result {
+                Ok(registered) => return registered,
+                Err(e) => {
+                    self.shared.counters.failed_attempts.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(key = self.key, attempt, "registering again failed, trying again: {e}");
+                    backoff.wait().await;
+                }
+            }
+        }
+        unreachable!("the attempts above never end")
+    }
 }

@@ -183,7 +183,7 @@ fn publish(tx: &watch::Sender<Arc<MemberView>>, revision: i64, members: &BTreeMa
 }
 
 /// Waits between attempts: 100 ms, doubling up to a limit.
-struct Backoff {
+pub(crate) struct Backoff {
     next: Duration,
     max: Duration,
 }
@@ -191,15 +191,15 @@ struct Backoff {
 impl Backoff {
     const FIRST: Duration = Duration::from_millis(100);
 
-    fn new(max: Duration) -> Backoff {
+    pub(crate) fn new(max: Duration) -> Backoff {
         Backoff { next: Backoff::FIRST, max }
     }
 
-    fn reset(&mut self) {
+    pub(crate) fn reset(&mut self) {
         self.next = Backoff::FIRST;
     }
 
-    async fn wait(&mut self) {
+    pub(crate) async fn wait(&mut self) {
         tokio::time::sleep(self.next).await;
         self.next = (self.next * 2).min(self.max);
     }

@@ -188,6 +188,81 @@ async fn a_member_partitioned_from_etcd_lapses_and_knows_it() {
     assert_eq!(other.registration(), Registration::Registered);
 }
 
+/// An outage of all of etcd for three leases: the member knows it lapsed,
+/// and once etcd answers again it registers again by itself, under a new
+/// lease, within two leases, and its record can be changed again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_registers_again_once_etcd_answers_after_an_outage_longer_than_its_lease() {
+    support::log_to_test_output();
+    let mut etcd = EtcdCluster::start();
+    let endpoints = etcd.endpoints();
+    let m = Membership::register(&endpoints, "outage", member(0), SHORT_TTL).await.unwrap();
+    let first = m.lease_id();
+    assert_eq!(support::lease_of_key(&etcd, m.key()), Ok(Some(first)));
+    // Every state the member reports, in order.
+    let mut status = m.subscribe();
+    let states = tokio::spawn(async move {
+        let mut seen = vec![status.borrow_and_update().clone()];
+        while status.changed().await.is_ok() {
+            let now = status.borrow_and_update().clone();
+            let done = now == Registration::Registered;
+            seen.push(now);
+            if done {
+                break;
+            }
+        }
+        seen
+    });
+
+    etcd.stop();
+    let stopped = tokio::time::Instant::now();
+    let reason = tokio::time::timeout(PATIENCE, m.lost()).await.expect("the member did not notice that its lease lapsed");
+    assert!(reason.contains(m.key()), "{reason}");
+    assert!(stopped.elapsed() <= SHORT_TTL + Duration::from_secs(1), "lost only {:?} after etcd stopped", stopped.elapsed());
+    // The outage itself: etcd stays down for three leases.
+    tokio::time::sleep_until(stopped + 3 * SHORT_TTL).await;
+    etcd.restart();
+    let answering = tokio::time::Instant::now();
+
+    let deadline = answering + 2 * SHORT_TTL;
+    let lease = loop {
+        let lease = m.lease_id();
+        let in_etcd = tokio::task::block_in_place(|| support::lease_of_key(&etcd, m.key()));
+        if m.registration() == Registration::Registered && lease != first && in_etcd == Ok(Some(lease)) {
+            break lease;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not registered again within two leases of etcd answering: {:?}, lease {lease:x} (first {first:x}), in etcd {in_etcd:?}",
+            m.registration()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let took = answering.elapsed();
+    eprintln!("registered again {took:?} after etcd answered, {:?} after it stopped", stopped.elapsed());
+    let seen = tokio::time::timeout(PATIENCE, states).await.unwrap().unwrap();
+    assert_eq!(seen.len(), 3, "{seen:?}");
+    assert!(
+        matches!((&seen[0], &seen[1], &seen[2]), (Registration::Registered, Registration::Lost { .. }, Registration::Registered)),
+        "{seen:?}"
+    );
+
+    let counters = m.counters();
+    assert_eq!((counters.lapses(), counters.reregistrations()), (1, 1));
+    // One attempt's calls keep trying every endpoint for `request_timeout`,
+    // which may span the rest of the outage: no count is asserted.
+    eprintln!("{} attempts to register again failed", counters.failed_attempts());
+
+    // Others see it, and its record follows the new lease.
+    let mut watch = MembershipWatch::start(&endpoints, "outage").await.unwrap();
+    wait_view(&mut watch, "n0 back in the membership", |v| ids(v) == ["n0"]).await;
+    m.set_state(MemberState::Draining).await.unwrap();
+    wait_view(&mut watch, "n0 draining", |v| v.members.iter().any(|m| m.state == MemberState::Draining)).await;
+    assert_eq!(support::lease_of_key(&etcd, m.key()), Ok(Some(lease)));
+    m.leave().await.unwrap();
+    wait_view(&mut watch, "n0 gone after leaving", |v| v.members.is_empty()).await;
+}
+
 /// A stand-in for a key-placement plugin: slot `s` is owned by the up or
 /// joining members `s mod n` and `s + 1 mod n`.
 fn round_robin(version: u64, members: Vec<Member>) -> Result<SlotTable, String> {

@@ -92,7 +92,12 @@ impl EtcdCluster {
         for i in 0..self.members.len() {
             let m = &self.members[i];
             let data = self.dir.path().join(&m.name);
-            let log = fs::File::create(self.dir.path().join(format!("{}.log", m.name))).expect("creating an etcd log file");
+            // Appended to: a restarted member's log follows its first run's.
+            let log = fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(self.dir.path().join(format!("{}.log", m.name)))
+                .expect("creating an etcd log file");
             let mut cmd = Command::new(bin);
             cmd.arg(format!("--name={}", m.name))
                 .arg(format!("--data-dir={}", data.display()))
@@ -125,6 +130,26 @@ impl EtcdCluster {
                 return Err(format!("not healthy within {START_TIMEOUT:?}; logs:\n{}", self.logs()));
             }
             std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Stop every member (SIGKILL, each by its PID), as an outage of the
+    /// whole etcd cluster would; [`EtcdCluster::restart`] brings it back.
+    pub fn stop(&mut self) {
+        for i in 0..self.members.len() {
+            self.kill(i);
+        }
+    }
+
+    /// Start every stopped member again on its own data folder and ports
+    /// (the data folder already names the cluster, so the initial-cluster
+    /// flags are ignored), and wait until each answers with a leader.
+    /// Panics with the logs if they do not.
+    pub fn restart(&mut self) {
+        let bin = etcd_binary();
+        assert!(self.members.iter().all(|m| m.child.is_none()), "restart only a stopped cluster");
+        if let Err(why) = self.spawn_all(&bin) {
+            panic!("the etcd cluster did not start again: {why}");
         }
     }
 
@@ -164,6 +189,65 @@ impl Drop for EtcdCluster {
             self.kill(i);
         }
     }
+}
+
+/// The lease `key` is attached to in etcd (`Ok(None)`: no such key; `0`: no
+/// lease), read from the first member that answers `POST /v3/kv/range`
+/// through its JSON gateway; `Err` names every member that did not answer.
+pub fn lease_of_key(cluster: &EtcdCluster, key: &str) -> Result<Option<i64>, String> {
+    let body = serde_json::json!({"key": base64(key.as_bytes())}).to_string();
+    let mut failures = Vec::new();
+    for m in &cluster.members {
+        match post(m.client, "/v3/kv/range", &body) {
+            Ok(answer) => {
+                let Some(kv) = answer.get("kvs").and_then(|kvs| kvs.get(0)) else { return Ok(None) };
+                let lease = match kv.get("lease") {
+                    Some(serde_json::Value::String(s)) => s.parse().map_err(|e| format!("lease {s:?} of {key}: {e}"))?,
+                    _ => 0,
+                };
+                return Ok(Some(lease));
+            }
+            Err(e) => failures.push(format!("{}: {e}", m.name)),
+        }
+    }
+    Err(failures.join("; "))
+}
+
+/// `POST path` with a JSON `body` to the member on `port`; its JSON answer.
+fn post(port: u16, path: &str, body: &str) -> Result<serde_json::Value, String> {
+    let mut stream =
+        TcpStream::connect_timeout(&SocketAddr::from(([127, 0, 0, 1], port)), Duration::from_millis(500)).map_err(|e| e.to_string())?;
+    stream.set_read_timeout(Some(Duration::from_secs(2))).map_err(|e| e.to_string())?;
+    let request = format!(
+        "POST {path} HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).map_err(|e| e.to_string())?;
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).map_err(|e| e.to_string())?;
+    let (head, json) = answer.split_once("\r\n\r\n").ok_or_else(|| format!("no HTTP answer: {answer:?}"))?;
+    if !head.starts_with("HTTP/1.0 200") && !head.starts_with("HTTP/1.1 200") {
+        return Err(format!("{path}: {head:?} {json:?}"));
+    }
+    serde_json::from_str(json).map_err(|e| format!("{path}: not JSON ({e}): {json:?}"))
+}
+
+/// Standard base64 with padding, as the gateway wants keys (a few lines
+/// instead of a dependency every includer of this file would need).
+fn base64(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::new();
+    for chunk in bytes.chunks(3) {
+        let n = (u32::from(chunk[0]) << 16) | (u32::from(*chunk.get(1).unwrap_or(&0)) << 8) | u32::from(*chunk.get(2).unwrap_or(&0));
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(ALPHABET[(n >> (18 - 6 * i)) as usize & 63] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
 }
 
 /// Whether the member on `port` answers `GET /health` with `"health":"true"`
