@@ -1,11 +1,22 @@
 //! The admin HTTP server of every kvplane process (node and operator).
 //!
-//! Two routes on a maintained HTTP stack (axum on hyper): `/metrics` renders
-//! the process's one Prometheus registry in the OpenMetrics text format, and
-//! `/healthz` answers 200 while the process wants traffic and 503 with a
-//! reason when it does not (a draining node). Everything a process measures
-//! is registered in that one registry by the crate that measures it; this
-//! crate only serves it.
+//! Routes on a maintained HTTP stack (axum on hyper): `/metrics` renders
+//! the process's one Prometheus registry in the OpenMetrics text format;
+//! `/readyz` answers 200 while the process wants traffic and 503 with a
+//! reason when it does not (a draining node, a node out of its cluster);
+//! `/livez` answers 200 whenever it answers at all. Everything a process
+//! measures is registered in that one registry by the crate that measures
+//! it; this crate only serves it.
+//!
+//! Why two probes: Kubernetes restarts a container whose liveness probe
+//! fails, and only stops routing to one whose readiness probe fails. A node
+//! that is merely waiting (for etcd to answer, for its store, for a drain to
+//! end) must not be restarted, which would throw away its memory tier and
+//! solve nothing; a process whose runtime no longer runs handlers must be.
+//! So liveness asks nothing but that the handler runs (its answer within
+//! the request timeout is the check), and readiness asks the process.
+//! `/healthz` stays as an alias of `/readyz`: it was the one probe before,
+//! and deployments rendered then still point their readiness probe at it.
 //!
 //! The accept loop is our own (hyper's HTTP/1 connection server under it),
 //! not `axum::serve`, because the port must stay cheap to hold for anyone
@@ -33,8 +44,9 @@ use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-/// What `/healthz` reports: `Ok(())` is healthy, `Err(reason)` is a 503
-/// with the reason as the body.
+/// What `/readyz` (and `/healthz`) reports: `Ok(())` is ready, `Err(reason)`
+/// is a 503 with the reason as the body. Called on every probe, so it reads
+/// state and never waits.
 pub type HealthCheck = Arc<dyn Fn() -> Result<(), String> + Send + Sync>;
 
 /// The content type of the OpenMetrics text exposition.
@@ -127,8 +139,10 @@ impl AdminServer {
         let request_timeout = limits.request_timeout;
         let app = Router::new()
             .route("/metrics", get(metrics_route))
-            .route("/healthz", get(healthz))
-            .fallback(|| async { (StatusCode::NOT_FOUND, "try /metrics or /healthz\n") })
+            .route("/livez", get(livez))
+            .route("/readyz", get(readyz))
+            .route("/healthz", get(readyz))
+            .fallback(|| async { (StatusCode::NOT_FOUND, "try /metrics, /livez or /readyz\n") })
             .with_state(state)
             .layer(axum::middleware::from_fn(move |request, next: axum::middleware::Next| async move {
                 match tokio::time::timeout(request_timeout, next.run(request)).await {
@@ -213,7 +227,12 @@ async fn metrics_route(State(state): State<Arc<AdminState>>) -> Response {
     }
 }
 
-async fn healthz(State(state): State<Arc<AdminState>>) -> Response {
+/// Alive: this handler ran, on the runtime that serves everything else.
+async fn livez() -> Response {
+    (StatusCode::OK, "ok\n").into_response()
+}
+
+async fn readyz(State(state): State<Arc<AdminState>>) -> Response {
     match (state.health)() {
         Ok(()) => (StatusCode::OK, "ok\n").into_response(),
         Err(reason) => (StatusCode::SERVICE_UNAVAILABLE, format!("{reason}\n")).into_response(),
@@ -271,6 +290,35 @@ mod tests {
         assert_eq!((status, body.as_str()), (503, "draining\n"));
         let (status, _) = tokio::task::spawn_blocking(move || get(&format!("{base}/nope"))).await.unwrap();
         assert_eq!(status, 404);
+        server.stop().await;
+    }
+
+    /// `/readyz` follows the check, `/healthz` says the same, and `/livez`
+    /// stays 200 while the process is not ready.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn liveness_holds_while_readiness_follows_the_check() {
+        let ready = Arc::new(AtomicBool::new(true));
+        let r = Arc::clone(&ready);
+        let health: HealthCheck =
+            Arc::new(move || if r.load(Ordering::Acquire) { Ok(()) } else { Err("member n0 is not registered in cluster c".into()) });
+        let server = AdminServer::start("127.0.0.1:0".parse().unwrap(), Arc::new(Registry::default()), health).await.unwrap();
+        let base = format!("http://{}", server.addr());
+        let probe = |path: &'static str| {
+            let base = base.clone();
+            async move { tokio::task::spawn_blocking(move || get(&format!("{base}{path}"))).await.unwrap() }
+        };
+        for path in ["/livez", "/readyz", "/healthz"] {
+            assert_eq!(probe(path).await, (200, "ok\n".to_string()), "{path} while ready");
+        }
+        ready.store(false, Ordering::Release);
+        let not_ready = (503, "member n0 is not registered in cluster c\n".to_string());
+        assert_eq!(probe("/readyz").await, not_ready);
+        assert_eq!(probe("/healthz").await, not_ready, "/healthz is an alias of /readyz");
+        assert_eq!(probe("/livez").await, (200, "ok\n".to_string()), "not ready is still alive");
+        ready.store(true, Ordering::Release);
+        assert_eq!(probe("/readyz").await.0, 200);
+        let (status, body) = probe("/healthy").await;
+        assert!(status == 404 && body.contains("/livez") && body.contains("/readyz"), "{status} {body}");
         server.stop().await;
     }
 
