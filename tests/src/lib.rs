@@ -53,6 +53,9 @@ pub mod hostile {
     pub const BUFFERS: &[u8] = b"buffers";
     /// `get`: asks `read-buffer` for 1 GiB from config `endpoint`.
     pub const BUFFER_BYTES: &[u8] = b"buffer-bytes";
+    /// `get`: slices its destination until refused, never dropping a view:
+    /// the instance's handles stay spent after the call.
+    pub const LEAK: &[u8] = b"leak";
     /// `get`: keeps (a view of) its destination past the call.
     pub const KEEP: &[u8] = b"keep";
     /// `get`: reads from config `endpoint` into the view `KEEP` kept.

@@ -178,6 +178,7 @@ impl driver::HostSession for HostState {
             Err(e) => return Ok(Err(e)),
         };
         if let Err(e) = self.check_limit("handles", u64::from(self.usage.handles), 1, u64::from(self.shared.decl.limits.handles)) {
+            self.handles_exhausted = true;
             return Ok(Err(e));
         }
         let opened = match tokio::task::spawn_blocking(move || d.open(&config)).await {

@@ -233,6 +233,10 @@ pub struct HostState {
     pub usage: Usage,
     /// When the current call must end; host I/O waits no longer than this.
     pub deadline: Option<tokio::time::Instant>,
+    /// Set when the `handles` limit refused this instance: handles it never
+    /// gave back stay spent, so the pool retires it after the call instead
+    /// of lending it the next one (which it could not even be lent).
+    pub(crate) handles_exhausted: bool,
 }
 
 impl HostState {
@@ -266,6 +270,7 @@ impl HostState {
             memory: MemoryCap { limit, hit: false },
             usage: Usage::default(),
             deadline: None,
+            handles_exhausted: false,
         })
     }
 
@@ -285,7 +290,10 @@ impl HostState {
     /// Admit one more table entry of `kind`, or refuse with `capacity`.
     pub(crate) fn admit(&mut self, kind: HandleKind) -> Result<(), types::Error> {
         let limits = self.shared.decl.limits;
-        self.check_limit("handles", u64::from(self.usage.handles), 1, u64::from(limits.handles))?;
+        if let Err(e) = self.check_limit("handles", u64::from(self.usage.handles), 1, u64::from(limits.handles)) {
+            self.handles_exhausted = true;
+            return Err(e);
+        }
         match kind {
             HandleKind::Connection => {
                 self.check_limit("connections", u64::from(self.usage.connections), 1, u64::from(limits.connections))?;

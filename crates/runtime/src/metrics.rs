@@ -230,7 +230,7 @@ impl prometheus_client::collector::Collector for Reported {
             }
         }
         if !limit_hits.is_empty() {
-            let help = "Times a plugin was refused by one of its declared host limits (connections, queued-bytes, buffers, buffer-bytes, handles, metric-series, log-rate)";
+            let help = "Times a plugin was refused by one of its declared host limits (connections, queued-bytes, buffers, buffer-bytes, handles, metric-series, log-rate; handles-recycled counts instances retired with their handles spent)";
             limit_hits.encode(encoder.encode_descriptor("kvplane_plugin_limit_hits", help, None, limit_hits.metric_type())?)?;
         }
         for (name, help, family) in [

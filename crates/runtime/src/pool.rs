@@ -320,9 +320,7 @@ impl<G: GuestExports> Plugin<G> {
         let fault = match outcome {
             Ok(Ok(Ok(value))) => {
                 instance.store.data_mut().deadline = None;
-                if let Ok(mut idle) = self.idle.lock() {
-                    idle.push(instance);
-                }
+                self.give_back(instance, function);
                 return Ok(value);
             }
             Ok(Ok(Err(fault))) => fault,
@@ -334,10 +332,34 @@ impl<G: GuestExports> Plugin<G> {
         if fault.is_breakage() {
             tracing::warn!(plugin = %self.shared.decl.name, function, "dropping plugin instance: {fault}");
             drop(instance);
-        } else if let Ok(mut idle) = self.idle.lock() {
-            idle.push(instance);
+        } else {
+            self.give_back(instance, function);
         }
         Err(self.error(function, fault))
+    }
+
+    /// Return an instance to the pool after a call, unless the `handles`
+    /// limit refused it: the handles it holds and never dropped (a lent
+    /// destination kept, views never released) stay spent, and an instance
+    /// that cannot be lent a handle would fail every later call. A fresh
+    /// instance replaces it on the next call.
+    fn give_back(&self, instance: Instance<G>, function: &'static str) {
+        let state = instance.store.data();
+        if state.handles_exhausted {
+            tracing::warn!(
+                plugin = %self.shared.decl.name,
+                function,
+                handles = state.usage.handles,
+                "dropping plugin instance: its handles limit ({}) was reached and it holds {} handles",
+                self.shared.decl.limits.handles,
+                state.usage.handles
+            );
+            self.shared.hit_limit("handles-recycled");
+            return;
+        }
+        if let Ok(mut idle) = self.idle.lock() {
+            idle.push(instance);
+        }
     }
 }
 

@@ -437,3 +437,27 @@ fn every_documented_limit_is_declarable_and_reaches_the_instance() {
     let d = kvplane_runtime::source::decl(&spec, fetched).expect("a declaration");
     assert_eq!((d.limits.max_instances, d.limits.log_records_per_second, d.limits.log_burst), (7, 9, 11));
 }
+
+/// An instance that spent its handles and never gave them back is
+/// recycled: the call that exhausted them answers `capacity` naming
+/// `handles`, and the calls after it are served by a fresh instance instead
+/// of failing for good on the one that cannot take another handle.
+#[tokio::test]
+async fn an_instance_whose_handles_are_exhausted_is_recycled() {
+    let mut d = decl("127.0.0.1:9");
+    d.limits.buffers = 10_000;
+    d.limits.handles = 40;
+    d.limits.max_instances = 1;
+    let p = load(d);
+    assert_capacity(spend(&p, hostile::LEAK, 8).await, "handles", 40);
+    let before = p.plugin.instantiations();
+    for _ in 0..3 {
+        // A batch needs a handle per destination: more than the leaked
+        // instance has left.
+        let batch: Vec<(Vec<u8>, Vec<u8>)> = (0..8).map(|i| (format!("fine-{i}").into_bytes(), vec![0u8; 8])).collect();
+        let (_, result) = p.get(batch, no_options()).await;
+        assert_eq!(result.expect("a batch after the leak is served"), vec![Err(KvError::NotFound); 8]);
+    }
+    assert_eq!(p.plugin.instantiations(), before + 1, "one fresh instance replaced the exhausted one");
+    assert_eq!(hits(&p, "handles-recycled"), 1, "the retirement is counted");
+}
