@@ -128,6 +128,16 @@ class Client:
     def cluster(self) -> bool:
         """Whether this is a cluster client."""
 
+    @property
+    def max_block_bytes(self) -> int | None:
+        """The largest value the node stores (``kvplane node --max-block``), or
+        None from a node that does not say; a longer value is refused
+        (``Invalid``, naming both sizes)."""
+
+    @property
+    def max_lease_ms(self) -> int:
+        """The longest pin lease the node grants (``kvplane node --max-lease``)."""
+
     def __enter__(self) -> Client: ...
     def __exit__(
         self,

@@ -31,6 +31,8 @@ class ReconnectingClient:
         self._endpoint = settings.endpoint
         self._options = settings.client_options()
         self._retry_after_s = settings.retry_after_s
+        self._lease_ms = settings.lease_ms
+        self._lease_checked = False
         self._log = log or logging.getLogger(__name__)
         self._lock = threading.Lock()
         self._client: kvplane.Client | None = None
@@ -49,6 +51,16 @@ class ReconnectingClient:
                 self._log.warning("kvplane: cannot reach %s (%s); treating lookups as misses", self._endpoint, e)
                 self._down_until = time.monotonic() + self._retry_after_s
                 return None
+            if not self._lease_checked:
+                self._lease_checked = True
+                if self._lease_ms > self._client.max_lease_ms:
+                    self._log.warning(
+                        "kvplane: lease_ms %d is longer than %s grants (kvplane node --max-lease %d ms); pins last %d ms",
+                        self._lease_ms,
+                        self._endpoint,
+                        self._client.max_lease_ms,
+                        self._client.max_lease_ms,
+                    )
             return self._client
 
     def call(self, op: str, default: Any, *args: Any, **kwargs: Any) -> Any:

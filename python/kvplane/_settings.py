@@ -23,8 +23,10 @@ The settings (the vLLM key, the URL parameter; the default):
   block before a save succeeds.
 - ``shared_memory`` (true): over a Unix socket, move block bytes through
   the memory the node shares; false keeps every byte on the socket.
-- ``lease_ms`` (30000): how long a lookup pins the blocks it matched, for
-  the load that follows.
+- ``lease_ms`` (10000, the node's default ``--max-lease``): how long a
+  lookup pins the blocks it matched, for the load that follows. The node
+  grants at most its ``--max-lease``; a longer setting is reported at the
+  first connection and clamped by the node.
 - ``retry_after_s`` (1): how long a node that could not be reached is taken
   to be down (every lookup a miss) before the next attempt.
 - ``namespace`` (""; vLLM only): the first part of every key, so that
@@ -70,7 +72,7 @@ class Settings:
     timeout_s: float = 5.0
     write_quorum: int | None = None
     shared_memory: bool = True
-    lease_ms: int = 30_000
+    lease_ms: int = 10_000
     retry_after_s: float = 1.0
     namespace: str = ""
 
@@ -256,7 +258,7 @@ def _check(values: Mapping[str, Any], source: _Source, *, endpoint: Any = None, 
         timeout_s=setting("timeout_s", lambda raw: _number(raw, text=text, whole=False, least=0), 5.0),
         write_quorum=setting("write_quorum", optional(lambda raw: _number(raw, text=text, whole=True, least=1)), None),
         shared_memory=setting("shared_memory", lambda raw: _flag(raw, text=text), True),
-        lease_ms=setting("lease_ms", lambda raw: _number(raw, text=text, whole=True, least=0), 30_000),
+        lease_ms=setting("lease_ms", lambda raw: _number(raw, text=text, whole=True, least=0), 10_000),
         retry_after_s=setting("retry_after_s", lambda raw: _number(raw, text=text, whole=False, least=0), 1.0),
         # Any JSON value, as its text (as it always was).
         namespace=setting("namespace", str, ""),

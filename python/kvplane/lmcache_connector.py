@@ -14,8 +14,8 @@ seeds; ``?cluster=true`` makes one host a cluster's seed). Query
 parameters: ``token``, ``connections``, ``timeout_s`` (5),
 ``write_quorum`` (a cluster's owners that must store a chunk; default
 every owner), ``shared_memory`` (true; false keeps every byte on a Unix
-socket), ``lease_ms`` (30000: how long a pinned lookup keeps the chunks
-from eviction), ``retry_after_s`` (1): the vLLM connector's settings, read
+socket), ``lease_ms`` (10000, at most the node's ``--max-lease``: how long
+a pinned lookup keeps the chunks from eviction), ``retry_after_s`` (1): the vLLM connector's settings, read
 and checked by the same `kvplane._settings.Settings`. The deprecated ``remote_url:
 kvplane://...`` works too, with the same two ``module_path`` /
 ``class_name`` entries.
@@ -24,7 +24,18 @@ Each chunk is stored under ``CacheEngineKey.to_string()`` (model, world
 size, worker, chunk hash, dtype) as the chunk's bytes alone: LMCache's
 metadata of a chunk (shapes, dtypes, format) is the engine's own, so a GET
 reads straight into a chunk LMCache allocates, and a shorter (last) chunk
-is recognised by its length. Every call is batched where LMCache offers a
+is recognised by its length. A full chunk larger than the node's largest
+block (LMCache's 256-token chunk of an 8B model is 36 MiB, the node's
+default ``--max-block`` 16 MiB) is stored as ``N`` parts no larger than
+that block, under ``KEY#part<j>of<N>``, each part at a fixed offset of the
+chunk (a shorter chunk's trailing parts are empty), and read back into the
+chunk's own memory all or nothing: a chunk with a part missing is a miss.
+
+LMCache hashes a prompt's tokens with Python's ``hash`` unless
+``pre_caching_hash_algorithm: sha256_cbor`` is set, and Python salts that
+hash per process: two engines (or one restarted) then never find each
+other's chunks. The connector says so at start when neither that setting
+nor ``PYTHONHASHSEED`` makes the keys deterministic. Every call is batched where LMCache offers a
 batched form: one PUT for ``batched_put``, one GET into LMCache's buffers
 for ``batched_get`` and ``batched_get_non_blocking``, and one MATCH_PREFIX
 for ``batched_async_contains`` (with ``pin``, a lease keeps the matched
@@ -36,6 +47,7 @@ reached makes lookups misses and puts no-ops, never an error in LMCache.
 from __future__ import annotations
 
 import asyncio
+import os
 
 from lmcache.logging import init_logger
 from lmcache.utils import CacheEngineKey
@@ -92,6 +104,15 @@ class KVPlaneRemoteConnector(RemoteConnector):
         self._loop = context.loop
         self._local = context.local_cpu_backend
         self._node = ReconnectingClient(target, log=logger)
+        # How chunks are split (see `_layout`), once a node said its largest block.
+        self._parts: _Parts | None = None
+        algorithm = getattr(context.config, "pre_caching_hash_algorithm", None) if context.config is not None else None
+        if algorithm == "builtin" and os.environ.get("PYTHONHASHSEED") in (None, "", "random"):
+            logger.warning(
+                "kvplane: LMCache's pre_caching_hash_algorithm is 'builtin' and PYTHONHASHSEED is not set, so chunk keys "
+                "differ per process: other engines (and this one after a restart) will not find these chunks. Set "
+                "pre_caching_hash_algorithm: sha256_cbor (or a fixed PYTHONHASHSEED) to share chunks across instances."
+            )
 
     def __repr__(self) -> str:
         return f"<KVPlaneRemoteConnector {self._target.endpoint}>"
@@ -102,7 +123,28 @@ class KVPlaneRemoteConnector(RemoteConnector):
         return await asyncio.to_thread(self.exists_sync, key)
 
     def exists_sync(self, key: CacheEngineKey) -> bool:
-        return self._node.call("exists", [False], [key.to_string()])[0]
+        parts = self._layout()
+        if parts is None:
+            return False
+        return all(self._node.call("exists", [False] * parts.count, parts.keys(key.to_string())))
+
+    def _layout(self) -> _Parts | None:
+        """How a chunk is split into node blocks, fixed the first time a node
+        answers (None while none does)."""
+        if self._parts is None:
+            client = self._node.get()
+            if client is None:
+                return None
+            self._parts = _Parts.of(self.full_chunk_size_bytes, client.max_block_bytes)
+            if self._parts.count > 1:
+                logger.info(
+                    "kvplane: chunks of %d bytes are stored in %d parts of at most %d bytes (the node's largest block is %d)",
+                    self.full_chunk_size_bytes,
+                    self._parts.count,
+                    self._parts.size,
+                    client.max_block_bytes,
+                )
+        return self._parts
 
     def support_batched_contains(self) -> bool:
         return True
@@ -119,10 +161,13 @@ class KVPlaneRemoteConnector(RemoteConnector):
     def _prefix(self, keys: list[CacheEngineKey], lease_ms: int) -> int:
         """How many leading chunks the node holds (one MATCH_PREFIX),
         pinned for `lease_ms`."""
-        if not keys:
+        parts = self._layout()
+        if not keys or parts is None:
             return 0
-        matched, _lease = self._node.call("match_prefix", (0, 0), [k.to_string() for k in keys], lease_ms)
-        return matched
+        flat = [p for k in keys for p in parts.keys(k.to_string())]
+        matched, _lease = self._node.call("match_prefix", (0, 0), flat, lease_ms)
+        # A chunk counts only with every part.
+        return matched // parts.count
 
     # --- reads ----------------------------------------------------------------------
 
@@ -156,7 +201,8 @@ class KVPlaneRemoteConnector(RemoteConnector):
     def _read(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
         """One GET of `keys` straight into chunks allocated from LMCache's
         local CPU backend; a chunk not read is given back."""
-        if self._node.get() is None:  # node down: no chunks to allocate and free
+        parts = self._layout()
+        if parts is None:  # node down: no chunks to allocate and free
             return [None] * len(keys)
         # One batched allocation; LMCache's is all or nothing, so when it
         # finds no room for the whole batch, chunk by chunk for what fits.
@@ -169,16 +215,19 @@ class KVPlaneRemoteConnector(RemoteConnector):
         wanted = [i for i, o in enumerate(objs) if o is not None]
         if len(wanted) < len(keys):
             logger.warning("kvplane: LMCache's CPU backend had no room for %d of %d chunks", len(keys) - len(wanted), len(keys))
-        lengths = self._node.call(
-            "get_into",
-            [None] * len(wanted),
-            [keys[i].to_string() for i in wanted],
-            [_bytes(objs[i]) for i in wanted],
-        )
-        results: list[MemoryObj | None] = [None] * len(keys)
-        for i, n in zip(wanted, lengths):
+        part_keys: list[str] = []
+        part_views: list[memoryview] = []
+        for i in wanted:
             obj = objs[i]
             assert obj is not None
+            part_keys.extend(parts.keys(keys[i].to_string()))
+            part_views.extend(parts.views(_bytes(obj)))
+        part_lengths = self._node.call("get_into", [None] * len(part_keys), part_keys, part_views)
+        results: list[MemoryObj | None] = [None] * len(keys)
+        for w, i in enumerate(wanted):
+            obj = objs[i]
+            assert obj is not None
+            n = parts.total(part_lengths[w * parts.count : (w + 1) * parts.count])
             if not n:
                 obj.ref_count_down()
                 continue
@@ -202,12 +251,24 @@ class KVPlaneRemoteConnector(RemoteConnector):
     async def batched_put(self, keys: list[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
         # Sent from the chunks' own memory; a put that fails is a future
         # miss (logged), never an error in LMCache.
-        await asyncio.to_thread(
-            self._node.call, "put_from", None, [k.to_string() for k in keys], [_bytes(o) for o in memory_objs]
-        )
+        await asyncio.to_thread(self._write, keys, memory_objs)
+
+    def _write(self, keys: list[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
+        parts = self._layout()
+        if parts is None:
+            return
+        part_keys: list[str] = []
+        part_views: list[memoryview] = []
+        for k, o in zip(keys, memory_objs):
+            part_keys.extend(parts.keys(k.to_string()))
+            part_views.extend(parts.views(_bytes(o)))
+        self._node.call("put_from", None, part_keys, part_views)
 
     def remove_sync(self, key: CacheEngineKey) -> bool:
-        return self._node.call("delete", [False], [key.to_string()])[0]
+        parts = self._layout()
+        if parts is None:
+            return False
+        return any(self._node.call("delete", [False] * parts.count, parts.keys(key.to_string())))
 
     async def list(self) -> list[str]:
         # kvplane nodes do not enumerate their keys (a cluster holds
@@ -223,3 +284,48 @@ def _bytes(obj: MemoryObj) -> memoryview:
     """The chunk's memory itself (LMCache's CPU buffer), as a buffer."""
     view = obj.byte_array
     return view if isinstance(view, memoryview) else memoryview(view)
+
+
+class _Parts:
+    """How one chunk maps onto node blocks: ``count`` parts of ``size``
+    bytes at fixed offsets (the last may be shorter, a shorter chunk's
+    trailing parts empty). One part, under the chunk's own key, when the
+    chunk fits in the node's largest block or the node does not say."""
+
+    def __init__(self, count: int, size: int) -> None:
+        self.count = count
+        self.size = size
+
+    @staticmethod
+    def of(full_chunk_bytes: int, max_block: int | None) -> _Parts:
+        if not max_block or full_chunk_bytes <= max_block:
+            return _Parts(1, full_chunk_bytes)
+        count = -(-full_chunk_bytes // max_block)
+        return _Parts(count, -(-full_chunk_bytes // count))
+
+    def keys(self, key: str) -> list[str]:
+        if self.count == 1:
+            return [key]
+        return [f"{key}#part{j}of{self.count}" for j in range(self.count)]
+
+    def views(self, chunk: memoryview) -> list[memoryview]:
+        """The chunk's bytes, part by part (a whole chunk when one part)."""
+        if self.count == 1:
+            return [chunk]
+        return [chunk[j * self.size : (j + 1) * self.size] for j in range(self.count)]
+
+    def total(self, lengths: list[int | None]) -> int:
+        """The chunk's length from its parts' lengths, or 0 (a miss) unless
+        every part was read and they join up: each part but the last full
+        until one falls short, and only empty parts after it."""
+        if any(n is None for n in lengths):
+            return 0
+        got = [n for n in lengths if n is not None]
+        if self.count == 1:
+            return got[0]
+        short = next((j for j, n in enumerate(got) if n < self.size), len(got))
+        if any(got[short + 1 :]):
+            logger.warning("kvplane: a chunk's parts do not join up (lengths %s); treating it as a miss", got)
+            return 0
+        return sum(got)
+

@@ -41,7 +41,7 @@ What it does:
 - ``token``, ``connections``, ``timeout_s`` (5), ``write_quorum`` (with
   ``cluster: true``: owners that must store a block; default every owner),
   ``shared_memory`` (true; false keeps every byte on a Unix socket),
-  ``lease_ms`` (30000), ``namespace`` (""), ``retry_after_s`` (1: how long
+  ``lease_ms`` (10000), ``namespace`` (""), ``retry_after_s`` (1: how long
   a node that could not be reached is treated as a miss before the next
   attempt).
 

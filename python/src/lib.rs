@@ -248,6 +248,20 @@ impl Target {
             Target::Cluster(c) => c.match_prefix(keys, lease).await,
         }
     }
+
+    fn max_block_bytes(&self) -> Option<usize> {
+        match self {
+            Target::Node(c) => c.max_block_bytes(),
+            Target::Cluster(c) => c.max_block_bytes(),
+        }
+    }
+
+    fn max_lease_ms(&self) -> u32 {
+        match self {
+            Target::Node(c) => c.limits().max_lease_ms,
+            Target::Cluster(c) => c.max_lease_ms(),
+        }
+    }
 }
 
 /// A connected client and the runtime its connections live on.
@@ -689,6 +703,22 @@ impl Client {
     #[getter]
     fn cluster(&self) -> bool {
         self.cluster
+    }
+
+    /// The largest value the node stores (`kvplane node --max-block`), or
+    /// None from a node that does not say: a longer value is refused
+    /// (`Invalid`, naming both sizes), so callers with larger values split
+    /// them.
+    #[getter]
+    fn max_block_bytes(&self) -> PyResult<Option<usize>> {
+        Ok(self.inner()?.target.max_block_bytes())
+    }
+
+    /// The longest pin lease the node grants (`kvplane node --max-lease`);
+    /// `match_prefix` clamps a longer one to it.
+    #[getter]
+    fn max_lease_ms(&self) -> PyResult<u32> {
+        Ok(self.inner()?.target.max_lease_ms())
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {

@@ -332,3 +332,47 @@ def test_a_client_goes_on_after_its_node_restarts() -> None:
             assert kv.get(["restart/b"]) == [b"y" * 10]
         finally:
             second.stop()
+
+
+def test_a_refused_block_names_its_key_and_both_sizes(tmp_path: Path) -> None:
+    """A block over the node's largest was refused as ``invalid: `` with
+    nothing else; now the client knows the node's largest block, refuses
+    the block itself and says which key, how large, and the limit."""
+    small = Node("--max-block", "64KiB", "--max-lease", "2s", memory="16MiB")
+    try:
+        with kvplane.Client(small.endpoint) as kv:
+            assert kv.max_block_bytes == 64 << 10
+            assert kv.max_lease_ms == 2000
+            with pytest.raises(kvplane.Invalid) as e:
+                kv.put_from(["fits", "too-big"], [bytes(64 << 10), bytes(100_000)])
+            text = str(e.value)
+            assert e.value.key == b"too-big" and e.value.index == 1, text
+            assert "too-big" in text and "100000 bytes" in text and "65536 bytes" in text and "--max-block" in text, text
+            assert kv.exists(["fits", "too-big"]) == [True, False]
+    finally:
+        small.stop()
+
+
+def test_a_lease_longer_than_the_node_grants_is_reported_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The connectors documented ``lease_ms: 30000`` while a node grants at
+    most 10 s by default; now the default fits, and a longer setting is
+    reported when the first connection is made."""
+    import logging
+
+    from kvplane._reconnecting import ReconnectingClient
+    from kvplane._settings import Settings
+
+    short = Node("--max-lease", "2s", memory="16MiB")
+    try:
+        assert Settings.from_url(f"kvplane://{short.endpoint}").lease_ms <= 10_000
+        log = logging.getLogger("kvplane.test.lease")
+        node = ReconnectingClient(Settings.from_url(f"kvplane://{short.endpoint}?lease_ms=5000"), log=log)
+        with caplog.at_level(logging.WARNING, logger="kvplane.test.lease"):
+            assert node.get() is not None
+            assert node.get() is not None
+        warnings = [r.getMessage() for r in caplog.records if "lease_ms" in r.getMessage()]
+        assert len(warnings) == 1, warnings
+        assert "5000" in warnings[0] and "--max-lease 2000 ms" in warnings[0], warnings
+        node.close()
+    finally:
+        short.stop()

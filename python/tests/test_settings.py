@@ -39,7 +39,7 @@ def test_the_defaults_are_the_same_from_both_front_ends() -> None:
     assert (DEFAULTS.write_quorum, DEFAULTS.shared_memory, DEFAULTS.lease_ms, DEFAULTS.retry_after_s) == (
         None,
         True,
-        30_000,
+        10_000,
         1.0,
     )
     assert DEFAULTS.namespace == ""
@@ -219,6 +219,9 @@ def test_reconnecting_client_passes_every_option_unchanged(front: str, monkeypat
     made: list[tuple[Any, dict[str, Any]]] = []
 
     class Recorder:
+        # What a node grants by default (the client reads it at connect).
+        max_lease_ms = 10_000
+
         def __init__(self, endpoints: Any, **options: Any) -> None:
             made.append((endpoints, options))
 

@@ -90,6 +90,10 @@ pub(crate) struct NodeArgs {
     /// Largest frame accepted.
     #[arg(long, default_value = "128MiB", value_parser = parse_size)]
     max_frame: usize,
+    /// Longest pin lease the node grants (MATCH_PREFIX and RDMA reads);
+    /// longer requests are clamped to it. Announced to clients at HELLO.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    max_lease: std::time::Duration,
     /// Memory shared with each local client on the Unix socket, through
     /// which block bytes move instead of the socket (0 turns it off).
     #[arg(long, default_value = "64MiB", value_parser = parse_size)]
@@ -176,6 +180,7 @@ pub(crate) async fn run(args: NodeArgs) -> anyhow::Result<ExitCode> {
     config.shm_region_bytes = args.shm_region;
     config.shm_max_regions = args.shm_max;
     config.limits.max_frame_bytes = u32::try_from(args.max_frame).context("--max-frame must be below 4GiB")?;
+    config.limits.max_lease_ms = u32::try_from(args.max_lease.as_millis()).context("--max-lease must be below 49 days")?;
     if let Some(path) = &args.token_file {
         let token = std::fs::read_to_string(path).with_context(|| format!("reading --token-file {}", path.display()))?;
         let token = token.trim_end_matches(['\n', '\r']).to_string();

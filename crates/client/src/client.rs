@@ -9,6 +9,7 @@ use kvplane_protocol::{Block, ErrorCode, KvError, Limits, PutEntry, Request, Res
 
 use crate::connection::Connection;
 use crate::endpoint::Endpoint;
+use crate::key_error::KeyContext;
 use crate::rdma;
 use crate::shm::{Range, SharedMemory};
 
@@ -50,6 +51,9 @@ pub struct Client {
     limits: Limits,
     /// Largest block seen: how much shared memory a GET reserves per key.
     largest_block: AtomicUsize,
+    /// The node's largest block (its `max_block_bytes` in STATS, read at
+    /// connect; `None` from a node that does not say).
+    max_block: Option<usize>,
 }
 
 impl Client {
@@ -58,9 +62,23 @@ impl Client {
     pub async fn connect(config: ClientConfig) -> Result<Client, KvError> {
         let first = Connection::open_with(&config.endpoint, config.token.as_deref(), config.timeout, config.shared_memory).await?;
         let limits = first.hello_ack().limits;
+        // One STATS at connect, for the node's largest block: a PUT of a
+        // longer one is then refused here, by name, without sending it.
+        let max_block = match first.call(Request::Stats).await {
+            Ok(Response::Stats { entries }) => {
+                entries.into_iter().find(|e| e.name == "max_block_bytes").and_then(|e| usize::try_from(e.value).ok())
+            }
+            _ => None,
+        };
         let slots: Vec<_> = (0..config.connections.max(1)).map(|_| tokio::sync::Mutex::new(None)).collect();
         *slots[0].lock().await = Some(Arc::new(first));
-        Ok(Client { config, slots, next: AtomicUsize::new(0), limits, largest_block: AtomicUsize::new(0) })
+        Ok(Client { config, slots, next: AtomicUsize::new(0), limits, largest_block: AtomicUsize::new(0), max_block })
+    }
+
+    /// The largest block the node stores, when it says (nodes before this
+    /// was in STATS do not): a caller with larger values splits them.
+    pub fn max_block_bytes(&self) -> Option<usize> {
+        self.max_block
     }
 
     /// The node's limits, as announced in the handshake.
@@ -97,31 +115,55 @@ impl Client {
     /// the batch could not be sent or answered at all. On a connection with
     /// shared memory the bytes go through it (one copy in, no socket copy).
     pub async fn put(&self, entries: Vec<(Bytes, Bytes)>) -> Result<Vec<Result<(), KvError>>, KvError> {
-        let mut results = Vec::with_capacity(entries.len());
-        for (_, data) in &entries {
-            self.largest_block.fetch_max(data.len(), Ordering::Relaxed);
+        // A block over the node's largest is refused here, by name: sent, it
+        // would cost its bytes on the wire for a bare status back.
+        let n = entries.len();
+        let mut results: Vec<Option<Result<(), KvError>>> = (0..n).map(|_| None).collect();
+        let mut sent_at = Vec::with_capacity(n);
+        let mut sendable = Vec::with_capacity(n);
+        for (i, (key, data)) in entries.into_iter().enumerate() {
+            match self.max_block {
+                Some(max) if data.len() > max => {
+                    results[i] = Some(Err(KeyContext::put(&key, data.len(), self.max_block).error(ErrorCode::Invalid)));
+                }
+                _ => {
+                    self.largest_block.fetch_max(data.len(), Ordering::Relaxed);
+                    sent_at.push(i);
+                    sendable.push((key, data));
+                }
+            }
         }
-        for chunk in self.split_put(entries) {
+        let mut sent = Vec::with_capacity(sendable.len());
+        for chunk in self.split_put(sendable) {
             let conn = self.connection().await?;
             if let Some(memory) = conn.shared_memory() {
-                if let Some(r) = put_shared(&conn, memory, &chunk).await? {
-                    results.extend(r);
+                if let Some(r) = put_shared(&conn, memory, &chunk, self.max_block).await? {
+                    sent.extend(r);
                     continue;
                 }
             }
             // Over the socket each block travels with its checksum.
             let bytes = chunk.iter().map(|(_, data)| data.len()).sum();
+            let max_block = self.max_block;
             let answers = self.striped(conn, chunk, bytes, |conn, part| async move {
                 let n = part.len();
+                let named: Vec<(Bytes, usize)> = part.iter().map(|(key, data)| (key.clone(), data.len())).collect();
                 let entries = part.into_iter().map(|(key, data)| PutEntry { key, block: Block::new(data) }).collect();
                 match conn.call(Request::Put { entries }).await? {
-                    Response::Put { results } if results.len() == n => Ok(results.into_iter().map(per_key).collect()),
+                    Response::Put { results } if results.len() == n => Ok(results
+                        .into_iter()
+                        .zip(&named)
+                        .map(|(r, (key, len))| r.map_err(|c| KeyContext::put(key, *len, max_block).error(c)))
+                        .collect()),
                     other => Err(unexpected("PUT", n, &other)),
                 }
             });
-            results.extend(answers.await?);
+            sent.extend(answers.await?);
         }
-        Ok(results)
+        for (i, r) in sent_at.into_iter().zip(sent) {
+            results[i] = Some(r);
+        }
+        Ok(results.into_iter().map(|r| r.unwrap_or_else(|| Err(KvError::Internal("a PUT key got no answer".into())))).collect())
     }
 
     /// Splits a batch of `bytes` over up to one connection of the pool per
@@ -304,10 +346,12 @@ impl Client {
         let bytes = self.largest_block.load(Ordering::Relaxed).saturating_mul(chunk.len());
         self.striped(Arc::clone(conn), chunk, bytes, |conn, keys| async move {
             let n = keys.len();
-            match conn.call(Request::Get { keys }).await? {
-                Response::Get { results } if results.len() == n => {
-                    Ok(results.into_iter().map(|r| r.map(|b| b.data).map_err(|c| c.into_kv_error(""))).collect())
-                }
+            match conn.call(Request::Get { keys: keys.clone() }).await? {
+                Response::Get { results } if results.len() == n => Ok(results
+                    .into_iter()
+                    .zip(&keys)
+                    .map(|(r, key)| r.map(|b| b.data).map_err(|c| KeyContext::new("GET", key).error(c)))
+                    .collect()),
                 other => Err(unexpected("GET", n, &other)),
             }
         })
@@ -335,16 +379,17 @@ impl Client {
         let op = if exists { "EXISTS" } else { "DELETE" };
         for chunk in self.split_keys(keys) {
             let n = chunk.len();
+            let keys = chunk.clone();
             let answer = self.call(if exists { Request::Exists { keys: chunk } } else { Request::Delete { keys: chunk } }).await?;
             let results = match answer {
                 Response::Exists { results } | Response::Delete { results } if results.len() == n => results,
                 other => return Err(unexpected(op, n, &other)),
             };
-            for r in results {
+            for (r, key) in results.into_iter().zip(&keys) {
                 out.push(match r {
                     Ok(()) => Ok(true),
                     Err(ErrorCode::NotFound) => Ok(false),
-                    Err(code) => Err(code.into_kv_error(format!("{op} of one key"))),
+                    Err(code) => Err(KeyContext::new(op, key).error(code)),
                 });
             }
         }
@@ -353,21 +398,31 @@ impl Client {
 
     /// How many leading blocks of a prompt's chain the node holds, pinning
     /// them for `lease` (zero: no pin) so the GET that follows finds them.
+    /// A chain longer than the node's batch limit is matched in parts, each
+    /// from where the last one matched in full (a prompt of 65,536 tokens
+    /// at 16 per block is 4,096 keys).
     pub async fn match_prefix(&self, keys: Vec<Bytes>, lease: Duration) -> Result<PrefixMatch, KvError> {
         let lease_ms = u32::try_from(lease.as_millis()).unwrap_or(u32::MAX);
-        if keys.len() > self.limits.max_batch_keys as usize {
-            return Err(KvError::Invalid(format!(
-                "a chain of {} keys exceeds the node's batch limit of {}",
-                keys.len(),
-                self.limits.max_batch_keys
-            )));
-        }
-        match self.call(Request::MatchPrefix { keys, lease_ms }).await? {
-            Response::MatchPrefix { matched, lease_ms } => {
-                Ok(PrefixMatch { matched: matched as usize, lease: Duration::from_millis(lease_ms as u64) })
+        let mut matched = 0;
+        let mut granted: Option<u32> = None;
+        for part in self.split_keys(keys) {
+            let n = part.len();
+            match self.call(Request::MatchPrefix { keys: part, lease_ms }).await? {
+                Response::MatchPrefix { matched: m, lease_ms } => {
+                    matched += m as usize;
+                    if m > 0 {
+                        // The pin of the whole match lasts as long as its
+                        // shortest part's.
+                        granted = Some(granted.map_or(lease_ms, |g| g.min(lease_ms)));
+                    }
+                    if (m as usize) < n {
+                        break;
+                    }
+                }
+                other => return Err(unexpected("MATCH_PREFIX", n, &other)),
             }
-            other => Err(unexpected("MATCH_PREFIX", 1, &other)),
         }
+        Ok(PrefixMatch { matched, lease: Duration::from_millis(granted.unwrap_or(0) as u64) })
     }
 
     /// The node's counters, by name.
@@ -429,6 +484,7 @@ async fn put_shared(
     conn: &Connection,
     memory: &SharedMemory,
     chunk: &[(Bytes, Bytes)],
+    max_block: Option<usize>,
 ) -> Result<Option<Vec<Result<(), KvError>>>, KvError> {
     let mut ranges = Vec::with_capacity(chunk.len());
     for (_, data) in chunk {
@@ -448,7 +504,13 @@ async fn put_shared(
     }
     let n = entries.len();
     match conn.call(Request::PutShm { entries }).await? {
-        Response::PutShm { results } if results.len() == n => Ok(Some(results.into_iter().map(per_key).collect())),
+        Response::PutShm { results } if results.len() == n => Ok(Some(
+            results
+                .into_iter()
+                .zip(chunk)
+                .map(|(r, (key, data))| r.map_err(|c| KeyContext::put(key, data.len(), max_block).error(c)))
+                .collect(),
+        )),
         other => Err(unexpected("PUT_SHM", n, &other)),
     }
 }
@@ -477,14 +539,14 @@ async fn get_shared(
         other => return Err(unexpected("GET_SHM", n, &other)),
     };
     let mut out = Vec::with_capacity(n);
-    for (r, range) in results.into_iter().zip(&ranges) {
+    for ((r, range), key) in results.into_iter().zip(&ranges).zip(keys) {
         out.push(match r {
             Ok(b) => {
                 let mut data = vec![0u8; b.len as usize];
                 memory.read_at(range.offset, &mut data)?;
                 Ok(Bytes::from(data))
             }
-            Err(code) => Err(code.into_kv_error("")),
+            Err(code) => Err(KeyContext::new("GET", key).error(code)),
         });
     }
     Ok(Some(out))
@@ -520,11 +582,16 @@ async fn get_shared_into<'m>(
     let results = results
         .into_iter()
         .zip(dests)
-        .map(|(r, d)| match r {
+        .zip(keys)
+        .map(|((r, d), key)| match r {
             Ok(b) if b.len as usize <= d.len() => Ok(b.len as usize),
             Ok(b) => Err(KvError::Internal(format!("node wrote {} bytes into a range of {}", b.len, d.len()))),
-            Err(ErrorCode::Capacity) => Err(KvError::Capacity(format!("the value is longer than its destination of {} bytes", d.len()))),
-            Err(code) => Err(code.into_kv_error("")),
+            Err(ErrorCode::Capacity) => Err(KvError::Capacity(format!(
+                "GET of key {}: the value is longer than its destination of {} bytes",
+                crate::key_error::shown(key),
+                d.len()
+            ))),
+            Err(code) => Err(KeyContext::new("GET", key).error(code)),
         })
         .collect();
     Ok(Some((ranges, results)))
@@ -539,10 +606,6 @@ pub(crate) fn copy_into(value: &[u8], dest: &mut [u8]) -> Result<usize, KvError>
         .ok_or_else(|| KvError::Capacity(format!("the value of {} bytes is longer than its destination of {room} bytes", value.len())))?;
     dest.copy_from_slice(value);
     Ok(value.len())
-}
-
-fn per_key(r: Result<(), ErrorCode>) -> Result<(), KvError> {
-    r.map_err(|c| c.into_kv_error(""))
 }
 
 fn unexpected(op: &str, n: usize, answer: &Response) -> KvError {

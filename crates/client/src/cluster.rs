@@ -80,6 +80,10 @@ pub struct ClusterClient {
     nodes: Arc<Nodes>,
     table: watch::Receiver<Arc<SlotTable>>,
     follower: JoinHandle<()>,
+    /// The seed's largest block and longest lease (members are configured
+    /// alike by the operator; the seed stands for them).
+    max_block: Option<usize>,
+    max_lease_ms: u32,
 }
 
 impl Drop for ClusterClient {
@@ -89,13 +93,20 @@ impl Drop for ClusterClient {
 }
 
 /// Asks `endpoint` for a table newer than `after`, waiting up to `wait`.
-async fn fetch_table(config: &ClusterClientConfig, endpoint: &Endpoint, after: u64, wait: Duration) -> Result<SlotTable, KvError> {
+/// The client that fetched it comes back too, for its limits.
+async fn fetch_table(
+    config: &ClusterClientConfig,
+    endpoint: &Endpoint,
+    after: u64,
+    wait: Duration,
+) -> Result<(SlotTable, Client), KvError> {
     let mut c = ClientConfig::new(endpoint.clone());
     c.token.clone_from(&config.token);
     c.connections = 1;
     c.timeout = config.timeout + wait;
     let client = Client::connect(c).await?;
-    fetch_on(&client, after, wait).await
+    let table = fetch_on(&client, after, wait).await?;
+    Ok((table, client))
 }
 
 async fn fetch_on(client: &Client, after: u64, wait: Duration) -> Result<SlotTable, KvError> {
@@ -122,11 +133,22 @@ impl ClusterClient {
                 Err(e) => last = e,
             }
         }
-        let first = first.ok_or(last)?;
+        let (first, seed) = first.ok_or(last)?;
+        let (max_block, max_lease_ms) = (seed.max_block_bytes(), seed.limits().max_lease_ms);
         let (tx, table) = watch::channel(Arc::new(first));
         let nodes = Arc::new(Nodes { config: config.clone(), clients: Mutex::new(HashMap::new()) });
         let follower = tokio::spawn(follow(config, tx));
-        Ok(ClusterClient { nodes, table, follower })
+        Ok(ClusterClient { nodes, table, follower, max_block, max_lease_ms })
+    }
+
+    /// The largest block the seed node stores, when it says.
+    pub fn max_block_bytes(&self) -> Option<usize> {
+        self.max_block
+    }
+
+    /// The longest pin lease the seed node grants.
+    pub fn max_lease_ms(&self) -> u32 {
+        self.max_lease_ms
     }
 
     /// The slot table in use.

@@ -20,6 +20,7 @@ use tokio::task::JoinHandle;
 
 use crate::endpoint::Endpoint;
 use crate::into::{read_get_into, Destinations, Lease, NotRead};
+use crate::key_error::KeyContext;
 use crate::rdma;
 use crate::shm::SharedMemory;
 use bytes::Bytes;
@@ -225,9 +226,11 @@ impl Connection {
         }
         let n = puts.len();
         match self.call(Request::PutShm { entries: puts }).await? {
-            Response::PutShm { results } if results.len() == n => {
-                Ok(results.into_iter().map(|r| r.map_err(|c| c.into_kv_error(""))).collect())
-            }
+            Response::PutShm { results } if results.len() == n => Ok(results
+                .into_iter()
+                .zip(entries)
+                .map(|(r, (key, _, len))| r.map_err(|c| KeyContext::put(key, *len, None).error(c)))
+                .collect()),
             other => Err(KvError::Internal(format!("{} answered PUT_SHM with {:?}", self.endpoint, other))),
         }
     }
@@ -247,9 +250,11 @@ impl Connection {
             .collect();
         let n = gets.len();
         match self.call(Request::GetShm { entries: gets }).await? {
-            Response::GetShm { results } if results.len() == n => {
-                Ok(results.into_iter().map(|r| r.map(|b| b.len as usize).map_err(|c| c.into_kv_error(""))).collect())
-            }
+            Response::GetShm { results } if results.len() == n => Ok(results
+                .into_iter()
+                .zip(entries)
+                .map(|(r, (key, ..))| r.map(|b| b.len as usize).map_err(|c| KeyContext::new("GET", key).error(c)))
+                .collect()),
             other => Err(KvError::Internal(format!("{} answered GET_SHM with {:?}", self.endpoint, other))),
         }
     }
@@ -266,9 +271,9 @@ impl Connection {
         &self.ack
     }
 
-    /// False once the connection has failed; the pool then opens a new one.
-    /// Whether new calls may use this connection: it is neither closed nor
-    /// announced idle by the node.
+    /// Whether new calls may use this connection: false once it has failed
+    /// or the node announced it closes it as idle (the pool then opens a
+    /// new one).
     pub fn is_open(&self) -> bool {
         !self.shared.closed.load(Ordering::Acquire) && !self.shared.closing.load(Ordering::Acquire)
     }
@@ -293,17 +298,19 @@ impl Connection {
             return Err(KvError::Invalid(format!("get_into: {n} keys but {} destinations", dests.len())));
         }
         let lease = Lease::new(dests);
-        let answer = self.exchange(Request::Get { keys }, Some(Arc::clone(&lease.destinations))).await;
+        let answer = self.exchange(Request::Get { keys: keys.clone() }, Some(Arc::clone(&lease.destinations))).await;
         drop(lease);
         match answer? {
             Answer::Into(results) if results.len() == n => Ok(results
                 .into_iter()
-                .map(|r| {
+                .zip(&keys)
+                .map(|(r, key)| {
                     r.map_err(|why| match why {
-                        NotRead::TooLong { len, room } => {
-                            KvError::Capacity(format!("the value of {len} bytes is longer than its destination of {room} bytes"))
-                        }
-                        NotRead::Code(code) => code.into_kv_error(""),
+                        NotRead::TooLong { len, room } => KvError::Capacity(format!(
+                            "GET of key {}: the value of {len} bytes is longer than its destination of {room} bytes",
+                            crate::key_error::shown(key)
+                        )),
+                        NotRead::Code(code) => KeyContext::new("GET", key).error(code),
                     })
                 })
                 .collect()),

@@ -20,6 +20,7 @@ mod connection;
 mod endpoint;
 #[allow(unsafe_code)] // the reader task writes into memory the caller lent; see the module docs.
 mod into;
+mod key_error;
 // Without the feature no connection ever has a reader, so the READ path is
 // unused outside its tests.
 #[cfg_attr(not(feature = "rdma"), allow(dead_code))]

@@ -40,7 +40,8 @@ class Lmcache:
     """LMCache's remote backend for one worker, configured by the example
     file, on an event loop of its own as LMCache runs it."""
 
-    def __init__(self, url: str, tmp_path: Path) -> None:
+    def __init__(self, url: str, tmp_path: Path, kv_shape: tuple[int, ...] = KV_SHAPE) -> None:
+        self.kv_shape = kv_shape
         settings = yaml.safe_load(EXAMPLE.read_text())
         settings["extra_config"]["remote_storage_plugin.kvplane.url"] = url
         settings.update(chunk_size=CHUNK, max_local_cpu_size=0.05, blocking_timeout_secs=10)
@@ -54,7 +55,7 @@ class Lmcache:
             worker_id=0,
             local_worker_id=0,
             kv_dtype=torch.float16,
-            kv_shape=KV_SHAPE,
+            kv_shape=kv_shape,
             chunk_size=CHUNK,
         )
         self.loop = asyncio.new_event_loop()
@@ -69,7 +70,7 @@ class Lmcache:
         return CacheEngineKey("tiny", 1, 0, chunk_hash, torch.float16)
 
     def chunk(self, seed: int, tokens: int = CHUNK) -> MemoryObj:
-        shape = torch.Size([2, KV_SHAPE[0], tokens, KV_SHAPE[3] * KV_SHAPE[4]])
+        shape = torch.Size([2, self.kv_shape[0], tokens, self.kv_shape[3] * self.kv_shape[4]])
         obj = self.cpu.allocate(shape, torch.float16, MemoryFormat.KV_2LTD)
         assert obj is not None
         g = torch.Generator().manual_seed(seed)
@@ -140,6 +141,41 @@ def test_lookups_are_prefix_matches_and_non_blocking_gets_return_the_prefix(lmca
     assert lmcache.remote.remove(keys[0]) is True
     assert not lmcache.remote.contains(keys[0])
     assert lmcache.remote.batched_contains(keys) == 0
+
+
+def test_chunks_larger_than_the_nodes_largest_block_are_stored_in_parts(tmp_path: Path) -> None:
+    """LMCache's 36 MiB chunks were refused by a node whose largest block is
+    16 MiB (``invalid: `` and nothing cached); scaled down: 64 KiB chunks
+    against --max-block 16KiB are stored in four parts, read back whole, and
+    a chunk missing one part is a miss, not a torn read."""
+    small = Node("--max-block", "16KiB", memory="16MiB")
+    # (layers, K/V, tokens, kv heads, head size): 2*2*16*8*64 fp16 = 64 KiB a chunk.
+    lm = Lmcache(f"kvplane://{small.endpoint}", tmp_path, kv_shape=(2, 2, CHUNK, 8, 64))
+    try:
+        base = time.monotonic_ns()
+        keys = [lm.key(base + i) for i in range(3)]
+        chunks = [lm.chunk(1), lm.chunk(2), lm.chunk(3, tokens=5)]
+        expected = [bytes(c.byte_array) for c in chunks]
+        assert len(expected[0]) == 64 << 10
+        lm.remote.batched_submit_put_task(keys, chunks)
+        eventually("the chunks are stored", lambda: lm.remote.batched_contains(keys) == 3)
+        with kvplane.Client(small.endpoint) as kv:
+            assert kv.max_block_bytes == 16 << 10
+            parts = [f"{keys[0].to_string()}#part{j}of4" for j in range(4)]
+            assert b"".join(kv.get(parts)) == expected[0], "the parts are the chunk's bytes in order"
+        got = lm.remote.batched_get_blocking(keys)
+        assert [bytes(g.byte_array) for g in got] == expected
+        assert got[2].meta.shape[2] == 5, "the short chunk comes back with its own token count"
+        for g in got:
+            g.ref_count_down()
+        # One part gone: the chunk is a miss everywhere.
+        with kvplane.Client(small.endpoint) as kv:
+            assert kv.delete([f"{keys[1].to_string()}#part2of4"]) == [True]
+        assert lm.remote.batched_contains(keys) == 1
+        assert lm.remote.get_blocking(keys[1]) is None
+    finally:
+        lm.close()
+        small.stop()
 
 
 def test_a_node_that_is_down_makes_misses_not_errors(tmp_path: Path) -> None:

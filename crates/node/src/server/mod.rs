@@ -199,6 +199,7 @@ impl NodeState {
     pub(crate) fn stats(&self) -> Vec<(String, u64)> {
         let mut out = self.metrics.snapshot(&self.cache.stats(), &self.cache.pool().stats());
         out.push(("rdma_leases".into(), self.rdma.leases.len() as u64));
+        out.push(("max_block_bytes".into(), self.cache.pool().max_block_bytes() as u64));
         out.push(("receive_budget_bytes".into(), self.receive_budget.bytes() as u64));
         out.push(("receive_budget_used_bytes".into(), self.receive_budget.used_bytes() as u64));
         out.push(("receive_budget_waits".into(), self.receive_budget.waits.load(std::sync::atomic::Ordering::Relaxed)));

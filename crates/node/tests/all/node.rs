@@ -499,3 +499,48 @@ async fn metrics_and_healthz_on_the_admin_port() {
     assert_eq!(get("/nope").await.unwrap().0, 404);
     node.shutdown().await;
 }
+
+/// A block over the node's largest was refused with `invalid: ` and
+/// nothing else (LMCache's 36 MiB chunks against the 16 MiB default); now
+/// the client knows the largest block from STATS, refuses the block itself
+/// without sending it, and says both sizes and the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_over_the_largest_is_refused_by_name_without_being_sent() {
+    let mut config = config(64 * MIB);
+    config.pool.max_block_bytes = 4 * MIB;
+    let node = Node::start(config).await.unwrap();
+    let c = client(&node).await;
+    assert_eq!(c.max_block_bytes(), Some(4 * MIB));
+    let received = stat(&node.stats(), "bytes_received");
+    let results = c.put(vec![(key("chunk-0"), block(1, 4 * MIB)), (key("chunk-1"), block(2, 9 * MIB))]).await.unwrap();
+    results[0].as_ref().expect("a block of the largest size is stored");
+    let e = results[1].as_ref().expect_err("a block over the largest is refused");
+    let text = e.to_string();
+    assert!(matches!(e, KvError::Invalid(_)), "{e:?}");
+    assert!(text.contains("PUT of key \"chunk-1\"") && text.contains("9437184 bytes") && text.contains("4194304 bytes"), "{text}");
+    let sent = stat(&node.stats(), "bytes_received") - received;
+    assert!(sent < 5 * MIB as u64, "{sent} bytes reached the node: the refused block was sent");
+    node.shutdown().await;
+}
+
+/// A prompt's chain longer than the node's batch limit was refused outright
+/// (prompts over 65,536 tokens became misses); the client now matches it in
+/// parts, each from where the last one matched in full.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_match_over_the_batch_limit_is_split_and_summed() {
+    let mut config = config(64 * MIB);
+    config.limits.max_batch_keys = 100;
+    let node = Node::start(config).await.unwrap();
+    let c = client(&node).await;
+    let chain: Vec<Bytes> = (0..250).map(|i| key(&format!("chain/{i}"))).collect();
+    let stored: Vec<(Bytes, Bytes)> = chain[..230].iter().map(|k| (k.clone(), block(3, 64))).collect();
+    for r in c.put(stored).await.unwrap() {
+        r.unwrap();
+    }
+    let m = c.match_prefix(chain.clone(), Duration::from_secs(1)).await.expect("a chain of 250 keys over a limit of 100");
+    assert_eq!(m.matched, 230);
+    assert!(m.lease > Duration::ZERO, "the matched blocks are pinned");
+    let m = c.match_prefix(chain[..200].to_vec(), Duration::ZERO).await.unwrap();
+    assert_eq!(m.matched, 200, "exactly two full parts");
+    node.shutdown().await;
+}
