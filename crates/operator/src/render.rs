@@ -432,7 +432,11 @@ fn render_cache(r: &Resolved, placement: &RolePlacement, owner: &OwnerReference,
         });
     }
     env.extend(w.env.iter().cloned());
-    let (args, probe, ports) = match r.backend {
+    // The node's own probes (see kvplane-admin): not ready while draining or
+    // out of its cluster, restarted only when its admin handler stops
+    // answering. Vineyard answers neither route: its readiness is its port,
+    // and it gets no liveness probe.
+    let (args, probe, liveness, ports) = match r.backend {
         BackendType::Vineyard => {
             let mut args = vec!["--socket=/var/run/vineyard.sock".to_string(), format!("--rpc_socket_port={DEFAULT_PORT}")];
             if let Some(url) = etcd_urls.first() {
@@ -447,7 +451,7 @@ fn render_cache(r: &Resolved, placement: &RolePlacement, owner: &OwnerReference,
                 period_seconds: Some(5),
                 ..Default::default()
             };
-            (args, probe, vec![container_port("rpc", DEFAULT_PORT)])
+            (args, probe, None, vec![container_port("rpc", DEFAULT_PORT)])
         }
         BackendType::Kvplane | BackendType::Redis | BackendType::Eic => {
             let args = vec![
@@ -456,12 +460,18 @@ fn render_cache(r: &Resolved, placement: &RolePlacement, owner: &OwnerReference,
                 format!("--admin=0.0.0.0:{ADMIN_PORT}"),
                 "--config=/etc/kvplane/node.json".to_string(),
             ];
-            let probe = Probe {
-                http_get: Some(HTTPGetAction { path: Some("/healthz".into()), port: IntOrString::Int(ADMIN_PORT), ..Default::default() }),
-                period_seconds: Some(5),
-                ..Default::default()
-            };
-            (args, probe, vec![container_port("rpc", DEFAULT_PORT), container_port("admin", ADMIN_PORT)])
+            let get = |path: &str| HTTPGetAction { path: Some(path.into()), port: IntOrString::Int(ADMIN_PORT), ..Default::default() };
+            let probe = Probe { http_get: Some(get("/readyz")), period_seconds: Some(5), ..Default::default() };
+            // Three misses 10 s apart: a node loaded enough to miss one
+            // scrape is not restarted for it. The admin port only opens once
+            // the node has started (plugins compiled, cluster joined), which
+            // the startup probe waits for, up to 60 × 2 s, before liveness
+            // counts.
+            let liveness =
+                Probe { http_get: Some(get("/livez")), period_seconds: Some(10), failure_threshold: Some(3), ..Default::default() };
+            let startup =
+                Probe { http_get: Some(get("/livez")), period_seconds: Some(2), failure_threshold: Some(60), ..Default::default() };
+            (args, probe, Some((liveness, startup)), vec![container_port("rpc", DEFAULT_PORT), container_port("admin", ADMIN_PORT)])
         }
     };
     let (command, args) = match r.backend {
@@ -477,6 +487,8 @@ fn render_cache(r: &Resolved, placement: &RolePlacement, owner: &OwnerReference,
         env: Some(env),
         ports: Some(ports),
         readiness_probe: Some(probe),
+        liveness_probe: liveness.as_ref().map(|(l, _)| l.clone()),
+        startup_probe: liveness.map(|(_, s)| s),
         resources: w.resources.clone(),
         volume_mounts: Some(vec![VolumeMount {
             name: "config".into(),

@@ -131,6 +131,26 @@ fn a_kvplane_pool_runs_the_node_with_its_config_and_memory() {
 }
 
 #[test]
+fn a_kvplane_node_is_probed_for_readiness_on_readyz_and_for_liveness_on_livez() {
+    let r = resolve(&kv(include_str!("../../../examples/kvcache/kvplane.yaml"))).unwrap();
+    let c = render(&r, &Placements::default(), &owner());
+    let container = c.cache.spec.unwrap().template.spec.unwrap().containers.remove(0);
+    let path = |p: &Option<k8s_openapi::api::core::v1::Probe>| {
+        p.as_ref().and_then(|p| p.http_get.as_ref()).and_then(|g| g.path.clone()).unwrap_or_else(|| panic!("no HTTP probe: {p:?}"))
+    };
+    assert_eq!(path(&container.readiness_probe), "/readyz");
+    assert_eq!(path(&container.liveness_probe), "/livez");
+    assert_eq!(path(&container.startup_probe), "/livez");
+    let liveness = container.liveness_probe.unwrap();
+    assert!(liveness.period_seconds.unwrap() * liveness.failure_threshold.unwrap() >= 30, "{liveness:?}");
+    // Vineyard serves neither route.
+    let vineyard = render(&resolve(&seed()).unwrap(), &Placements::default(), &owner());
+    let container = vineyard.cache.spec.unwrap().template.spec.unwrap().containers.remove(0);
+    assert!(container.readiness_probe.unwrap().tcp_socket.is_some());
+    assert!(container.liveness_probe.is_none() && container.startup_probe.is_none());
+}
+
+#[test]
 fn spec_edits_change_the_rendered_template_so_they_roll_out() {
     let base = kv(include_str!("../../../examples/kvcache/kvplane.yaml"));
     let render_of = |k: &KVCache| render(&resolve(k).unwrap(), &Placements::default(), &owner());
