@@ -128,6 +128,10 @@ class Client:
     def cluster(self) -> bool:
         """Whether this is a cluster client."""
 
+    def stats(self) -> dict[str, int]:
+        """The node's counters, by name (what ``kvplane stats`` prints).
+        ``Unsupported`` on a cluster client."""
+
     @property
     def max_block_bytes(self) -> int | None:
         """The largest value the node stores (``kvplane node --max-block``), or

@@ -234,6 +234,16 @@ class _SchedulerSide:
         local = num_computed_tokens // bs
         self._matched.pop(request.request_id, None)
         if most <= local:
+            # vLLM holds every block it could load: nothing to load, but the
+            # blocks kvplane already has must not be saved again when the
+            # request runs (they were, five times for five repeats). One
+            # lookup, no pin, says how many it has.
+            full = min(len(request.block_hashes), prompt // bs)
+            if full == 0:
+                return 0
+            hashes = [h.hex() for h in request.block_hashes[:full]]
+            answer = self._c._node.call("match_prefix", None, self._c._keys(0, hashes), lease_ms=0)
+            self._matched[request.request_id] = (answer[0] if answer is not None else 0, local)
             return 0
         hashes = [h.hex() for h in request.block_hashes[:most]]
         answer = self._c._node.call("match_prefix", None, self._c._keys(0, hashes), lease_ms=self._c._settings.lease_ms)

@@ -249,6 +249,13 @@ impl Target {
         }
     }
 
+    async fn stats(&self) -> Result<Vec<(String, u64)>, KvError> {
+        match self {
+            Target::Node(c) => c.stats().await,
+            Target::Cluster(_) => Err(KvError::Unsupported("stats() of a cluster client: ask each node's own client".into())),
+        }
+    }
+
     fn max_block_bytes(&self) -> Option<usize> {
         match self {
             Target::Node(c) => c.max_block_bytes(),
@@ -658,6 +665,16 @@ impl Client {
             .detach(|| inner.run(move |inner| async move { inner.target.match_prefix(keys, Duration::from_millis(lease_ms)).await }))
             .map_err(|e| kv_error(&e, format!("match_prefix of {n} keys"), None, None))?;
         Ok((m.matched, u64::try_from(m.lease.as_millis()).unwrap_or(u64::MAX)))
+    }
+
+    /// The node's counters, by name (what `kvplane stats` prints): hits,
+    /// misses, evictions, bytes, connections, per-operation requests and
+    /// keys, and the bounds in force. `Unsupported` on a cluster client.
+    fn stats(&self, py: Python<'_>) -> PyResult<std::collections::HashMap<String, u64>> {
+        let inner = self.inner()?;
+        py.detach(|| inner.run(|inner| async move { inner.target.stats().await }))
+            .map(|entries| entries.into_iter().collect())
+            .map_err(|e| kv_error(&e, "stats".into(), None, None))
     }
 
     /// The slot table a cluster client routes by: `(version, members)`, each

@@ -46,6 +46,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+import kvplane
 from kvplane.vllm_connector import KVPlaneConnector, KVPlaneConnectorMetadata
 
 from conftest import Node
@@ -223,6 +224,24 @@ def test_a_second_instance_loads_the_shared_prefix_from_kvplane(node: Node) -> N
         assert second.block_bytes(block_id) == saved[i], f"block {i} differs from what was saved"
     first.shutdown()
     second.shutdown()
+
+
+def test_a_prompt_the_engine_holds_is_not_saved_again(node: Node) -> None:
+    """Repeats of a prompt vLLM holds in its own prefix cache made the
+    connector PUT every block again (five repeats, five PUTs of keys the
+    node had); now it asks the node what it holds and saves nothing twice."""
+    engine = Engine(node.endpoint)
+    with kvplane.Client(node.endpoint) as kv:
+        engine.add("first", PROMPT)
+        engine.step()
+        put_before = kv.stats()["keys_put"]
+        for i in range(5):
+            engine.add(f"again-{i}", PROMPT)
+            out, failed = engine.step()
+            assert not failed
+            assert out.scheduled_new_reqs[0].num_computed_tokens == 48, "vLLM's own prefix cache served it"
+        assert kv.stats()["keys_put"] == put_before, "blocks the node holds were saved again"
+    engine.shutdown()
 
 
 def test_a_node_that_is_down_means_misses_never_a_failed_request() -> None:
