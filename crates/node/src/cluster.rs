@@ -12,6 +12,12 @@
 //! owners in that table, and only then revokes its lease. A node that dies
 //! instead drops out when its lease expires; its keys survive on their other
 //! owners when the pool keeps more than one copy.
+//!
+//! A node whose lease lapsed (etcd unreachable for longer than the TTL)
+//! keeps its memory tier and registers again by itself once etcd answers
+//! (see [`kvplane_cluster::Membership`]); until then it hands out no table
+//! and its readiness probe fails, so neither clients nor Kubernetes route to
+//! a member the others no longer count.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,9 +25,12 @@ use std::time::Duration;
 use anyhow::Context as _;
 use bytes::Bytes;
 use kvplane_client::{Client, ClientConfig, Endpoint};
-use kvplane_cluster::{Membership, Registration, Router, Routing};
+use kvplane_cluster::{Membership, Registration, RegistrationCounters, Router, Routing};
 use kvplane_runtime::KeyPlacement;
 use kvplane_slots::{Member, MemberState, SlotTable, SLOTS};
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
 use tokio::sync::{watch, Mutex};
 
 use crate::cache::BlockCache;
@@ -71,8 +80,11 @@ pub struct HandOff {
 /// A running member.
 pub(crate) struct ClusterNode {
     id: String,
+    /// The cluster's name, for the reasons this node gives.
+    cluster: String,
     membership: Mutex<Option<Membership>>,
     registration: watch::Receiver<Registration>,
+    counters: Arc<RegistrationCounters>,
     routing: Routing,
     token: Option<String>,
 }
@@ -111,7 +123,16 @@ impl ClusterNode {
         .map_err(|e| anyhow::anyhow!(e))?;
         tracing::info!(id, version = routing.current().version(), "joined the cluster");
         let registration = membership.subscribe();
-        Ok(ClusterNode { id, membership: Mutex::new(Some(membership)), registration, routing, token: setup.token })
+        let counters = membership.counters();
+        Ok(ClusterNode {
+            id,
+            cluster: setup.name,
+            membership: Mutex::new(Some(membership)),
+            registration,
+            counters,
+            routing,
+            token: setup.token,
+        })
     }
 
     pub(crate) fn table(&self) -> Arc<Router> {
@@ -139,12 +160,55 @@ impl ClusterNode {
         }
     }
 
+    /// `Err` naming this member, its cluster and why while it is not
+    /// registered (its lease lapsed and etcd has not taken it back yet):
+    /// what the readiness probe answers.
+    pub(crate) fn registered(&self) -> Result<(), String> {
+        match &*self.registration.borrow() {
+            Registration::Registered => Ok(()),
+            Registration::Lost { reason } => {
+                Err(format!("member {} is not registered in cluster {} (registering again): {reason}", self.id, self.cluster))
+            }
+        }
+    }
+
+    /// The cluster's series on `/metrics` (read at scrape time, by the
+    /// node's collector).
+    pub(crate) fn encode_metrics(&self, e: &mut DescriptorEncoder) -> std::fmt::Result {
+        let router = self.table();
+        let gauge = |e: &mut DescriptorEncoder, name: &str, help: &str, value: u64| {
+            let metric = ConstGauge::<i64>::new(i64::try_from(value).unwrap_or(i64::MAX));
+            metric.encode(e.encode_descriptor(name, help, None, metric.metric_type())?)
+        };
+        let counter = |e: &mut DescriptorEncoder, name: &str, help: &str, value: u64| {
+            let metric = ConstCounter::new(value);
+            metric.encode(e.encode_descriptor(name, help, None, metric.metric_type())?)
+        };
+        let registered = u64::from(self.registered().is_ok());
+        gauge(e, "kvplane_cluster_registered", "1 while this node's record is in etcd under a live lease", registered)?;
+        let lapses = self.counters.lapses();
+        counter(e, "kvplane_cluster_registration_lapses", "Times this node's lease lapsed (etcd unreachable past its TTL)", lapses)?;
+        let again = self.counters.reregistrations();
+        counter(e, "kvplane_cluster_reregistrations", "Times this node registered again after a lapse", again)?;
+        let failed = self.counters.failed_attempts();
+        counter(
+            e,
+            "kvplane_cluster_registration_attempts_failed",
+            "Attempts to register again that etcd did not answer or refused",
+            failed,
+        )?;
+        gauge(e, "kvplane_cluster_table_version", "Version of the slot table this node serves", router.version())?;
+        gauge(e, "kvplane_cluster_members", "Members in that table", router.table().members().len() as u64)
+    }
+
     /// The cluster's counters, as a STATS answer lists them.
     pub(crate) fn stats(&self) -> Vec<(String, u64)> {
         let router = self.table();
-        let registered = matches!(*self.registration.borrow(), Registration::Registered);
         vec![
-            ("cluster_registered".to_string(), u64::from(registered)),
+            ("cluster_registered".to_string(), u64::from(self.registered().is_ok())),
+            ("cluster_registration_lapses".into(), self.counters.lapses()),
+            ("cluster_reregistrations".into(), self.counters.reregistrations()),
+            ("cluster_registration_attempts_failed".into(), self.counters.failed_attempts()),
             ("cluster_table_version".into(), router.version()),
             ("cluster_members".into(), router.table().members().len() as u64),
         ]

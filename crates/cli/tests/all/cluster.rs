@@ -22,6 +22,29 @@ const LEASE_SECONDS: u64 = 2;
 
 /// Writes node `id`'s config (etcd at `etcd`) and starts it.
 fn node(dir: &std::path::Path, id: &str, etcd: &[String], replicas: u32) -> NodeProcess {
+    let path = config(dir, id, etcd, replicas);
+    // 512 MiB each (reserved, touched only as used): more than the tests
+    // write, so nothing is evicted and a missing block can only be lost.
+    NodeProcess::start_with_env(&["--config", path.to_str().unwrap(), "--memory", "512MiB"], &[("KVPLANE_CACHE_DIR", dir.join("cache"))])
+}
+
+/// As [`node`], with its admin port on a kernel-given loopback port; that
+/// port's address too.
+fn node_with_admin(dir: &std::path::Path, id: &str, etcd: &[String], replicas: u32) -> (NodeProcess, String) {
+    let path = config(dir, id, etcd, replicas);
+    let mut cmd = support::kvplane();
+    cmd.args(["node", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0", "--memory", "64MiB", "--config"])
+        .arg(&path)
+        .env("KVPLANE_CACHE_DIR", dir.join("cache"));
+    let node = NodeProcess::spawn(cmd);
+    let admin =
+        node.log.lock().unwrap().iter().find_map(|l| l.split("admin http://").nth(1).map(|r| r.split('/').next().unwrap().to_string()));
+    let admin = admin.expect("the admin address in the node's serving line");
+    (node, admin)
+}
+
+/// Node `id`'s config file in `dir`.
+fn config(dir: &std::path::Path, id: &str, etcd: &[String], replicas: u32) -> std::path::PathBuf {
     let config = serde_json::json!({
         "backend": "kvplane",
         "metadata": {"etcd": etcd},
@@ -34,9 +57,26 @@ fn node(dir: &std::path::Path, id: &str, etcd: &[String], replicas: u32) -> Node
     });
     let path = dir.join(format!("{id}.json"));
     std::fs::write(&path, config.to_string()).unwrap();
-    // 512 MiB each (reserved, touched only as used): more than the tests
-    // write, so nothing is evicted and a missing block can only be lost.
-    NodeProcess::start_with_env(&["--config", path.to_str().unwrap(), "--memory", "512MiB"], &[("KVPLANE_CACHE_DIR", dir.join("cache"))])
+    path
+}
+
+/// `GET http://{admin}{path}`: status and body.
+async fn admin_get(admin: &str, path: &str) -> (u16, String) {
+    let url = format!("http://{admin}{path}");
+    tokio::task::spawn_blocking(move || {
+        let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
+        let mut answer = agent.get(&url).call().unwrap_or_else(|e| panic!("{url}: {e}"));
+        (answer.status().as_u16(), answer.body_mut().read_to_string().unwrap())
+    })
+    .await
+    .unwrap()
+}
+
+/// One counter of `kvplane stats` against `node`.
+fn stat(node: &NodeProcess, name: &str) -> u64 {
+    let out = run(&["stats", "--endpoint", &node.endpoint, "--json"]);
+    let stats: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|_| panic!("{}", text(&out)));
+    stats[name].as_u64().unwrap_or_else(|| panic!("no {name} in {stats}"))
 }
 
 async fn client(seed: &NodeProcess, write_quorum: usize) -> ClusterClient {
@@ -203,4 +243,71 @@ async fn a_node_cut_off_from_etcd_leaves_the_table_when_its_lease_lapses() {
         Ok(_) => panic!("a node cut off from etcd handed out its table"),
     }
     drop((n0, n1));
+}
+
+/// etcd down (every member stopped by PID) for three leases, then started
+/// again on its data folders and ports: the node knows it is out while etcd
+/// is down (STATS, /readyz 503, /livez 200, no table for a new client), and
+/// registers again by itself within two leases of etcd answering, keeping
+/// its memory tier; a new client then gets a table and is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_registers_again_once_etcd_answers_after_an_outage_longer_than_its_lease() {
+    let lease = Duration::from_secs(LEASE_SECONDS);
+    let mut etcd = EtcdCluster::start();
+    let dir = tempfile::tempdir().unwrap();
+    let (n0, admin) = node_with_admin(dir.path(), "n0", &etcd.endpoints(), 1);
+    let c = client(&n0, 1).await;
+    wait_for_members(&c, &["n0"]).await;
+    let kept = value("kept", 0, 4 << 10);
+    assert!(c.put(vec![(Bytes::from("kept"), kept.clone())]).await.unwrap()[0].is_ok());
+    drop(c);
+    let key = "/kvplane/test/members/n0";
+    let first = etcd::lease_of_key(&etcd, key).unwrap().expect("n0's record in etcd");
+    assert_eq!(admin_get(&admin, "/readyz").await.0, 200);
+
+    etcd.stop();
+    let stopped = tokio::time::Instant::now();
+    eventually("cluster_registered 0 after etcd stopped", PATIENCE, || (stat(&n0, "cluster_registered") == 0).then_some(())).await;
+    let (status, reason) = admin_get(&admin, "/readyz").await;
+    assert!(status == 503 && reason.contains("n0") && reason.contains("not registered"), "{status} {reason}");
+    assert_eq!(admin_get(&admin, "/healthz").await.0, 503, "/healthz is /readyz");
+    assert_eq!(admin_get(&admin, "/livez").await, (200, "ok\n".to_string()), "waiting for etcd is not being stuck");
+    let mut config = ClusterClientConfig::new(vec![Endpoint::Tcp(n0.endpoint.clone())]);
+    config.timeout = Duration::from_secs(5);
+    match ClusterClient::connect(config.clone()).await {
+        Err(KvError::Unavailable(m)) => assert!(m.contains("no longer registered"), "{m}"),
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("a node out of its cluster handed out its table"),
+    }
+    // The outage itself: etcd stays down for three leases.
+    tokio::time::sleep_until(stopped + 3 * lease).await;
+    etcd.restart();
+    let answering = tokio::time::Instant::now();
+
+    let deadline = answering + 2 * lease;
+    loop {
+        let in_etcd = tokio::task::block_in_place(|| etcd::lease_of_key(&etcd, key));
+        if matches!(in_etcd, Ok(Some(l)) if l != first && l != 0) {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "n0 not registered again within two leases of etcd answering: {in_etcd:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let took = answering.elapsed();
+    eventually("cluster_registered 1 again", PATIENCE, || (stat(&n0, "cluster_registered") == 1).then_some(())).await;
+    assert_eq!(admin_get(&admin, "/readyz").await, (200, "ok\n".to_string()));
+    assert_eq!((stat(&n0, "cluster_registration_lapses"), stat(&n0, "cluster_reregistrations")), (1, 1));
+    let (_, metrics) = admin_get(&admin, "/metrics").await;
+    assert!(metrics.contains("kvplane_cluster_reregistrations_total 1"), "{metrics}");
+    assert!(metrics.contains("kvplane_cluster_registered 1"), "{metrics}");
+
+    // A new client gets a table and is served, the memory tier included.
+    let c = ClusterClient::connect(config).await.expect("a new client connects after etcd is back");
+    wait_for_members(&c, &["n0"]).await;
+    let got = c.get(vec![Bytes::from("kept")]).await.unwrap();
+    assert_eq!(got[0].as_ref().ok(), Some(&kept), "the block stored before the outage");
+    let fresh = value("fresh", 1, 4 << 10);
+    assert!(c.put(vec![(Bytes::from("fresh"), fresh.clone())]).await.unwrap()[0].is_ok());
+    assert_eq!(c.get(vec![Bytes::from("fresh")]).await.unwrap()[0].as_ref().ok(), Some(&fresh));
+    println!("n0 registered again {took:?} after etcd answered ({:?} after it stopped)", stopped.elapsed());
 }

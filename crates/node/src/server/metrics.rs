@@ -293,6 +293,9 @@ impl Collector for TierCollector {
         if let Some(tier) = &state.tier {
             encode_second_tier(&mut e, &cache, tier)?;
         }
+        if let Some(cluster) = &state.cluster {
+            cluster.encode_metrics(&mut e)?;
+        }
         Ok(())
     }
 }

@@ -276,9 +276,12 @@ impl Node {
         state.metrics.register(&mut registry, Arc::downgrade(&state));
         let admin = match admin_at {
             Some(addr) => {
+                // Readiness (`/readyz`): not while draining, nor while out
+                // of the cluster (a lapsed lease, registering again), when
+                // clients could get no table from this node.
                 let weak = Arc::downgrade(&state);
                 let health: HealthCheck = Arc::new(move || match weak.upgrade() {
-                    Some(s) if !s.is_draining() => Ok(()),
+                    Some(s) if !s.is_draining() => s.cluster.as_ref().map_or(Ok(()), ClusterNode::registered),
                     _ => Err("draining".into()),
                 });
                 let metrics = AdminMetrics::register(&mut registry);
