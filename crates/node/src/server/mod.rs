@@ -43,7 +43,7 @@ pub struct NodeConfig {
     pub listen: Option<SocketAddr>,
     /// Unix socket path for clients on the same host.
     pub unix: Option<PathBuf>,
-    /// Address of `/metrics` and `/healthz` (`None`: no admin port).
+    /// Address of `/metrics`, `/livez` and `/readyz` (`None`: no admin port).
     pub admin: Option<SocketAddr>,
     /// Connections the admin port serves at once (and its timeouts).
     pub admin_limits: AdminLimits,
