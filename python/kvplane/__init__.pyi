@@ -14,6 +14,7 @@ from ._errors import (
     BufferTooSmall as BufferTooSmall,
     Busy as Busy,
     Capacity as Capacity,
+    Corrupt as Corrupt,
     Denied as Denied,
     Error as Error,
     GpuError as GpuError,

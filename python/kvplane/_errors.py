@@ -69,6 +69,11 @@ class Denied(Error):
     """Not permitted."""
 
 
+class Corrupt(Error):
+    """What the node's second tier answered for the key failed its check (its
+    length, checksum or the key it was stored under); nothing was served."""
+
+
 class BadBuffer(Error, ValueError):
     """A buffer cannot be used for this call; raised before any I/O, or, for
     ``BufferTooSmall``, after the read, with that buffer left unwritten."""
@@ -110,6 +115,7 @@ __all__ = [
     "Unsupported",
     "Busy",
     "Denied",
+    "Corrupt",
     "BadBuffer",
     "ReadOnlyBuffer",
     "NonContiguousBuffer",

@@ -103,6 +103,7 @@ fn class_of(e: &KvError) -> &'static str {
         ErrorKind::Unsupported => "Unsupported",
         ErrorKind::Busy => "Busy",
         ErrorKind::Denied => "Denied",
+        ErrorKind::Corrupt => "Corrupt",
     }
 }
 

@@ -151,6 +151,15 @@ async fn a_node_too_small_to_keep_its_reads_serves_every_get_through_its_second_
     decl.allowed_endpoints = vec![redis.endpoint()];
     let backend = Arc::new(PluginRuntime::new(None).unwrap().load_backend(decl).expect("loading builtin:resp"));
     let tier = TierSetup { name: "resp".into(), backend, retry: None, settings: Default::default() };
+    // A roomy node writes the blocks through to redis-server (mode all:
+    // with their trailers, as the second tier keeps them) and drains on
+    // stop.
+    let writer = node(64 * MIB, MIB, Some(tier.clone())).await;
+    // A GET run seeds every key once (untimed) before it reads.
+    let mut seeding = shape(Target::Kvplane, writer.tcp_addr().unwrap().to_string(), BenchOp::Get, 64 * KIB, 256);
+    seeding.duration = Duration::from_millis(100);
+    kvplane_bench::run(seeding).await.expect("seeding run");
+    assert!(writer.shutdown().await, "every block reached redis-server before the writer stopped");
     // 64 blocks of 64 KiB: four times the 16 blocks two clients of batch 8
     // hold in flight (a GET's blocks stay referenced until its answer is
     // written, so a pool of exactly 16 refuses a read-through now and then),
@@ -159,10 +168,6 @@ async fn a_node_too_small_to_keep_its_reads_serves_every_get_through_its_second_
     let block = 64 * KIB;
     let node = node(64 * block, block, Some(tier)).await;
 
-    // The native client stores the blocks in redis-server (keys as
-    // builtin:resp names them: no prefix), then the node reads them.
-    let r = kvplane_bench::run(shape(Target::Redis, redis.endpoint(), BenchOp::Get, block, 256)).await.expect("redis run");
-    moved_all(&r);
     let mut through = shape(Target::Kvplane, node.tcp_addr().unwrap().to_string(), BenchOp::Get, block, 256);
     through.seed = false;
     let r = kvplane_bench::run(through).await.expect("node run");

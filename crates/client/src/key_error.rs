@@ -58,6 +58,9 @@ impl<'a> KeyContext<'a> {
                 "its bytes did not match their CRC-32C when the node received them (changed in flight); retry".into()
             }
             (ErrorCode::DuplicateKey, ..) => "the key appears twice in the batch".into(),
+            (ErrorCode::Corrupt, ..) => {
+                "what the node's second tier holds for it failed its check (length, CRC-32C or key; the node logs which); not served".into()
+            }
             (ErrorCode::KeyTooLong, ..) => format!("the key of {} bytes is over the node's key limit", self.key.len()),
             (ErrorCode::Timeout | ErrorCode::Unavailable | ErrorCode::Busy, ..) => {
                 "the node's second tier did not answer in time or could not be reached".into()

@@ -19,6 +19,7 @@ pub enum ErrorCode {
     Unsupported,
     Busy,
     Denied,
+    Corrupt,
     BadMagic,
     BadVersion,
     FrameTooLarge,
@@ -48,6 +49,7 @@ impl ErrorCode {
             ErrorCode::Unsupported => 7,
             ErrorCode::Busy => 8,
             ErrorCode::Denied => 9,
+            ErrorCode::Corrupt => 10,
             ErrorCode::BadMagic => 16,
             ErrorCode::BadVersion => 17,
             ErrorCode::FrameTooLarge => 18,
@@ -76,6 +78,7 @@ impl ErrorCode {
             7 => ErrorCode::Unsupported,
             8 => ErrorCode::Busy,
             9 => ErrorCode::Denied,
+            10 => ErrorCode::Corrupt,
             16 => ErrorCode::BadMagic,
             17 => ErrorCode::BadVersion,
             18 => ErrorCode::FrameTooLarge,
@@ -103,6 +106,7 @@ impl ErrorCode {
             ErrorCode::Unsupported => "unsupported",
             ErrorCode::Busy => "busy",
             ErrorCode::Denied => "denied",
+            ErrorCode::Corrupt => "corrupt",
             ErrorCode::BadMagic => "bad-magic",
             ErrorCode::BadVersion => "bad-version",
             ErrorCode::FrameTooLarge => "frame-too-large",
@@ -145,6 +149,7 @@ impl ErrorCode {
                 }
             }
             ErrorCode::Denied => KvError::Denied(message),
+            ErrorCode::Corrupt => KvError::Corrupt(message),
             ErrorCode::FrameTooLarge | ErrorCode::TooManyKeys => KvError::Capacity(detail),
             // A checksum mismatch is corruption in flight: another attempt
             // may well succeed, so it must not look like a caller bug.
@@ -176,6 +181,7 @@ impl From<&KvError> for ErrorCode {
             KvError::Unsupported(_) => ErrorCode::Unsupported,
             KvError::Busy { .. } => ErrorCode::Busy,
             KvError::Denied(_) => ErrorCode::Denied,
+            KvError::Corrupt(_) => ErrorCode::Corrupt,
         }
     }
 }

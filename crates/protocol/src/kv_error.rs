@@ -36,6 +36,11 @@ pub enum KvError {
     /// Not permitted by a declaration or the store. Never worth a retry.
     #[error("denied: {0}")]
     Denied(String),
+    /// What a store answered failed its check: bytes changed in the store,
+    /// a length the store claimed but did not write, or a value stored
+    /// under another key. Never served, never cached.
+    #[error("corrupt: {0}")]
+    Corrupt(String),
 }
 
 impl KvError {
@@ -51,6 +56,7 @@ impl KvError {
             KvError::Unsupported(_) => ErrorKind::Unsupported,
             KvError::Busy { .. } => ErrorKind::Busy,
             KvError::Denied(_) => ErrorKind::Denied,
+            KvError::Corrupt(_) => ErrorKind::Corrupt,
         }
     }
 }
@@ -67,6 +73,7 @@ pub enum ErrorKind {
     Unsupported,
     Busy,
     Denied,
+    Corrupt,
 }
 
 impl fmt::Display for ErrorKind {
@@ -81,6 +88,7 @@ impl fmt::Display for ErrorKind {
             ErrorKind::Unsupported => "unsupported",
             ErrorKind::Busy => "busy",
             ErrorKind::Denied => "denied",
+            ErrorKind::Corrupt => "corrupt",
         })
     }
 }

@@ -244,7 +244,8 @@ impl Response {
             | crate::KvError::Capacity(m)
             | crate::KvError::Internal(m)
             | crate::KvError::Unsupported(m)
-            | crate::KvError::Denied(m) => m.clone(),
+            | crate::KvError::Denied(m)
+            | crate::KvError::Corrupt(m) => m.clone(),
             // The back-off travels at the front of the message (see
             // `ErrorCode::into_kv_error`).
             crate::KvError::Busy { retry_after_ms, message } => format!("retry-after-ms={retry_after_ms} {message}"),

@@ -79,6 +79,9 @@ impl From<kvplane_protocol::KvError> for WitError {
             KvError::Unsupported(m) => WitError::Unsupported(m),
             KvError::Busy { retry_after_ms, message } => WitError::Busy(Busy { retry_after_ms, message }),
             KvError::Denied(m) => WitError::Denied(m),
+            // The contract has no `corrupt` case (a host-side check failed,
+            // not the plugin's own error): a policy sees it as internal.
+            KvError::Corrupt(m) => WitError::Internal(format!("corrupt: {m}")),
         }
     }
 }

@@ -13,7 +13,7 @@ use kvplane_client::{Client, ClientConfig, Endpoint, KvError};
 use kvplane_config::{AtBound, ByteSize, FailurePolicy, IngestMode, TieringConfig};
 use kvplane_node::memory::PoolConfig;
 use kvplane_node::server::{Node, NodeConfig};
-use kvplane_node::tier::TierSetup;
+use kvplane_node::tier::{envelope, TierSetup};
 use kvplane_runtime::worlds::BackendCallOptions;
 use kvplane_runtime::{Backend, PluginDecl, PluginRuntime, PluginSource, World};
 use kvplane_tests::redis::RedisServer;
@@ -62,6 +62,13 @@ async fn client(node: &Node) -> Client {
 
 /// A block whose every byte derives from its key: a reader can check any
 /// block it gets without remembering what was written.
+/// A block and its trailer as the node writes them to the second tier
+/// (see `kvplane_node::tier::envelope`), for a test that fills the store
+/// behind the node's back.
+fn sealed(key: &str, value: &Bytes) -> [(Vec<u8>, Bytes); 2] {
+    [(key.as_bytes().to_vec(), value.clone()), (envelope::trailer_key(key.as_bytes()), envelope::trailer(key.as_bytes(), value))]
+}
+
 fn value_of(key: &str, len: usize) -> Bytes {
     let seed = key.bytes().fold(7u8, |a, b| a.wrapping_mul(31).wrapping_add(b));
     Bytes::from((0..len).map(|i| seed.wrapping_add((i % 251) as u8)).collect::<Vec<u8>>())
@@ -267,7 +274,7 @@ async fn exists_match_prefix_and_delete_see_both_tiers() {
     // the second tier (after the gap).
     put_all(&c, &["c0".to_string()], 64 * KIB).await;
     let only_in_store = ["c1", "c2", "c4"];
-    let r = store.put(only_in_store.iter().map(|k| (k.as_bytes().to_vec(), value_of(k, 64 * KIB))).collect(), NONE).await.unwrap();
+    let r = store.put(only_in_store.iter().flat_map(|k| sealed(k, &value_of(k, 64 * KIB))).collect(), NONE).await.unwrap();
     assert!(r.iter().all(Result::is_ok), "{r:?}");
 
     let chain: Vec<Bytes> = ["c0", "c1", "c2", "c3", "c4"].iter().map(|k| Bytes::from_static(k.as_bytes())).collect();
@@ -451,5 +458,72 @@ async fn second_tier_failures_go_through_the_declared_retry_policy() {
     assert!(matches!(got[0], Err(KvError::Unavailable(_))), "{:?}", got[0]);
     assert!(stat(&n, "backend_retries") >= 1, "the policy asked for at least one retry");
     assert!(retry.plugin.instantiations() >= 1, "the declared retry plugin decided");
+    n.shutdown().await;
+}
+
+/// One byte changed inside redis (SETRANGE) was served as ok with a fresh
+/// CRC; now the block's trailer catches it: a typed `corrupt`, counted,
+/// never served and never cached. A value written raw (before trailers)
+/// is a miss, counted.
+#[tokio::test]
+async fn a_block_changed_in_the_store_is_corrupt_and_never_served() {
+    let redis = RedisServer::start(&[]);
+    let runtime = PluginRuntime::new(None).unwrap();
+    let names = keys("intact/", 4);
+    let first =
+        node(64 * MIB, setup(backend(&runtime, resp(&redis.endpoint(), FailurePolicy::FailClosed)), TieringConfig::default())).await;
+    put_all(&client(&first).await, &names, 64 * KIB).await;
+    assert!(first.shutdown().await, "every block written before the node stopped");
+    // One byte of one block changed behind the node's back (the resp
+    // plugin's keys carry its `tier:` prefix).
+    assert_eq!(redis.command(&["SETRANGE", &format!("tier:{}", names[1]), "1000", "X"]), ":65536");
+    // And one block written raw, as a node before trailers did.
+    assert_eq!(redis.command(&["SET", "tier:legacy", "plain bytes"]), "+OK");
+
+    let second =
+        node(64 * MIB, setup(backend(&runtime, resp(&redis.endpoint(), FailurePolicy::FailClosed)), TieringConfig::default())).await;
+    let c = client(&second).await;
+    let got = c.get(names.iter().map(|k| Bytes::from(k.clone())).chain([Bytes::from_static(b"legacy")]).collect()).await.unwrap();
+    for (i, r) in got.iter().enumerate().take(4) {
+        if i == 1 {
+            let e = r.as_ref().expect_err("a changed block is never served");
+            assert!(matches!(e, KvError::Corrupt(_)), "{e:?}");
+            assert!(e.to_string().contains("intact/0001") && e.to_string().contains("failed its check"), "{e}");
+        } else {
+            assert_eq!(r.as_ref().unwrap(), &value_of(&names[i], 64 * KIB), "{} came back different", names[i]);
+        }
+    }
+    assert!(matches!(got[4], Err(KvError::NotFound)), "a block without a trailer is a miss: {:?}", got[4]);
+    assert_eq!(stat(&second, "backend_corrupt"), 1);
+    assert_eq!(stat(&second, "backend_unsealed"), 1);
+    assert_eq!(stat(&second, "entries"), 3, "only the intact blocks entered the memory tier");
+    // Asked again: still not served (it was never cached).
+    let again = c.get(vec![Bytes::from(names[1].clone())]).await.unwrap();
+    assert!(matches!(again[0], Err(KvError::Corrupt(_))), "{:?}", again[0]);
+    second.shutdown().await;
+}
+
+/// A backend that answers "filled the whole destination" without writing a
+/// byte made the node serve whatever the lent pool block held before: after
+/// PUT and DELETE of tenant A's block, a GET of a key never written answered
+/// ok with tenant A's deleted bytes. Now the missing trailer says so.
+#[tokio::test]
+async fn a_backend_claiming_bytes_it_did_not_write_serves_nothing() {
+    let runtime = PluginRuntime::new(None).unwrap();
+    let mut liar = PluginDecl::new("liar", World::Backend, PluginSource::File(kvplane_tests::HOSTILE.into()));
+    liar.config.insert("lie".into(), "full".into());
+    liar.failure_policy = FailurePolicy::FailClosed;
+    let n = node(64 * MIB, setup(backend(&runtime, liar), TieringConfig::default())).await;
+    let c = client(&n).await;
+    let secret = Bytes::from(vec![0x5a; 64 * KIB]);
+    c.put(vec![(Bytes::from_static(b"tenant-a/block0"), secret.clone())]).await.unwrap().remove(0).unwrap();
+    assert_eq!(c.delete(vec![Bytes::from_static(b"tenant-a/block0")]).await.unwrap(), vec![true]);
+    let got = c.get(vec![Bytes::from_static(b"tenant-b/never-written")]).await.unwrap();
+    match &got[0] {
+        Err(KvError::Corrupt(m)) => assert!(m.contains("tenant-b/never-written"), "{m}"),
+        other => panic!("a claimed, unwritten block was answered {other:?}"),
+    }
+    assert_eq!(stat(&n, "backend_corrupt"), 1);
+    assert_eq!(stat(&n, "entries"), 0, "nothing the liar claimed entered the memory tier");
     n.shutdown().await;
 }

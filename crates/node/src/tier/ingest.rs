@@ -272,18 +272,26 @@ async fn write_loop(shared: Arc<TierShared>, mut rx: mpsc::UnboundedReceiver<Job
 }
 
 /// Writes `batch` (retrying keys that failed transiently), counts the
-/// outcome and gives its bytes back to the budget.
+/// outcome and gives its bytes back to the budget. Each block goes with its
+/// trailer (see `envelope`), in the same call: the block's own bytes are
+/// lent as they are, the trailer is a few dozen bytes of its own.
 async fn write_batch(shared: &TierShared, batch: &mut Vec<(Vec<u8>, Bytes)>) {
     if batch.is_empty() {
         return;
     }
     let total: u64 = batch.iter().map(|(_, v)| v.len() as u64).sum();
-    let mut pending = std::mem::take(batch);
+    // (store key, value, whether it is a trailer)
+    let mut pending: Vec<(Vec<u8>, Bytes, bool)> = Vec::with_capacity(batch.len() * 2);
+    for (key, value) in std::mem::take(batch) {
+        let trailer = (super::envelope::trailer_key(&key), super::envelope::trailer(&key, &value), true);
+        pending.push((key, value, false));
+        pending.push(trailer);
+    }
     let mut attempts = Attempts::new();
     loop {
         let started = Instant::now();
         let n = pending.len();
-        let result = shared.backend.put(pending.clone(), super::NO_OPTIONS).await;
+        let result = shared.backend.put(pending.iter().map(|(k, v, _)| (k.clone(), v.clone())).collect(), super::NO_OPTIONS).await;
         shared.metrics.record(Operation::Put, started.elapsed());
         let results = match result {
             Ok(r) => r,
@@ -291,8 +299,9 @@ async fn write_batch(shared: &TierShared, batch: &mut Vec<(Vec<u8>, Bytes)>) {
         };
         let mut failed = Vec::new();
         let mut first_error = None;
-        for ((key, value), r) in pending.into_iter().zip(results) {
+        for ((key, value, is_trailer), r) in pending.into_iter().zip(results) {
             match r {
+                Ok(()) if is_trailer => {}
                 Ok(()) => {
                     shared.metrics.ingest_stored.fetch_add(1, Ordering::Relaxed);
                     shared.metrics.written_bytes.fetch_add(value.len() as u64, Ordering::Relaxed);
@@ -302,7 +311,7 @@ async fn write_batch(shared: &TierShared, batch: &mut Vec<(Vec<u8>, Bytes)>) {
                     if first_error.is_none() {
                         first_error = Some(e);
                     }
-                    failed.push((key, value));
+                    failed.push((key, value, is_trailer));
                 }
             }
         }
@@ -314,8 +323,15 @@ async fn write_batch(shared: &TierShared, batch: &mut Vec<(Vec<u8>, Bytes)>) {
                 pending = failed;
             }
             Next::GiveUp => {
-                tracing::warn!(keys = failed.len(), %error, "second tier: blocks not written");
-                shared.metrics.ingest_failed.fetch_add(failed.len() as u64, Ordering::Relaxed);
+                // Named, so a block that never reached the store can be
+                // traced (the first few keys, and the count). A block whose
+                // trailer was not written reads back as a miss.
+                let blocks: Vec<&(Vec<u8>, Bytes, bool)> = failed.iter().filter(|(_, _, t)| !t).collect();
+                let named: Vec<String> = failed.iter().take(8).map(|(k, _, _)| String::from_utf8_lossy(k).into_owned()).collect();
+                tracing::warn!(blocks = blocks.len(), trailers = failed.len() - blocks.len(), keys = ?named, %error, "second tier: given up, not written");
+                // A block counts once, whether its bytes, its trailer or both failed.
+                let lost: std::collections::HashSet<&[u8]> = failed.iter().map(|(k, _, _)| super::envelope::block_key(k)).collect();
+                shared.metrics.ingest_failed.fetch_add(lost.len() as u64, Ordering::Relaxed);
                 break;
             }
         }

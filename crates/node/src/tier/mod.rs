@@ -13,6 +13,7 @@
 //! survives the retries means is the backend declaration's failure policy:
 //! fail-open turns it into a miss (the engine recomputes the block), fail-closed into a typed error for the client.
 
+pub mod envelope;
 pub(crate) mod ingest;
 pub(crate) mod retry;
 
@@ -23,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kvplane_config::{IngestMode, TieringConfig};
-use kvplane_protocol::{checksum, ErrorKind, KvError};
+use kvplane_protocol::{ErrorKind, KvError};
 use kvplane_runtime::worlds::{BackendCallOptions, Operation};
 use kvplane_runtime::{Backend, FailurePolicy, RetryPolicy, WritableMemory};
 
@@ -77,6 +78,10 @@ pub(crate) struct TierMetrics {
     pub(crate) queued_hits: AtomicU64,
     /// Failures that became misses under fail-open.
     pub(crate) failed_open: AtomicU64,
+    /// Blocks read back that failed their trailer's check (never served).
+    pub(crate) corrupt: AtomicU64,
+    /// Blocks read back without a trailer (written before it): misses.
+    pub(crate) unsealed: AtomicU64,
     pub(crate) latency: [crate::server::metrics::LatencyHistogram; 4],
     /// (operation, error kind) → count; errors are rare, a lock is fine.
     pub(crate) errors: Mutex<Vec<((Operation, ErrorKind), u64)>>,
@@ -121,9 +126,15 @@ pub(crate) struct TierShared {
 }
 
 impl TierShared {
-    /// Deletes now (the caller has ordered it behind earlier writes).
+    /// Deletes now (the caller has ordered it behind earlier writes), each
+    /// block with its trailer; the answers are the blocks'.
     async fn delete_now(&self, keys: Vec<Vec<u8>>) -> Result<Vec<Result<(), KvError>>, KvError> {
-        self.whole_batch(Operation::Delete, || self.backend.delete(keys.clone(), NO_OPTIONS)).await
+        let n = keys.len();
+        let mut both = keys.clone();
+        both.extend(keys.iter().map(|k| envelope::trailer_key(k)));
+        let mut answers = self.whole_batch(Operation::Delete, || self.backend.delete(both.clone(), NO_OPTIONS)).await?;
+        answers.truncate(n);
+        Ok(answers)
     }
 
     /// Calls `call` (one batch) until no key failed transiently, as the
@@ -161,6 +172,22 @@ impl TierShared {
 impl WritableMemory for BlockMut {
     fn bytes_mut(&mut self) -> &mut [u8] {
         self.as_mut_slice()
+    }
+}
+
+/// What a read-through lends the plugin per key: the pool block for the
+/// block's bytes, and a small buffer for its trailer (see `envelope`).
+enum Destination {
+    Block(BlockMut),
+    Trailer(Vec<u8>),
+}
+
+impl WritableMemory for Destination {
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            Destination::Block(b) => b.as_mut_slice(),
+            Destination::Trailer(t) => t,
+        }
     }
 }
 
@@ -212,6 +239,8 @@ impl SecondTier {
             ("backend_written_bytes".into(), load(&m.written_bytes)),
             ("backend_retries".into(), load(&m.retries)),
             ("backend_failed_open".into(), load(&m.failed_open)),
+            ("backend_corrupt".into(), load(&m.corrupt)),
+            ("backend_unsealed".into(), load(&m.unsealed)),
             ("tier_ingest_stored".into(), load(&m.ingest_stored)),
             ("tier_ingest_failed".into(), load(&m.ingest_failed)),
             ("tier_ingest_skipped".into(), load(&m.ingest_skipped)),
@@ -315,12 +344,15 @@ impl SecondTier {
         }
         let mut attempts = Attempts::new();
         while !pending.is_empty() {
-            let mut entries = Vec::with_capacity(pending.len());
+            // Two entries per key: its block into a pool block, then its
+            // trailer (see `envelope`).
+            let mut entries = Vec::with_capacity(pending.len() * 2);
             let mut asked = Vec::with_capacity(pending.len());
             for &(i, size) in &pending {
                 match self.allocate(cache, size).await {
                     Ok(block) => {
-                        entries.push((keys[i].to_vec(), block));
+                        entries.push((keys[i].to_vec(), Destination::Block(block)));
+                        entries.push((envelope::trailer_key(keys[i]), Destination::Trailer(vec![0; envelope::trailer_len(keys[i])])));
                         asked.push((i, size));
                     }
                     // No room in the memory tier: the block cannot be served
@@ -332,27 +364,49 @@ impl SecondTier {
                 break;
             }
             let started = Instant::now();
-            let (blocks, result) = self.shared.backend.get(entries, NO_OPTIONS).await;
+            let (memories, result) = self.shared.backend.get(entries, NO_OPTIONS).await;
             self.shared.metrics.record(Operation::Get, started.elapsed());
             let results = match result {
                 Ok(r) => r,
-                Err(e) => (0..asked.len()).map(|_| Err(plugin_error(&e))).collect(),
+                Err(e) => (0..memories.len()).map(|_| Err(plugin_error(&e))).collect(),
             };
             pending = Vec::new();
             let mut first_error = None;
-            for ((i, size), (mut block, r)) in asked.into_iter().zip(blocks.into_iter().zip(results)) {
+            let mut answers = memories.into_iter().zip(results);
+            for (i, size) in asked {
+                let (Some((Destination::Block(mut block), r)), Some((Destination::Trailer(trailer), t))) = (answers.next(), answers.next())
+                else {
+                    unreachable!("two destinations per key, lent and given back in order");
+                };
+                let trailer = match t {
+                    Ok(n) => Some(&trailer[..n]),
+                    Err(_) => None,
+                };
                 match r {
                     Ok(len) => {
                         block.truncate(len);
-                        let block = self.right_sized(cache, block);
-                        let crc = checksum(&block);
-                        let block = block.freeze();
-                        self.expected_len.fetch_max(len, Ordering::Relaxed);
-                        self.shared.metrics.hits.fetch_add(1, Ordering::Relaxed);
-                        self.shared.metrics.read_bytes.fetch_add(len as u64, Ordering::Relaxed);
-                        let key = Bytes::copy_from_slice(keys[i]);
-                        cache.insert_from_lower_tier(key, block.clone(), crc);
-                        out[i] = Ok(Some(CachedBlock { block, reads: FROM_SECOND_TIER }));
+                        match envelope::open(keys[i], block.as_slice(), trailer) {
+                            envelope::Opened::Block { crc } => {
+                                let block = self.right_sized(cache, block).freeze();
+                                self.expected_len.fetch_max(len, Ordering::Relaxed);
+                                self.shared.metrics.hits.fetch_add(1, Ordering::Relaxed);
+                                self.shared.metrics.read_bytes.fetch_add(len as u64, Ordering::Relaxed);
+                                let key = Bytes::copy_from_slice(keys[i]);
+                                cache.insert_from_lower_tier(key, block.clone(), crc);
+                                out[i] = Ok(Some(CachedBlock { block, reads: FROM_SECOND_TIER }));
+                            }
+                            envelope::Opened::Unsealed => {
+                                self.shared.metrics.unsealed.fetch_add(1, Ordering::Relaxed);
+                                self.shared.metrics.misses.fetch_add(1, Ordering::Relaxed);
+                                tracing::debug!(key = %String::from_utf8_lossy(keys[i]), "second tier: a block without a trailer (written before it); a miss");
+                            }
+                            envelope::Opened::Corrupt(why) => {
+                                self.shared.metrics.corrupt.fetch_add(1, Ordering::Relaxed);
+                                let key = String::from_utf8_lossy(keys[i]);
+                                tracing::warn!(%key, bytes = len, reason = %why, "second tier: a block failed its check; not served, not cached");
+                                out[i] = Err(KvError::Corrupt(format!("the second tier's block for {key:?}: {why}")));
+                            }
+                        }
                     }
                     Err(KvError::NotFound) => {
                         self.shared.metrics.misses.fetch_add(1, Ordering::Relaxed);
