@@ -453,12 +453,14 @@ async fn shutdown_drains_a_request_in_flight() {
     // One connection, open before the shutdown begins.
     let c = std::sync::Arc::new(Client::connect(ClientConfig { connections: 1, ..ClientConfig::new(endpoint) }).await.unwrap());
     let c2 = std::sync::Arc::clone(&c);
+    // What the client sent at connect (its STATS) is not the PUT.
+    let at_connect = stat(&node.stats(), "bytes_received");
     let big: Vec<(Bytes, Bytes)> = (0..32).map(|i| (key(&format!("d{i}")), block(i, 2 * MIB))).collect();
     let inflight = tokio::spawn(async move { c2.put(big).await });
     // Shut down once the node has read the PUT's header and meta, while its
     // 64 MiB of payload are still arriving.
     let started = Instant::now();
-    while stat(&node.stats(), "bytes_received") == 0 {
+    while stat(&node.stats(), "bytes_received") == at_connect {
         assert!(started.elapsed() < PATIENCE, "the PUT never reached the node");
         tokio::time::sleep(Duration::from_micros(200)).await;
     }
