@@ -352,3 +352,58 @@ async fn the_cluster_example_joins_its_cluster() {
     assert_eq!(stat(&plain, "cluster_registered").await, 1);
     stop(node).await;
 }
+
+/// A node did not start while its store was unreachable (`open/configure
+/// failed: unavailable`), so a pod restarted during a store outage
+/// crash-looped. Now `redis.json` (made fail-closed here) starts with redis
+/// down: it serves its memory tier, says it is not ready, probes the store,
+/// and uses it once redis answers.
+#[tokio::test]
+async fn the_redis_example_starts_while_redis_is_down_and_uses_it_once_it_answers() {
+    const PASSWORD: &str = "examples-s3cret";
+    let mut redis = kvplane_tests::redis::RedisServer::start(&["--requirepass", PASSWORD]);
+    redis.kill();
+    let dir = tempfile::tempdir().unwrap();
+    let (path, _) = with_servers("redis.json", dir.path(), &[redis.endpoint()]);
+    let mut config: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    config["plugins"][0]["failurePolicy"] = Value::String("failClosed".into());
+    std::fs::write(&path, serde_json::to_string(&config).unwrap()).unwrap();
+
+    let mut cmd = kvplane();
+    cmd.args(["node", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0", "--config"])
+        .arg(&path)
+        .env("KVPLANE_CACHE_DIR", dir.path().join("cache"))
+        .env(kvplane_config::node::BACKEND_SECRET_ENV, PASSWORD);
+    let node = NodeProcess::spawn(cmd);
+    assert!(said(&node).contains("its store is unreachable"), "{}", said(&node));
+    let admin = said(&node).split("admin http://").nth(1).and_then(|r| r.split('/').next()).expect("the admin address").to_string();
+    let ready = |admin: String| async move {
+        tokio::task::spawn_blocking(move || {
+            let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
+            let mut r = agent.get(&format!("http://{admin}/readyz")).call().expect("the admin port answers");
+            (r.status().as_u16(), r.body_mut().read_to_string().unwrap())
+        })
+        .await
+        .unwrap()
+    };
+    let c = client(&node).await;
+    assert_eq!(stat(&c, "backend_reachable").await, 0);
+    let (status, body) = ready(admin.clone()).await;
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("unreachable"), "{body}");
+    // The memory tier serves meanwhile.
+    put(&c, "down/block0").await;
+    get(&c, "down/block0").await;
+
+    redis.restart();
+    wait_for_stat(&c, "backend_reachable", 1).await;
+    let (status, body) = ready(admin).await;
+    assert_eq!(status, 200, "{body}");
+    put(&c, "up/block1").await;
+    let started = Instant::now();
+    while stat(&c, "tier_ingest_stored").await == 0 {
+        assert!(started.elapsed() < PATIENCE, "no block reached redis once it answered");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop(node).await;
+}

@@ -146,6 +146,22 @@ impl LoadedPlugin {
     }
 }
 
+/// Whether a plugin's start failed because its store did not answer (as
+/// opposed to a config it refuses, which must stop the start).
+fn store_unreachable(e: &kvplane_runtime::PluginError) -> bool {
+    use kvplane_protocol::KvError;
+    match &e.fault {
+        kvplane_runtime::Fault::Configure(KvError::Unavailable(_) | KvError::Timeout(_)) | kvplane_runtime::Fault::Deadline { .. } => true,
+        kvplane_runtime::Fault::Broken { cause, .. } => {
+            matches!(
+                **cause,
+                kvplane_runtime::Fault::Configure(KvError::Unavailable(_) | KvError::Timeout(_)) | kvplane_runtime::Fault::Deadline { .. }
+            )
+        }
+        _ => false,
+    }
+}
+
 /// Fetches (builtin, mounted ConfigMap key, URL or OCI artifact), checks the
 /// digest, compiles every plugin of `file`, and starts one instance of each
 /// (running its `open` / `configure`).
@@ -178,8 +194,18 @@ pub async fn verify_plugins(file: &NodeConfigFile, config_path: &Path, runtime: 
         };
         let loaded = loaded.with_context(|| format!("plugin {}", p.name))?;
         // One instance now, with its `open` / `configure`: a config the
-        // plugin refuses stops the start, naming the plugin and the key.
-        loaded.warm_up().await.with_context(|| format!("starting plugin {} ({world})", p.name))?;
+        // plugin refuses stops the start, naming the plugin and the key. A
+        // backend whose store cannot be reached does not: the node serves
+        // its memory tier and the second tier probes the store until it
+        // answers (a pod restarted during a store outage must not
+        // crash-loop).
+        match loaded.warm_up().await {
+            Err(e) if world == World::Backend && store_unreachable(&e) => {
+                tracing::warn!(plugin = %p.name, error = %e, "the backend's store is unreachable; starting with the memory tier alone");
+                eprintln!("plugin {}: its store is unreachable ({e}); serving the memory tier, reconnecting in the background", p.name);
+            }
+            other => other.with_context(|| format!("starting plugin {} ({world})", p.name))?,
+        }
         verified.push(VerifiedPlugin { name: p.name.clone(), world, origin, sha256, loaded });
     }
     Ok(verified)

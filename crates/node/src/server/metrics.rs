@@ -338,6 +338,12 @@ fn encode_second_tier(e: &mut DescriptorEncoder, cache: &CacheStats, tier: &Seco
     counter(e, "kvplane_backend_written_bytes", "Bytes written to the second tier", load(&m.written_bytes))?;
     counter(e, "kvplane_backend_retries", "Second-tier calls retried", load(&m.retries))?;
     counter(e, "kvplane_backend_failed_open", "Second-tier failures answered as misses (fail-open)", load(&m.failed_open))?;
+    gauge(
+        e,
+        "kvplane_backend_reachable",
+        "1 while the second tier's store answers, 0 while it is unreachable",
+        u64::from(m.reachable.load(Ordering::Relaxed)),
+    )?;
     counter(e, "kvplane_backend_corrupt", "Second-tier blocks that failed their trailer's check (never served)", load(&m.corrupt))?;
     counter(e, "kvplane_backend_unsealed", "Second-tier blocks without a trailer, answered as misses", load(&m.unsealed))?;
     let errors: Vec<(ErrorLabel, u64)> = m

@@ -281,7 +281,10 @@ impl Node {
                 // clients could get no table from this node.
                 let weak = Arc::downgrade(&state);
                 let health: HealthCheck = Arc::new(move || match weak.upgrade() {
-                    Some(s) if !s.is_draining() => s.cluster.as_ref().map_or(Ok(()), ClusterNode::registered),
+                    Some(s) if !s.is_draining() => {
+                        s.cluster.as_ref().map_or(Ok(()), ClusterNode::registered)?;
+                        s.tier.as_ref().map_or(Ok(()), SecondTier::ready)
+                    }
                     _ => Err("draining".into()),
                 });
                 let metrics = AdminMetrics::register(&mut registry);

@@ -18,7 +18,7 @@ pub(crate) mod ingest;
 pub(crate) mod retry;
 
 use std::fmt;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -82,6 +82,11 @@ pub(crate) struct TierMetrics {
     pub(crate) corrupt: AtomicU64,
     /// Blocks read back without a trailer (written before it): misses.
     pub(crate) unsealed: AtomicU64,
+    /// Whether the store answered its last call (or probe): a call that
+    /// found it unreachable clears it and wakes the prober (see
+    /// [`SecondTier::start`]), which sets it again once the store answers.
+    pub(crate) reachable: AtomicBool,
+    unreachable: tokio::sync::Notify,
     pub(crate) latency: [crate::server::metrics::LatencyHistogram; 4],
     /// (operation, error kind) → count; errors are rare, a lock is fine.
     pub(crate) errors: Mutex<Vec<((Operation, ErrorKind), u64)>>,
@@ -105,6 +110,10 @@ impl TierMetrics {
 
     fn error(&self, op: Operation, e: &KvError) {
         let kind = e.kind();
+        if kind == ErrorKind::Unavailable && self.reachable.swap(false, Ordering::AcqRel) {
+            tracing::warn!(error = %e, "second tier: the store is unreachable; probing until it answers");
+            self.unreachable.notify_one();
+        }
         let mut errors = self.errors.lock().unwrap_or_else(|p| p.into_inner());
         match errors.iter_mut().find(|(k, _)| *k == (op, kind)) {
             Some((_, n)) => *n += 1,
@@ -168,6 +177,41 @@ impl TierShared {
     }
 }
 
+/// Bounds of the prober's wait between two tries of an unreachable store.
+const PROBE_FIRST: Duration = Duration::from_millis(200);
+const PROBE_MAX: Duration = Duration::from_secs(5);
+
+/// Starts an instance of the backend (its `open` connects to the store)
+/// until one starts, then waits for a call to find the store unreachable
+/// again. A node starts while its store is down (the `kvplane node` command
+/// does not stop on an unreachable store): it serves its memory tier, and
+/// this says when the store answers. Ends with the node.
+async fn probe(shared: std::sync::Weak<TierShared>) {
+    let mut wait = PROBE_FIRST;
+    loop {
+        let Some(s) = shared.upgrade() else { return };
+        if s.metrics.reachable.load(Ordering::Acquire) {
+            // Woken by a call that found the store gone, or after a while to
+            // see whether the node is still there (this holds it meanwhile).
+            let _ = tokio::time::timeout(PROBE_MAX, s.metrics.unreachable.notified()).await;
+            wait = PROBE_FIRST;
+            continue;
+        }
+        match s.backend.plugin.warm_up().await {
+            Ok(()) => {
+                tracing::info!("second tier: the store answers");
+                s.metrics.reachable.store(true, Ordering::Release);
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, ?wait, "second tier: the store is still unreachable");
+                drop(s);
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(PROBE_MAX);
+            }
+        }
+    }
+}
+
 /// A pool block lent to the backend plugin as a GET destination.
 impl WritableMemory for BlockMut {
     fn bytes_mut(&mut self) -> &mut [u8] {
@@ -220,8 +264,20 @@ impl SecondTier {
             metrics: TierMetrics::default(),
             fail_open,
         });
-        let (ingest, writers) = Ingest::start(&shared, shared.settings.writers as usize);
+        let (ingest, mut writers) = Ingest::start(&shared, shared.settings.writers as usize);
+        writers.push(tokio::spawn(probe(Arc::downgrade(&shared))));
         SecondTier { shared, ingest, writers: Mutex::new(writers), expected_len: AtomicUsize::new(0) }
+    }
+
+    /// Whether the node may take traffic as far as the second tier goes:
+    /// not while the store is unreachable under fail-closed (every miss
+    /// would be an error); under fail-open a miss is only a miss.
+    pub(crate) fn ready(&self) -> Result<(), String> {
+        if self.shared.fail_open || self.shared.metrics.reachable.load(Ordering::Acquire) {
+            Ok(())
+        } else {
+            Err("the second tier's store is unreachable (failClosed)".into())
+        }
     }
 
     pub(crate) fn metrics(&self) -> &TierMetrics {
@@ -239,6 +295,7 @@ impl SecondTier {
             ("backend_written_bytes".into(), load(&m.written_bytes)),
             ("backend_retries".into(), load(&m.retries)),
             ("backend_failed_open".into(), load(&m.failed_open)),
+            ("backend_reachable".into(), u64::from(m.reachable.load(Ordering::Relaxed))),
             ("backend_corrupt".into(), load(&m.corrupt)),
             ("backend_unsealed".into(), load(&m.unsealed)),
             ("tier_ingest_stored".into(), load(&m.ingest_stored)),
