@@ -25,7 +25,7 @@
 //! | GET_RESULT | `u32 count, count × (u16 status, u32 len, u32 crc32c)` — payloads of the status-0 entries follow |
 //! | MATCH_PREFIX_RESULT | `u32 matched, u32 lease_ms` |
 //! | STATS_RESULT | `u32 count, count × (u16 name_len, name, u64 value)` |
-//! | CLUSTER_TABLE_RESULT | `u64 version, u32 slots, u16 replicas, u16 member_count`, members × (`id, endpoint, zone` as `u16 len` + UTF-8, `u32 weight, u8 state`), `slots × replicas × u16 owner` |
+//! | CLUSTER_TABLE_RESULT | `u64 version, u32 slots, u16 replicas, u16 member_count`, members × (`id, endpoint, zone` as `u16 len` + UTF-8, `u32 weight, u8 state`), `slots × replicas × u16 owner`; the write quorum is in the header's flags |
 //! | SHM_ATTACH_RESULT | `u64 size` |
 //! | GET_SHM_RESULT | `u32 count, count × (u16 status, u32 len, u32 crc32c)` |
 //! | RDMA_DESCRIBE_RESULT | `u32 count, count × (u16 status, and for status 0 the 68-byte descriptor)` |
@@ -99,7 +99,7 @@ pub fn encode(frame: &Frame) -> Result<EncodedFrame, ProtocolError> {
     let header = FrameHeader {
         version: VERSION,
         opcode: frame.message.opcode() as u8,
-        flags: 0,
+        flags: header_flags(&frame.message)?,
         request_id: frame.request_id,
         body_len,
         meta_len: meta_len as u32,
@@ -108,6 +108,16 @@ pub fn encode(frame: &Frame) -> Result<EncodedFrame, ProtocolError> {
     header.write(&mut fixed);
     head[..HEADER_LEN].copy_from_slice(&fixed);
     Ok(EncodedFrame { head, payloads })
+}
+
+/// The header's flags byte for `message`: 0, except on CLUSTER_TABLE_RESULT,
+/// whose low four bits carry the table's write quorum (see
+/// `response::cluster_table_result` for why it lives in the header).
+fn header_flags(message: &Message) -> Result<u8, ProtocolError> {
+    match message {
+        Message::Response(Response::ClusterTable(t)) => response::write_quorum_flags(t),
+        _ => Ok(0),
+    }
 }
 
 pub(super) fn put_count(out: &mut Vec<u8>, n: usize, field: &'static str) -> Result<(), ProtocolError> {
@@ -193,7 +203,7 @@ pub fn decode_body(header: &FrameHeader, meta: Bytes, limits: &Limits) -> Result
         Opcode::RdmaConnectResult => response::rdma_connect_result,
         Opcode::Error => response::error,
     };
-    let mut body = Body { r: Reader::new(meta), limits, payload_len: header.payload_len() as u64 };
+    let mut body = Body { r: Reader::new(meta), limits, payload_len: header.payload_len() as u64, flags: header.flags };
     let meta = decode_meta(&mut body)?;
     body.r.finish()?;
     Ok(meta)

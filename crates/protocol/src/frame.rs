@@ -142,7 +142,7 @@ impl std::ops::BitOr for Features {
 /// | 0 | 4 | magic `KVPL` |
 /// | 4 | 2 | version (u16) |
 /// | 6 | 1 | opcode |
-/// | 7 | 1 | flags (0 in v1) |
+/// | 7 | 1 | flags (0, except the write quorum of a CLUSTER_TABLE_RESULT) |
 /// | 8 | 8 | request id (u64) |
 /// | 16 | 4 | body length (u32): bytes after the header |
 /// | 20 | 4 | meta length (u32): leading bytes of the body before the payloads |

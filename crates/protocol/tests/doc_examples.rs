@@ -92,7 +92,7 @@ fn hello_descriptor() -> Descriptor {
 /// Two up members, two slots, one owner each, version 8.
 fn two_member_table() -> SlotTable {
     let members = vec![Member::up("a", "10.0.0.1:9600"), Member::up("b", "10.0.0.2:9600")];
-    SlotTable::new(8, members, 2, 1, 1, vec![0, 1]).unwrap()
+    SlotTable::new(8, members, 2, 1, 1, vec![0, 1]).unwrap().with_write_quorum(Some(1))
 }
 
 #[test]

@@ -122,6 +122,12 @@ pub struct SlotTable {
     replicas: u32,
     /// `slots * replicas` member indices, slot-major.
     owners: Vec<u32>,
+    /// Owners that must store a PUT before a client acknowledges it, as the
+    /// cluster's nodes were configured (`cluster.writeQuorum`); `None` when
+    /// the cluster does not say, and a client then waits for every owner.
+    /// It travels with the table so that a client configured with nothing
+    /// but a seed address writes as the operator of the cluster decided.
+    write_quorum: Option<u32>,
 }
 
 impl SlotTable {
@@ -171,7 +177,7 @@ impl SlotTable {
                 }
             }
         }
-        Ok(SlotTable { version, members, slots, replicas, owners })
+        Ok(SlotTable { version, members, slots, replicas, owners, write_quorum: None })
     }
 
     pub fn members(&self) -> &[Member] {
@@ -185,6 +191,21 @@ impl SlotTable {
     /// Owners per slot.
     pub fn replicas(&self) -> u32 {
         self.replicas
+    }
+
+    /// The cluster's write quorum, if it states one. It is the configured
+    /// number and is not capped at [`replicas`](Self::replicas): a table
+    /// computed while fewer members than `W` can own keys has fewer owners
+    /// per slot than `W`, and a PUT then fails rather than being
+    /// acknowledged with fewer copies than the operator asked for.
+    pub fn write_quorum(&self) -> Option<u32> {
+        self.write_quorum
+    }
+
+    /// The same table stating `write_quorum` (`None`: not stated).
+    pub fn with_write_quorum(mut self, write_quorum: Option<u32>) -> SlotTable {
+        self.write_quorum = write_quorum;
+        self
     }
 
     /// The raw owner indices, slot-major (for encoding the table).
@@ -328,6 +349,15 @@ mod tests {
         let mut same = members(2);
         same[1].id = "n0".into();
         assert!(matches!(SlotTable::new(1, same, 4, 1, 1, round_robin(2, 4, 1)), Err(SlotTableError::DuplicateMemberId(_))));
+    }
+
+    #[test]
+    fn a_table_states_no_write_quorum_until_given_one() {
+        let t = SlotTable::new(1, members(3), 4, 2, 2, round_robin(3, 4, 2)).unwrap();
+        assert_eq!(t.write_quorum(), None);
+        let t = t.with_write_quorum(Some(1));
+        assert_eq!(t.write_quorum(), Some(1));
+        assert_eq!(t.clone().with_write_quorum(None).write_quorum(), None);
     }
 
     #[test]

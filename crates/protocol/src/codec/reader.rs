@@ -10,11 +10,13 @@ use crate::message::{Message, Request, Response};
 use crate::rdma::{QueuePairEndpoint, ENDPOINT_LEN};
 
 /// A frame's meta being decoded: the cursor over it, the limits it is held
-/// to and how many payload bytes the header says follow it.
+/// to, how many payload bytes the header says follow it and the header's
+/// flags byte (which CLUSTER_TABLE_RESULT uses for its write quorum).
 pub(super) struct Body<'a> {
     pub(super) r: Reader,
     pub(super) limits: &'a Limits,
     pub(super) payload_len: u64,
+    pub(super) flags: u8,
 }
 
 impl Body<'_> {

@@ -297,9 +297,48 @@ pub(super) fn pong(b: &mut Body) -> Result<Meta, ProtocolError> {
 }
 
 /// CLUSTER_TABLE_RESULT: the slot table, checked as a table.
+/// CLUSTER_TABLE_RESULT: the table in the meta, its write quorum in the low
+/// four bits of the header's flags (0: the cluster states none).
+///
+/// Why the header and not a field of the meta: every decoder of protocol
+/// version 1 consumes a meta exactly and refuses bytes left over, so a field
+/// added to the meta would break every client older than it, and a feature
+/// bit would make the node's answer depend on each connection's handshake.
+/// Version-1 receivers ignore the flags byte (docs/protocol.md), so an older
+/// client reads this table as before and a newer client reading an older
+/// node's table (flags 0) falls back to every owner. The high four bits are
+/// left for later and ignored.
 pub(super) fn cluster_table_result(b: &mut Body) -> Result<Meta, ProtocolError> {
     b.no_payload("cluster_table_result")?;
-    Ok(response(Response::ClusterTable(Box::new(cluster_table(&mut b.r)?))))
+    let write_quorum = match u32::from(b.flags & WRITE_QUORUM_BITS) {
+        0 => None,
+        w if w <= MAX_CLUSTER_REPLICAS => Some(w),
+        w => {
+            return Err(ProtocolError::malformed(
+                "cluster_table.write_quorum",
+                format!("{w} (header flags {:#04x}) is over the limit of {MAX_CLUSTER_REPLICAS} replicas", b.flags),
+            ))
+        }
+    };
+    let table = cluster_table(&mut b.r)?.with_write_quorum(write_quorum);
+    Ok(response(Response::ClusterTable(Box::new(table))))
+}
+
+/// The bits of a CLUSTER_TABLE_RESULT header's flags that carry the write
+/// quorum: 4 bits hold 1..=8 ([`MAX_CLUSTER_REPLICAS`]).
+const WRITE_QUORUM_BITS: u8 = 0x0f;
+
+/// The header flags of a CLUSTER_TABLE_RESULT carrying `t`: its write
+/// quorum, or 0 when it states none.
+pub(super) fn write_quorum_flags(t: &SlotTable) -> Result<u8, ProtocolError> {
+    match t.write_quorum() {
+        None => Ok(0),
+        Some(w) if (1..=MAX_CLUSTER_REPLICAS).contains(&w) => Ok(w as u8),
+        Some(w) => Err(ProtocolError::malformed(
+            "cluster_table.write_quorum",
+            format!("{w} is outside 1..={MAX_CLUSTER_REPLICAS} (the most replicas a table may have)"),
+        )),
+    }
 }
 
 /// A CLUSTER_TABLE_RESULT's meta, checked as a table (owners name

@@ -42,6 +42,7 @@ fn all_frames() -> Vec<Frame> {
         Frame::response(10, Response::Error { code: ErrorCode::Other(999), message: "from a newer node".into() }),
         Frame::request(11, Request::ClusterTable { after_version: 7, wait_ms: 30_000 }),
         Frame::response(11, Response::ClusterTable(Box::new(small_table()))),
+        Frame::response(11, Response::ClusterTable(Box::new(small_table().with_write_quorum(Some(1))))),
         Frame::request(12, Request::ShmAttach),
         Frame::response(12, Response::ShmAttach { size: 64 << 20 }),
         Frame::request(13, Request::PutShm { entries: vec![ShmPut { key: key("a"), offset: 4096, len: 5, crc: 7 }] }),
@@ -148,6 +149,39 @@ fn a_cluster_table_naming_a_member_that_is_not_listed_is_malformed() {
         }
         other => panic!("{other:?}"),
     }
+}
+
+#[test]
+fn a_cluster_tables_write_quorum_rides_in_the_header_flags_an_older_decoder_ignores() {
+    let plain = encode(&Frame::response(1, Response::ClusterTable(Box::new(small_table())))).unwrap().to_vec();
+    let stated = encode(&Frame::response(1, Response::ClusterTable(Box::new(small_table().with_write_quorum(Some(2)))))).unwrap().to_vec();
+    // Only the flags byte differs: a version-1 decoder, which ignores it,
+    // reads the same table from both.
+    assert_eq!(plain[7], 0);
+    assert_eq!(stated[7], 2);
+    assert_eq!(plain[..7], stated[..7]);
+    assert_eq!(plain[8..], stated[8..]);
+    let table = |wire: Vec<u8>| match decode(&Bytes::from(wire), &Limits::default()) {
+        Ok(Some((Frame { message: Message::Response(Response::ClusterTable(t)), .. }, _))) => Ok(*t),
+        Err(DecodeError { error: ProtocolError::Malformed { field, reason }, .. }) => Err(format!("{field}: {reason}")),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(table(stated.clone()).unwrap().write_quorum(), Some(2));
+    assert_eq!(table(plain).unwrap().write_quorum(), None);
+    // The high four bits are left for later: ignored.
+    let mut later = stated.clone();
+    later[7] |= 0xa0;
+    assert_eq!(table(later).unwrap().write_quorum(), Some(2));
+    // Above the most replicas a table may have: malformed, named.
+    let mut over = stated;
+    over[7] = 9;
+    let e = table(over).unwrap_err();
+    assert!(e.starts_with("cluster_table.write_quorum: 9"), "{e}");
+    // And the encoder refuses what the decoder would.
+    let e = encode(&Frame::response(1, Response::ClusterTable(Box::new(small_table().with_write_quorum(Some(9)))))).unwrap_err();
+    assert!(e.to_string().contains("cluster_table.write_quorum"), "{e}");
+    // The flags byte means nothing on other answers and stays 0.
+    assert_eq!(encode(&Frame::response(1, Response::Pong)).unwrap().to_vec()[7], 0);
 }
 
 #[test]
