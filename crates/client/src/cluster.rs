@@ -38,8 +38,11 @@ pub struct ClusterClientConfig {
     pub connections: usize,
     /// Limit on connecting and on waiting for any one answer.
     pub timeout: Duration,
-    /// Owners that must store a PUT before it is acknowledged; `None`: every
-    /// owner the table lists for the key.
+    /// Owners that must store a PUT before it is acknowledged; `None`: the
+    /// write quorum the cluster's table carries (the nodes'
+    /// `cluster.writeQuorum`), and where the table states none (nodes
+    /// configured without one, or older than the field) every owner the
+    /// table lists for the key and not down.
     pub write_quorum: Option<usize>,
 }
 
@@ -164,20 +167,22 @@ impl ClusterClient {
         t.unwrap_or_else(|_| self.table())
     }
 
-    /// Stores each block on the key's owners; `Ok` once `write_quorum` of
-    /// them stored it.
+    /// Stores each block on the key's owners; `Ok` once the write quorum of
+    /// them stored it (the config's `write_quorum`, else the table's).
     pub async fn put(&self, entries: Vec<(Bytes, Bytes)>) -> Result<Vec<Result<(), KvError>>, KvError> {
         let table = self.table();
         let n = entries.len();
         let mut groups: HashMap<u32, Vec<usize>> = HashMap::new();
         let mut needed = vec![0usize; n];
+        // The client's own setting wins; then the cluster's, from the table.
+        let quorum = self.nodes.config.write_quorum.or(table.write_quorum().map(|w| w as usize));
         for (i, (key, _)) in entries.iter().enumerate() {
             let mut owners = 0;
             for o in table.writable_owners(key) {
                 groups.entry(o).or_default().push(i);
                 owners += 1;
             }
-            needed[i] = self.nodes.config.write_quorum.unwrap_or(owners).max(1);
+            needed[i] = quorum.unwrap_or(owners).max(1);
         }
         let mut stored = vec![0usize; n];
         let mut errors: Vec<Option<KvError>> = vec![None; n];

@@ -49,6 +49,11 @@ pub struct ClusterSetup {
     pub lease_ttl: Duration,
     /// Owners per key.
     pub replicas: u32,
+    /// `cluster.writeQuorum`: owners that must store a PUT before a client
+    /// acknowledges it; put into every table this node serves so that
+    /// clients that set none write as the cluster was configured (`None`:
+    /// the table states none and clients wait for every owner).
+    pub write_quorum: Option<u32>,
     /// The key-placement plugin, if one is declared.
     pub placement: Option<Arc<KeyPlacement>>,
     /// Bearer token the node's peers require (for the hand-off).
@@ -63,6 +68,7 @@ impl std::fmt::Debug for ClusterSetup {
             .field("member", &self.member)
             .field("lease_ttl", &self.lease_ttl)
             .field("replicas", &self.replicas)
+            .field("write_quorum", &self.write_quorum)
             .field("placement", &self.placement.as_ref().map(|p| p.plugin.decl().name.clone()))
             .finish()
     }
@@ -109,14 +115,17 @@ impl ClusterNode {
             .await
             .with_context(|| format!("registering member {id} of cluster {} in etcd {:?}", setup.name, setup.etcd))?;
         let members = membership.watch().await.context("following the cluster's membership")?;
-        let (placement, replicas) = (setup.placement, setup.replicas);
+        let (placement, replicas, write_quorum) = (setup.placement, setup.replicas, setup.write_quorum);
         let routing = Routing::follow(members, move |version, members| {
             let placement = placement.clone();
             async move {
-                match placement {
+                let table = match placement {
                     Some(p) => p.compute(version, members, SLOTS, replicas).await.map_err(|e| e.to_string()),
                     None => kvplane_runtime::worlds::native_slot_table(version, members, SLOTS, replicas).map_err(|e| e.to_string()),
-                }
+                };
+                // The placement computes owners; the quorum is the node's
+                // setting, the same on every node of a cluster.
+                table.map(|t| t.with_write_quorum(write_quorum))
             }
         })
         .await

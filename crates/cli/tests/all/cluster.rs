@@ -311,3 +311,75 @@ async fn a_node_registers_again_once_etcd_answers_after_an_outage_longer_than_it
     assert_eq!(c.get(vec![Bytes::from("fresh")]).await.unwrap()[0].as_ref().ok(), Some(&fresh));
     println!("n0 registered again {took:?} after etcd answered ({:?} after it stopped)", stopped.elapsed());
 }
+
+/// Starts node `id` of cluster `name` with two owners per key, the given
+/// `cluster.writeQuorum` and a lease far longer than the test: a node killed
+/// stays in the table, so every PUT still goes to both owners.
+fn quorum_node(dir: &std::path::Path, name: &str, id: &str, etcd: &[String], write_quorum: u32) -> NodeProcess {
+    let config = serde_json::json!({
+        "backend": "kvplane",
+        "metadata": {"etcd": etcd},
+        "cluster": {"name": name, "nodeId": id, "replicas": 2, "writeQuorum": write_quorum, "leaseTtlSeconds": 120},
+    });
+    let path = dir.join(format!("{name}-{id}.json"));
+    std::fs::write(&path, config.to_string()).unwrap();
+    NodeProcess::start_with_env(&["--config", path.to_str().unwrap(), "--memory", "64MiB"], &[("KVPLANE_CACHE_DIR", dir.join("cache"))])
+}
+
+/// PUTs `n` fresh keys under `prefix` through `c`: how many were acknowledged,
+/// and the first error.
+async fn put_fresh(c: &ClusterClient, prefix: &str, n: usize) -> (usize, Option<KvError>) {
+    let entries: Vec<(Bytes, Bytes)> =
+        (0..n).map(|i| format!("{prefix}/k{i}")).map(|k| (Bytes::from(k.clone()), value(&k, 7, 4 << 10))).collect();
+    let results = c.put(entries).await.expect("the batch is answered");
+    let acked = results.iter().filter(|r| r.is_ok()).count();
+    (acked, results.into_iter().find_map(Result::err))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_clusters_write_quorum_reaches_clients_that_set_none() {
+    let etcd = EtcdCluster::start();
+    let dir = tempfile::tempdir().unwrap();
+    // Two clusters of two nodes in one etcd, R=2: writeQuorum 1 and 2.
+    let mut one: Vec<NodeProcess> = ["n0", "n1"].iter().map(|id| quorum_node(dir.path(), "w1", id, &etcd.endpoints(), 1)).collect();
+    let mut two: Vec<NodeProcess> = ["n0", "n1"].iter().map(|id| quorum_node(dir.path(), "w2", id, &etcd.endpoints(), 2)).collect();
+    // Clients configured with a seed and nothing else about writes.
+    let connect = |seed: &NodeProcess, write_quorum: Option<usize>| {
+        let mut config = ClusterClientConfig::new(vec![Endpoint::Tcp(seed.endpoint.clone())]);
+        config.timeout = Duration::from_secs(5);
+        config.write_quorum = write_quorum;
+        ClusterClient::connect(config)
+    };
+    let c1 = connect(&one[0], None).await.expect("a client of w1 connects");
+    let c2 = connect(&two[0], None).await.expect("a client of w2 connects");
+    wait_for_members(&c1, &["n0", "n1"]).await;
+    wait_for_members(&c2, &["n0", "n1"]).await;
+    assert_eq!(put_fresh(&c1, "both-up", 32).await.0, 32);
+    assert_eq!(put_fresh(&c2, "both-up", 32).await.0, 32);
+
+    // One owner of every key killed by PID; the lease keeps it in the tables.
+    sigkill(&mut one[1]);
+    sigkill(&mut two[1]);
+    assert_eq!(c1.table().members().len(), 2);
+    assert_eq!(c2.table().members().len(), 2);
+
+    // writeQuorum 1: acknowledged by the one owner left, and readable from it.
+    let (acked, error) = put_fresh(&c1, "one-down", 32).await;
+    assert_eq!(acked, 32, "writeQuorum 1 with one owner of two alive: {error:?}");
+    let got = c1.get((0..32).map(|i| Bytes::from(format!("one-down/k{i}"))).collect()).await.unwrap();
+    for (i, r) in got.into_iter().enumerate() {
+        let k = format!("one-down/k{i}");
+        assert_eq!(r.unwrap_or_else(|e| panic!("{k}: {e}")), value(&k, 7, 4 << 10), "{k}");
+    }
+    // writeQuorum 2: nothing acknowledged with one copy.
+    let (acked, error) = put_fresh(&c2, "one-down", 32).await;
+    assert_eq!(acked, 0, "writeQuorum 2 acknowledged {acked} keys stored on one owner");
+    assert!(error.is_some());
+    // A client told otherwise keeps its own setting, either way.
+    let strict = connect(&one[0], Some(2)).await.expect("a strict client of w1 connects");
+    assert_eq!(put_fresh(&strict, "strict", 8).await.0, 0, "a client's own write_quorum 2 overrides the table's 1");
+    let lenient = connect(&two[0], Some(1)).await.expect("a lenient client of w2 connects");
+    assert_eq!(put_fresh(&lenient, "lenient", 8).await.0, 8, "a client's own write_quorum 1 overrides the table's 2");
+    assert_eq!((c1.table().write_quorum(), c2.table().write_quorum()), (Some(1), Some(2)), "the tables carry cluster.writeQuorum");
+    println!("writeQuorum 1: 32 of 32 acknowledged with one owner of two killed; writeQuorum 2: 0 of 32");
+}

@@ -94,6 +94,8 @@ pub fn cluster_setup(file: &NodeConfigFile, plugins: &[VerifiedPlugin], token: O
         member,
         lease_ttl: std::time::Duration::from_secs(c.lease_ttl_seconds),
         replicas: c.replicas,
+        // Checked against replicas when the file was read (1..=replicas).
+        write_quorum: c.write_quorum,
         placement,
         token,
     }))
