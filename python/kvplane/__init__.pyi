@@ -69,7 +69,9 @@ class Client:
         and its parts sent at once. ``token``: for nodes started with ``--token-file``.
         ``timeout``: seconds allowed for connecting and for each answer.
         ``write_quorum`` (cluster only): owners that must store a block
-        before ``put_from`` succeeds; default every owner.
+        before ``put_from`` succeeds; default the cluster's own
+        (``cluster.writeQuorum`` of its nodes, carried by the slot table),
+        and every owner not down where the cluster states none.
         ``shared_memory``: over a Unix socket (``unix:///path``), move block
         bytes through memory the node shares, when it offers some; False
         keeps every byte on the socket.

@@ -19,8 +19,8 @@ The settings (the vLLM key, the URL parameter; the default):
 - ``token`` (none): for nodes started with ``--token-file``.
 - ``connections`` (the client's default): connections per node.
 - ``timeout_s`` (5): seconds allowed for connecting and for each answer.
-- ``write_quorum`` (every owner; a cluster only): owners that must store a
-  block before a save succeeds.
+- ``write_quorum`` (the cluster's ``writeQuorum``, else every owner; a
+  cluster only): owners that must store a block before a save succeeds.
 - ``shared_memory`` (true): over a Unix socket, move block bytes through
   the memory the node shares; false keeps every byte on the socket.
 - ``lease_ms`` (10000, the node's default ``--max-lease``): how long a

@@ -13,7 +13,7 @@ memory it shares), ``kvplane://H1:P1,H2:P2`` (a cluster, from those
 seeds; ``?cluster=true`` makes one host a cluster's seed). Query
 parameters: ``token``, ``connections``, ``timeout_s`` (5),
 ``write_quorum`` (a cluster's owners that must store a chunk; default
-every owner), ``shared_memory`` (true; false keeps every byte on a Unix
+the cluster's ``writeQuorum``, else every owner), ``shared_memory`` (true; false keeps every byte on a Unix
 socket), ``lease_ms`` (10000, at most the node's ``--max-lease``: how long
 a pinned lookup keeps the chunks from eviction), ``retry_after_s`` (1): the vLLM connector's settings, read
 and checked by the same `kvplane._settings.Settings`. The deprecated ``remote_url:

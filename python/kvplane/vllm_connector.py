@@ -39,7 +39,8 @@ What it does:
   shared memory is used by itself on the same host), or a list of seeds
   with ``cluster: true``.
 - ``token``, ``connections``, ``timeout_s`` (5), ``write_quorum`` (with
-  ``cluster: true``: owners that must store a block; default every owner),
+  ``cluster: true``: owners that must store a block; default the
+  cluster's ``writeQuorum``, else every owner),
   ``shared_memory`` (true; false keeps every byte on a Unix socket),
   ``lease_ms`` (10000), ``namespace`` (""), ``retry_after_s`` (1: how long
   a node that could not be reached is treated as a miss before the next

@@ -443,6 +443,10 @@ impl Client {
         if !cluster && write_quorum.is_some() {
             return Err(raise("Invalid", "Client: write_quorum applies to a cluster client (cluster=True)".into(), None, None));
         }
+        // 0 would acknowledge a PUT no owner stored; None is the cluster's own.
+        if write_quorum == Some(0) {
+            return Err(raise("Invalid", "Client: write_quorum must be at least 1 (or None for the cluster's own)".into(), None, None));
+        }
         let rt = runtime()?;
         let what = endpoints.join(", ");
         let target = if cluster {
