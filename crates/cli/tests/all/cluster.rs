@@ -383,3 +383,26 @@ async fn the_clusters_write_quorum_reaches_clients_that_set_none() {
     assert_eq!((c1.table().write_quorum(), c2.table().write_quorum()), (Some(1), Some(2)), "the tables carry cluster.writeQuorum");
     println!("writeQuorum 1: 32 of 32 acknowledged with one owner of two killed; writeQuorum 2: 0 of 32");
 }
+
+#[test]
+fn a_write_quorum_outside_one_to_replicas_stops_the_node_naming_the_field() {
+    let dir = tempfile::tempdir().unwrap();
+    for w in [0, 3] {
+        let config = serde_json::json!({
+            "backend": "kvplane",
+            "metadata": {"etcd": ["http://127.0.0.1:1"]},
+            "cluster": {"name": "bad", "nodeId": "n0", "replicas": 2, "writeQuorum": w},
+        });
+        let path = dir.path().join(format!("w{w}.json"));
+        std::fs::write(&path, config.to_string()).unwrap();
+        let out = support::kvplane()
+            .args(["node", "--listen", "127.0.0.1:0", "--admin", "none", "--memory", "64MiB", "--config"])
+            .arg(&path)
+            .env("KVPLANE_CACHE_DIR", dir.path().join("cache"))
+            .output()
+            .unwrap();
+        let t = text(&out);
+        assert!(!out.status.success(), "a node started with writeQuorum {w} of 2 replicas: {t}");
+        assert!(t.contains(&format!("cluster.writeQuorum: {w} is outside 1..=2 (cluster.replicas)")), "{t}");
+    }
+}
