@@ -213,6 +213,17 @@ pub mod redis {
         pub fn kill(&mut self) {
             self.process.kill();
         }
+
+        /// Stops the server's process (SIGSTOP by its PID): connections
+        /// stay open and nothing answers, as a store that froze.
+        pub fn freeze(&self) {
+            self.process.signal(libc::SIGSTOP);
+        }
+
+        /// Lets a frozen server run again (SIGCONT).
+        pub fn thaw(&self) {
+            self.process.signal(libc::SIGCONT);
+        }
     }
 }
 

@@ -68,6 +68,20 @@ impl ServerProcess {
         }
     }
 
+    /// Sends `signal` to the process by its PID, if it runs (SIGSTOP and
+    /// SIGCONT: a server that freezes and thaws).
+    pub(crate) fn signal(&self, signal: i32) {
+        if let Some(child) = &self.0 {
+            let pid = child.id() as libc::pid_t;
+            #[allow(unsafe_code)] // kill(2); see the SAFETY comment below.
+            // SAFETY: kill(2) takes plain integers and touches no memory of
+            // ours; the PID is our own child's, not yet waited for.
+            unsafe {
+                libc::kill(pid, signal);
+            }
+        }
+    }
+
     /// Kills the process now, by its PID, if it runs.
     pub(crate) fn kill(&mut self) {
         if let Some(mut child) = self.0.take() {

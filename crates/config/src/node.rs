@@ -109,6 +109,22 @@ pub enum IngestMode {
     Hot,
 }
 
+/// When a PUT copied to the second tier (mode `all`) is answered.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "kebab-case")]
+pub enum WriteMode {
+    /// From memory at once; the copy is written behind the reply and
+    /// retried across store outages and restarts until the store takes it
+    /// (holding its bytes within `maxInFlight`). A node killed meanwhile
+    /// loses what was queued.
+    #[default]
+    Behind,
+    /// Once both tiers hold the block, or with the store's typed error (the
+    /// block is then not stored in memory either). Needs mode `all` and a
+    /// fail-closed backend.
+    Through,
+}
+
 /// What a PUT does when the bytes waiting for the second tier reach the bound.
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
@@ -127,6 +143,9 @@ pub enum AtBound {
 pub struct TieringConfig {
     /// Which PUTs are copied into the second tier.
     pub mode: IngestMode,
+    /// When a copied PUT is answered: `behind` (from memory) or `through`
+    /// (once the store holds it too).
+    pub write: WriteMode,
     /// `hot` mode: reads from the memory tier before a block is copied.
     pub hot_reads: u32,
     /// Bytes on their way to the second tier at most (and at most an eighth
@@ -151,6 +170,7 @@ impl Default for TieringConfig {
     fn default() -> Self {
         TieringConfig {
             mode: IngestMode::All,
+            write: WriteMode::Behind,
             hot_reads: 2,
             max_in_flight: ByteSize(64 << 20),
             at_bound: AtBound::Block,
@@ -256,6 +276,24 @@ impl NodeConfigFile {
             }
             if t.writers == 0 || t.writers > 64 {
                 return Err(invalid("tiering.writers", format!("{} is outside 1..=64", t.writers)));
+            }
+            if t.write == WriteMode::Through {
+                if t.mode != IngestMode::All {
+                    return Err(invalid(
+                        "tiering.write",
+                        "through applies to mode all (a PUT waits for the store); on-evict and hot copy blocks after the PUT was answered",
+                    ));
+                }
+                let backend = declared(PluginKind::Backend).find(|p| t.backend.as_ref().is_none_or(|n| &p.name == n));
+                if let Some(b) = backend.filter(|b| b.failure_policy == crate::FailurePolicy::FailOpen) {
+                    return Err(invalid(
+                        "tiering.write",
+                        format!(
+                            "through needs the backend's failurePolicy failClosed (plugin {:?} is failOpen: a failed write would be skipped and the PUT acknowledged)",
+                            b.name
+                        ),
+                    ));
+                }
             }
         } else {
             named("plugins", &None, PluginKind::Backend)?;
@@ -378,6 +416,11 @@ mod tests {
             r#"{"backend":"kvplane","metadata":{"etcd":["http://127.0.0.1:2379"]},"cluster":{"replicas":2,"writeQuorum":3}}"#,
         );
         assert!(e.starts_with("cluster.writeQuorum: 3 is outside 1..=2"), "{e}");
+        let one = r#""plugins":[{"name":"a","kind":"backend","source":{"builtin":"resp"},"failurePolicy":"failOpen"}]"#;
+        let e = invalid_field(&format!(r#"{{"backend":"redis",{one},"tiering":{{"write":"through","mode":"hot"}}}}"#));
+        assert!(e.starts_with("tiering.write: through applies to mode all"), "{e}");
+        let e = invalid_field(&format!(r#"{{"backend":"redis",{one},"tiering":{{"write":"through"}}}}"#));
+        assert!(e.starts_with("tiering.write: through needs the backend's failurePolicy failClosed"), "{e}");
     }
 
     #[test]

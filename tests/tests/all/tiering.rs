@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kvplane_client::{Client, ClientConfig, Endpoint, KvError};
-use kvplane_config::{AtBound, ByteSize, FailurePolicy, IngestMode, TieringConfig};
+use kvplane_config::{AtBound, ByteSize, FailurePolicy, IngestMode, TieringConfig, WriteMode};
 use kvplane_node::memory::PoolConfig;
 use kvplane_node::server::{Node, NodeConfig};
 use kvplane_node::tier::{envelope, TierSetup};
@@ -526,4 +526,130 @@ async fn a_backend_claiming_bytes_it_did_not_write_serves_nothing() {
     assert_eq!(stat(&n, "backend_corrupt"), 1);
     assert_eq!(stat(&n, "entries"), 0, "nothing the liar claimed entered the memory tier");
     n.shutdown().await;
+}
+
+/// A redis-server that keeps what it took across a kill (append-only file,
+/// fsync on every write), so a test can tell the node's losses from the
+/// store's own.
+fn durable_redis(dir: &std::path::Path) -> RedisServer {
+    RedisServer::start(&["--appendonly", "yes", "--appendfsync", "always", "--dir", dir.to_str().unwrap()])
+}
+
+/// Whether redis holds `key`'s block and its trailer (under the resp
+/// plugin's `tier:` prefix).
+fn in_redis(redis: &RedisServer, key: &str) -> bool {
+    let trailer = String::from_utf8(envelope::trailer_key(key.as_bytes())).unwrap();
+    redis.command(&["EXISTS", &format!("tier:{key}"), &format!("tier:{trailer}")]) == ":2"
+}
+
+async fn put_one(c: &Client, key: &str) -> Result<(), KvError> {
+    c.put(vec![(Bytes::from(key.to_owned()), value_of(key, 64 * KIB))]).await.expect("the node answers").remove(0)
+}
+
+async fn wait_until(what: &str, n: &Node, check: impl Fn(&Node) -> bool) {
+    let start = Instant::now();
+    while !check(n) {
+        assert!(start.elapsed() < PATIENCE, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Write-through: a PUT is acknowledged only once the store holds the
+/// block; with the store frozen or killed the PUT gets the store's typed
+/// error and the block is not kept in memory either. Every acknowledged
+/// block is in redis, whatever happened to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_through_acknowledges_only_what_the_store_holds() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut redis = durable_redis(dir.path());
+    let runtime = PluginRuntime::new(None).unwrap();
+    let settings = TieringConfig { write: WriteMode::Through, deadline_ms: 1_000, ..TieringConfig::default() };
+    let n = node(64 * MIB, setup(backend(&runtime, resp(&redis.endpoint(), FailurePolicy::FailClosed)), settings)).await;
+    let c = client(&n).await;
+    let mut acked = Vec::new();
+    for i in 0..8 {
+        let key = format!("through/{i}");
+        put_one(&c, &key).await.unwrap_or_else(|e| panic!("{key} with the store up: {e}"));
+        acked.push(key);
+    }
+    // Frozen: the PUT waits for its deadline and gets the error.
+    redis.freeze();
+    let frozen = put_one(&c, "through/frozen").await;
+    assert!(matches!(frozen, Err(KvError::Timeout(_) | KvError::Unavailable(_))), "a PUT the frozen store did not take: {frozen:?}");
+    redis.thaw();
+    // Killed: refused at once, typed.
+    redis.kill();
+    let killed = put_one(&c, "through/killed").await;
+    assert!(matches!(killed, Err(KvError::Unavailable(_) | KvError::Timeout(_))), "a PUT with the store gone: {killed:?}");
+    assert_eq!(stat(&n, "entries"), 8, "a block the store refused is not kept in memory");
+    // Back: acknowledged again once the store takes writes.
+    redis.restart();
+    let start = Instant::now();
+    loop {
+        match put_one(&c, "through/after").await {
+            Ok(()) => break,
+            Err(e) => assert!(start.elapsed() < PATIENCE, "the restarted store never took a write: {e}"),
+        }
+    }
+    acked.push("through/after".into());
+    for key in &acked {
+        assert!(in_redis(&redis, key), "{key} was acknowledged but is not in the store");
+    }
+    n.shutdown().await;
+}
+
+/// Write-behind: acknowledged from memory, the copy is retried across a
+/// frozen store and a killed and restarted one until the store takes it.
+/// Every acknowledged block ends up in redis, and a fresh node reads each
+/// back through its second tier.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_behind_delivers_every_acknowledged_block_across_a_freeze_and_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut redis = durable_redis(dir.path());
+    let runtime = PluginRuntime::new(None).unwrap();
+    // A short deadline: the retry policy gives up quickly, and the writers'
+    // outage rounds take over.
+    let settings = TieringConfig { deadline_ms: 300, ..TieringConfig::default() };
+    let n = node(64 * MIB, setup(backend(&runtime, resp(&redis.endpoint(), FailurePolicy::FailClosed)), settings.clone())).await;
+    let c = client(&n).await;
+    let mut acked = Vec::new();
+    let mut put_some = |from: usize| {
+        let keys: Vec<String> = (from..from + 10).map(|i| format!("behind/{i}")).collect();
+        acked.extend(keys.clone());
+        keys
+    };
+    for key in put_some(0) {
+        put_one(&c, &key).await.unwrap();
+    }
+    wait_until("the first blocks written", &n, |n| stat(n, "tier_ingest_stored") == 10).await;
+
+    redis.freeze();
+    let retries = stat(&n, "backend_retries");
+    for key in put_some(10) {
+        put_one(&c, &key).await.expect("acknowledged from memory while the store is frozen");
+    }
+    wait_until("a write retried against the frozen store", &n, |n| stat(n, "backend_retries") > retries + 1).await;
+    redis.thaw();
+    wait_until("the frozen store took the held blocks", &n, |n| stat(n, "tier_ingest_stored") == 20).await;
+
+    redis.kill();
+    let retries = stat(&n, "backend_retries");
+    for key in put_some(20) {
+        put_one(&c, &key).await.expect("acknowledged from memory while the store is down");
+    }
+    wait_until("a write retried against the killed store", &n, |n| stat(n, "backend_retries") > retries + 1).await;
+    assert_eq!(stat(&n, "tier_ingest_failed"), 0, "a block was given up during the outage");
+    redis.restart();
+    wait_until("the restarted store took every held block", &n, |n| {
+        stat(n, "tier_ingest_stored") == 30 && stat(n, "tier_in_flight_bytes") == 0
+    })
+    .await;
+    for key in &acked {
+        assert!(in_redis(&redis, key), "{key} was acknowledged but never reached the store");
+    }
+    assert!(n.shutdown().await);
+    // A fresh node reads every one back, verified.
+    let fresh = node(64 * MIB, setup(backend(&runtime, resp(&redis.endpoint(), FailurePolicy::FailClosed)), settings)).await;
+    assert_eq!(get_checked(&client(&fresh).await, &acked, 64 * KIB).await, 30);
+    fresh.shutdown().await;
 }

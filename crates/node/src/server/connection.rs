@@ -461,6 +461,9 @@ where
     async fn put(&mut self, slots: Vec<PayloadSlot>, deadline: tokio::time::Instant) -> Result<Vec<Result<(), ErrorCode>>, ConnectionEnd> {
         let mut results = Vec::with_capacity(slots.len());
         let max_block = self.state.cache.pool().max_block_bytes();
+        // Write-through: the frame's checked blocks go to the store together,
+        // then into memory; answered once both hold them.
+        let mut staged = Vec::new();
         for slot in slots {
             let len = slot.len as usize;
             // A block over the largest class is refused by the allocation
@@ -481,11 +484,41 @@ where
                 results.push(Err(ErrorCode::BadChecksum));
                 continue;
             }
-            self.store(&slot.key, block, Some(slot.crc)).await;
+            if self.writes_through() {
+                staged.push(Staged {
+                    index: results.len(),
+                    key: Bytes::copy_from_slice(&slot.key),
+                    block: block.freeze(),
+                    crc: Some(slot.crc),
+                });
+            } else {
+                self.store(&slot.key, block, Some(slot.crc)).await;
+            }
             drop(reserved);
             results.push(Ok(()));
         }
+        self.store_through(staged, &mut results).await;
         Ok(results)
+    }
+
+    fn writes_through(&self) -> bool {
+        self.state.tier.as_ref().is_some_and(|t| t.writes_through())
+    }
+
+    /// Write-through: writes `staged` to the store, then keeps in memory
+    /// what it took; a block it refused is answered its error and not kept.
+    async fn store_through(&self, staged: Vec<Staged>, results: &mut [Result<(), ErrorCode>]) {
+        let Some(tier) = self.state.tier.as_ref().filter(|_| !staged.is_empty()) else { return };
+        let entries: Vec<(Bytes, crate::memory::Block)> = staged.iter().map(|s| (s.key.clone(), s.block.clone())).collect();
+        for (s, written) in staged.into_iter().zip(tier.write_through(&entries).await) {
+            match written {
+                Ok(()) => match s.crc {
+                    Some(crc) => self.state.cache.insert(s.key, s.block, crc),
+                    None => self.state.cache.insert_unchecked(s.key, s.block),
+                },
+                Err(e) => results[s.index] = Err(ErrorCode::from(&e)),
+            }
+        }
     }
 
     /// Tells the client this connection has been idle for `idle` and will
@@ -702,6 +735,7 @@ where
             return Response::Error { code: ErrorCode::Invalid, message: "PUT_SHM before SHM_ATTACH".into() };
         };
         let mut results = Vec::with_capacity(entries.len());
+        let mut staged = Vec::new();
         for e in entries {
             // A range outside the memory is refused before anything is
             // allocated (an allocation may evict).
@@ -733,9 +767,14 @@ where
                 results.push(Err(ErrorCode::BadChecksum));
                 continue;
             }
-            self.store(&e.key, block, crc).await;
+            if self.writes_through() {
+                staged.push(Staged { index: results.len(), key: Bytes::copy_from_slice(&e.key), block: block.freeze(), crc });
+            } else {
+                self.store(&e.key, block, crc).await;
+            }
             results.push(Ok(()));
         }
+        self.store_through(staged, &mut results).await;
         Response::PutShm { results }
     }
 
@@ -828,6 +867,15 @@ where
         self.send_error(request_id, e.code(), format!("{e}; closing the connection")).await?;
         Err(ConnectionEnd::Refused(e.to_string()))
     }
+}
+
+/// A checked PUT block waiting for the store (write-through).
+struct Staged {
+    /// Its place in the PUT's answer.
+    index: usize,
+    key: Bytes,
+    block: crate::memory::Block,
+    crc: Option<u32>,
 }
 
 /// Compares secrets without an early exit, so response timing does not

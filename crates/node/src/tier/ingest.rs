@@ -35,6 +35,11 @@ use super::retry::{plugin_error, Attempts, Next};
 use super::TierShared;
 use crate::memory::Block;
 
+/// How long a writer waits between rounds while the store is unreachable:
+/// growing by this each round, up to [`OUTAGE_RETRY_MAX`].
+const OUTAGE_RETRY_FIRST: std::time::Duration = std::time::Duration::from_millis(100);
+const OUTAGE_RETRY_MAX: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Items a writer puts in one backend call at most.
 const BATCH_ITEMS: usize = 32;
 /// Bytes a writer puts in one backend call at most (one block may exceed it).
@@ -288,6 +293,8 @@ async fn write_batch(shared: &TierShared, batch: &mut Vec<(Vec<u8>, Bytes)>) {
         pending.push(trailer);
     }
     let mut attempts = Attempts::new();
+    // Rounds of retries the store did not take during an outage.
+    let mut outage_rounds = 0u32;
     loop {
         let started = Instant::now();
         let n = pending.len();
@@ -320,6 +327,22 @@ async fn write_batch(shared: &TierShared, batch: &mut Vec<(Vec<u8>, Bytes)>) {
             Next::RetryAfter(wait) => {
                 shared.metrics.retries.fetch_add(1, Ordering::Relaxed);
                 tokio::time::sleep(wait).await;
+                pending = failed;
+            }
+            // The PUT was answered from memory (write-behind): the store
+            // must get the copy. Past the retry policy's deadline, while the
+            // store is only unreachable, the blocks are kept (their bytes stay
+            // counted against maxInFlight, so PUTs wait or skip at the bound
+            // as `atBound` says) and offered again, less and less often.
+            Next::GiveUp if super::retry::transient(&error) => {
+                outage_rounds += 1;
+                if outage_rounds == 1 || outage_rounds % 30 == 0 {
+                    let named: Vec<String> = failed.iter().take(8).map(|(k, _, _)| String::from_utf8_lossy(k).into_owned()).collect();
+                    tracing::warn!(writes = failed.len(), keys = ?named, rounds = outage_rounds, %error, "second tier: the store is not taking writes; keeping the blocks and retrying until it does");
+                }
+                shared.metrics.retries.fetch_add(1, Ordering::Relaxed);
+                tokio::time::sleep(OUTAGE_RETRY_FIRST.saturating_mul(outage_rounds.min(20)).min(OUTAGE_RETRY_MAX)).await;
+                attempts = Attempts::new();
                 pending = failed;
             }
             Next::GiveUp => {

@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use kvplane_config::{IngestMode, TieringConfig};
+use kvplane_config::{IngestMode, TieringConfig, WriteMode};
 use kvplane_protocol::{ErrorKind, KvError};
 use kvplane_runtime::worlds::{BackendCallOptions, Operation};
 use kvplane_runtime::{Backend, FailurePolicy, RetryPolicy, WritableMemory};
@@ -361,9 +361,52 @@ impl SecondTier {
 
     /// After a PUT stored `block` in the memory tier.
     pub(crate) async fn stored(&self, key: &Bytes, block: &Block) {
-        if self.shared.settings.mode == IngestMode::All {
+        if self.shared.settings.mode == IngestMode::All && !self.writes_through() {
             let _ = self.ingest.offer(&self.shared, key.clone(), block.clone(), false).await;
         }
+    }
+
+    /// Whether a PUT is answered only once the store holds it too
+    /// (`tiering.write: through`; the config checked it goes with mode
+    /// `all` and a fail-closed backend).
+    pub(crate) fn writes_through(&self) -> bool {
+        self.shared.settings.write == WriteMode::Through
+    }
+
+    /// Writes `entries` (checked blocks of one PUT) to the store now, each
+    /// with its trailer, within the request's deadline and retry policy.
+    /// Per entry: stored, or the store's error (the caller then does not
+    /// keep the block in memory either, and answers the error).
+    pub(crate) async fn write_through(&self, entries: &[(Bytes, Block)]) -> Vec<Result<(), KvError>> {
+        let mut writes: Vec<(Vec<u8>, Bytes)> = Vec::with_capacity(entries.len() * 2);
+        for (key, block) in entries {
+            writes.push((key.to_vec(), block.clone().into_bytes()));
+            writes.push((envelope::trailer_key(key), envelope::trailer(key, block)));
+        }
+        let m = &self.shared.metrics;
+        let answers = match self.shared.whole_batch(Operation::Put, || self.shared.backend.put(writes.clone(), NO_OPTIONS)).await {
+            Ok(a) => a,
+            Err(e) => (0..writes.len()).map(|_| Err(e.clone())).collect(),
+        };
+        let mut answers = answers.into_iter();
+        let mut out = Vec::with_capacity(entries.len());
+        for (key, block) in entries {
+            let (data, trailer) = (answers.next(), answers.next());
+            out.push(match (data, trailer) {
+                (Some(Ok(())), Some(Ok(()))) => {
+                    m.ingest_stored.fetch_add(1, Ordering::Relaxed);
+                    m.written_bytes.fetch_add(block.len() as u64, Ordering::Relaxed);
+                    Ok(())
+                }
+                (Some(Err(e)), _) | (_, Some(Err(e))) => {
+                    m.ingest_failed.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(key = %String::from_utf8_lossy(key), error = %e, "second tier (write-through): not written; the PUT is answered the error");
+                    Err(e)
+                }
+                _ => Err(KvError::Internal("the store answered fewer results than writes".into())),
+            });
+        }
+        out
     }
 
     /// After a GET found `hit` in the memory tier.
