@@ -212,6 +212,10 @@ pub struct ClusterConfig {
     /// the native ring.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub placement: Option<String>,
+    /// Bytes per second this node sends to other members when it copies
+    /// keys to their new owners after a membership change (repair), so
+    /// that healing a cluster does not starve the clients it serves.
+    pub repair_bytes_per_second: ByteSize,
 }
 
 impl Default for ClusterConfig {
@@ -226,6 +230,7 @@ impl Default for ClusterConfig {
             write_quorum: None,
             lease_ttl_seconds: 10,
             placement: None,
+            repair_bytes_per_second: ByteSize(256 << 20),
         }
     }
 }
@@ -318,6 +323,9 @@ impl NodeConfigFile {
             }
             if c.weight == 0 {
                 return Err(invalid("cluster.weight", "must be above 0"));
+            }
+            if c.repair_bytes_per_second.0 == 0 {
+                return Err(invalid("cluster.repairBytesPerSecond", "must be above 0 (a repair that may send nothing never ends)"));
             }
             named("cluster.placement", &c.placement, PluginKind::KeyPlacement)?;
         }
@@ -416,6 +424,12 @@ mod tests {
             r#"{"backend":"kvplane","metadata":{"etcd":["http://127.0.0.1:2379"]},"cluster":{"replicas":2,"writeQuorum":3}}"#,
         );
         assert!(e.starts_with("cluster.writeQuorum: 3 is outside 1..=2"), "{e}");
+        let e =
+            invalid_field(r#"{"backend":"kvplane","metadata":{"etcd":["http://127.0.0.1:2379"]},"cluster":{"repairBytesPerSecond":0}}"#);
+        assert!(e.starts_with("cluster.repairBytesPerSecond: must be above 0"), "{e}");
+        let ok = r#"{"backend":"kvplane","metadata":{"etcd":["http://127.0.0.1:2379"]},"cluster":{"repairBytesPerSecond":"64Mi"}}"#;
+        let file = crate::from_json_strict::<NodeConfigFile>(ok).unwrap();
+        assert_eq!(file.cluster.as_ref().map(|c| c.repair_bytes_per_second), Some(ByteSize(64 << 20)));
         let one = r#""plugins":[{"name":"a","kind":"backend","source":{"builtin":"resp"},"failurePolicy":"failOpen"}]"#;
         let e = invalid_field(&format!(r#"{{"backend":"redis",{one},"tiering":{{"write":"through","mode":"hot"}}}}"#));
         assert!(e.starts_with("tiering.write: through applies to mode all"), "{e}");

@@ -13,13 +13,23 @@
 //! instead drops out when its lease expires; its keys survive on their other
 //! owners when the pool keeps more than one copy.
 //!
+//! Repair keeps R copies through changes nobody announced: on every new
+//! slot table each node sends every block it holds to the key's owners in
+//! that table that were not owners in the last table it repaired to (a dead
+//! member's slots gain an owner; a joiner's slots move to it), at a bounded
+//! rate (`cluster.repairBytesPerSecond`), skipping blocks the owner already
+//! has. A round with failed copies is retried until one succeeds, so a key
+//! is not left with fewer copies because a target blinked.
+//!
 //! A node whose lease lapsed (etcd unreachable for longer than the TTL)
 //! keeps its memory tier and registers again by itself once etcd answers
 //! (see [`kvplane_cluster::Membership`]); until then it hands out no table
 //! and its readiness probe fails, so neither clients nor Kubernetes route to
 //! a member the others no longer count.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -34,6 +44,18 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use tokio::sync::{watch, Mutex};
 
 use crate::cache::BlockCache;
+use crate::memory::Block;
+use crate::server::NodeState;
+
+/// How long a repair round that left copies undone waits before it tries
+/// again against the same table (a target that was briefly unreachable).
+const REPAIR_RETRY: Duration = Duration::from_secs(1);
+
+/// How long a holder that is not a block's lead sender waits before it
+/// checks that the new owner got the block (and sends it if not): long
+/// enough for the lead's pass in the usual case, so each block crosses the
+/// network about once.
+const REPAIR_BACKUP_DELAY: Duration = Duration::from_secs(2);
 
 /// What a node needs to join a cluster. Built by whoever read the config
 /// (the `kvplane node` command).
@@ -58,6 +80,9 @@ pub struct ClusterSetup {
     pub placement: Option<Arc<KeyPlacement>>,
     /// Bearer token the node's peers require (for the hand-off).
     pub token: Option<String>,
+    /// `cluster.repairBytesPerSecond`: what repair may send per second, so
+    /// that healing after a membership change leaves room for clients.
+    pub repair_bytes_per_second: u64,
 }
 
 impl std::fmt::Debug for ClusterSetup {
@@ -70,6 +95,7 @@ impl std::fmt::Debug for ClusterSetup {
             .field("replicas", &self.replicas)
             .field("write_quorum", &self.write_quorum)
             .field("placement", &self.placement.as_ref().map(|p| p.plugin.decl().name.clone()))
+            .field("repair_bytes_per_second", &self.repair_bytes_per_second)
             .finish()
     }
 }
@@ -93,6 +119,88 @@ pub(crate) struct ClusterNode {
     counters: Arc<RegistrationCounters>,
     routing: Routing,
     token: Option<String>,
+    repair_rate: u64,
+    repair: RepairCounters,
+}
+
+/// Repair's progress, for STATS and `/metrics`.
+#[derive(Default)]
+struct RepairCounters {
+    /// Rounds run (one per new table, plus retries).
+    rounds: AtomicU64,
+    /// Blocks a new owner stored.
+    copied: AtomicU64,
+    bytes: AtomicU64,
+    /// Blocks the new owner already held (another old owner was faster).
+    present: AtomicU64,
+    /// Copies that did not happen (owner unreachable or refused): retried.
+    failed: AtomicU64,
+    /// Copies the running round has still to make.
+    pending: AtomicU64,
+    /// How long the last finished round took.
+    last_round_ms: AtomicU64,
+}
+
+/// Spaces sends so that they average at most `rate` bytes per second from
+/// the start of a round.
+struct Pacer {
+    rate: u64,
+    started: tokio::time::Instant,
+    sent: u64,
+}
+
+impl Pacer {
+    fn new(rate: u64) -> Pacer {
+        Pacer { rate: rate.max(1), started: tokio::time::Instant::now(), sent: 0 }
+    }
+
+    /// Waits until `bytes` more may be sent.
+    async fn take(&mut self, bytes: u64) {
+        let due = self.started + Duration::from_secs_f64(self.sent as f64 / self.rate as f64);
+        tokio::time::sleep_until(due).await;
+        self.sent += bytes;
+    }
+}
+
+/// Follows the node's slot tables and repairs after each change (see the
+/// module's doc) until shutdown or the node is gone. Rounds run one after
+/// another: a table that arrives during a round is repaired to next.
+pub(crate) async fn repair(state: Weak<NodeState>, mut shutdown: watch::Receiver<bool>) {
+    let (mut tables, mut done) = match state.upgrade() {
+        Some(s) => match &s.cluster {
+            Some(c) => {
+                let mut tables = c.routing.subscribe();
+                let first = Arc::clone(&tables.borrow_and_update());
+                (tables, first)
+            }
+            None => return,
+        },
+        None => return,
+    };
+    let mut retry = false;
+    loop {
+        tokio::select! {
+            changed = tables.changed() => if changed.is_err() { return },
+            _ = tokio::time::sleep(REPAIR_RETRY), if retry => {}
+            _ = shutdown.changed() => return,
+        }
+        let next = Arc::clone(&tables.borrow_and_update());
+        if next.version() == done.version() {
+            retry = false;
+            continue;
+        }
+        let Some(s) = state.upgrade() else { return };
+        let Some(cluster) = &s.cluster else { return };
+        let round = cluster.repair_round(&s.cache, done.table(), next.table());
+        let failed = tokio::select! {
+            failed = round => failed,
+            _ = shutdown.changed() => return,
+        };
+        retry = failed > 0;
+        if !retry {
+            done = next;
+        }
+    }
 }
 
 impl ClusterNode {
@@ -141,6 +249,8 @@ impl ClusterNode {
             counters,
             routing,
             token: setup.token,
+            repair_rate: setup.repair_bytes_per_second,
+            repair: RepairCounters::default(),
         })
     }
 
@@ -207,7 +317,17 @@ impl ClusterNode {
             failed,
         )?;
         gauge(e, "kvplane_cluster_table_version", "Version of the slot table this node serves", router.version())?;
-        gauge(e, "kvplane_cluster_members", "Members in that table", router.table().members().len() as u64)
+        gauge(e, "kvplane_cluster_members", "Members in that table", router.table().members().len() as u64)?;
+        let r = &self.repair;
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        gauge(e, "kvplane_cluster_repair_bytes_per_second", "cluster.repairBytesPerSecond: the bound on repair's sends", self.repair_rate)?;
+        counter(e, "kvplane_cluster_repair_rounds", "Repair rounds run after membership changes (and their retries)", load(&r.rounds))?;
+        counter(e, "kvplane_cluster_repair_blocks_copied", "Blocks repair copied to a key's new owner", load(&r.copied))?;
+        counter(e, "kvplane_cluster_repair_bytes_copied", "Bytes repair copied to new owners", load(&r.bytes))?;
+        counter(e, "kvplane_cluster_repair_blocks_present", "Blocks repair found their new owner already held", load(&r.present))?;
+        counter(e, "kvplane_cluster_repair_copies_failed", "Copies repair could not make (retried)", load(&r.failed))?;
+        gauge(e, "kvplane_cluster_repair_pending", "Copies the running repair round has still to make", load(&r.pending))?;
+        gauge(e, "kvplane_cluster_repair_last_round_ms", "How long the last repair round took", load(&r.last_round_ms))
     }
 
     /// The cluster's counters, as a STATS answer lists them.
@@ -220,7 +340,146 @@ impl ClusterNode {
             ("cluster_registration_attempts_failed".into(), self.counters.failed_attempts()),
             ("cluster_table_version".into(), router.version()),
             ("cluster_members".into(), router.table().members().len() as u64),
+            ("cluster_repair_bytes_per_second".into(), self.repair_rate),
+            ("cluster_repair_rounds".into(), self.repair.rounds.load(Ordering::Relaxed)),
+            ("cluster_repair_blocks_copied".into(), self.repair.copied.load(Ordering::Relaxed)),
+            ("cluster_repair_bytes_copied".into(), self.repair.bytes.load(Ordering::Relaxed)),
+            ("cluster_repair_blocks_present".into(), self.repair.present.load(Ordering::Relaxed)),
+            ("cluster_repair_copies_failed".into(), self.repair.failed.load(Ordering::Relaxed)),
+            ("cluster_repair_pending".into(), self.repair.pending.load(Ordering::Relaxed)),
+            ("cluster_repair_last_round_ms".into(), self.repair.last_round_ms.load(Ordering::Relaxed)),
         ]
+    }
+
+    /// Copies every block of `cache` to its key's owners in `next` that
+    /// were not owners in `prev` (nor this node), at most
+    /// `repair_bytes_per_second`: the owners `prev` already had hold it, or
+    /// were repaired to by the round for `prev`. Answers the copies not made.
+    async fn repair_round(&self, cache: &BlockCache, prev: &SlotTable, next: &SlotTable) -> u64 {
+        let me = next.members().iter().find(|m| m.id == self.id);
+        if me.is_none_or(|m| m.state != MemberState::Up) {
+            // Draining (the hand-off copies everything) or not in the table.
+            return 0;
+        }
+        let started = tokio::time::Instant::now();
+        self.repair.rounds.fetch_add(1, Ordering::Relaxed);
+        // Per new owner (by index in `next`): the blocks it lacks. A block
+        // is sent first by one holder only, the first of its old owners
+        // still up (`lead`); its other holders send theirs after
+        // REPAIR_BACKUP_DELAY, skipping what the owner then has, so a key
+        // the lead did not hold still arrives and the rest cost an EXISTS.
+        let up = |id: &str| next.members().iter().any(|m| m.id == id && m.state == MemberState::Up);
+        let mut lead: HashMap<u32, Vec<(Bytes, Block)>> = HashMap::new();
+        let mut backup: HashMap<u32, Vec<(Bytes, Block)>> = HashMap::new();
+        for (key, block) in cache.entries() {
+            let had: Vec<&str> = prev.owner_members(&key).map(|m| m.id.as_str()).collect();
+            let leads = had.iter().find(|id| up(id)).is_none_or(|id| *id == self.id);
+            for &o in next.owners_of(&key) {
+                let id = next.members()[o as usize].id.as_str();
+                if id != self.id && !had.contains(&id) {
+                    let list = if leads { &mut lead } else { &mut backup };
+                    list.entry(o).or_default().push((key.clone(), block.clone()));
+                }
+            }
+        }
+        let planned: u64 = lead.values().chain(backup.values()).map(|v| v.len() as u64).sum();
+        self.repair.pending.store(planned, Ordering::Relaxed);
+        let mut pacer = Pacer::new(self.repair_rate);
+        let mut failed = 0;
+        for (pass, targets) in [lead, backup].into_iter().enumerate() {
+            if pass == 1 && !targets.is_empty() {
+                tokio::time::sleep(REPAIR_BACKUP_DELAY).await;
+            }
+            for (o, blocks) in targets {
+                let member = &next.members()[o as usize];
+                let undone = self.repair_to(member, &blocks, &mut pacer).await;
+                if undone > 0 {
+                    tracing::warn!(member = member.id, undone, of = blocks.len(), "repair: copies not made; retrying");
+                }
+                failed += undone;
+            }
+        }
+        self.repair.pending.store(0, Ordering::Relaxed);
+        let took = started.elapsed();
+        self.repair.last_round_ms.store(took.as_millis() as u64, Ordering::Relaxed);
+        if planned > 0 {
+            tracing::info!(version = next.version, planned, failed, ?took, "repair round done");
+        }
+        failed
+    }
+
+    /// Sends `blocks` that `member` does not hold yet to it, in batches
+    /// within its limits and the pace. Answers the copies not made.
+    async fn repair_to(&self, member: &Member, blocks: &[(Bytes, Block)], pacer: &mut Pacer) -> u64 {
+        let r = &self.repair;
+        let fail = |n: usize| {
+            r.failed.fetch_add(n as u64, Ordering::Relaxed);
+            r.pending.fetch_sub(n as u64, Ordering::Relaxed);
+            n as u64
+        };
+        let mut config = ClientConfig::new(Endpoint::Tcp(member.endpoint.clone()));
+        config.token.clone_from(&self.token);
+        config.connections = 1;
+        let client = match Client::connect(config).await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(member = member.id, error = %e, "repair: new owner unreachable");
+                return fail(blocks.len());
+            }
+        };
+        let limits = client.limits();
+        let max_keys = limits.max_batch_keys.max(1) as usize;
+        // A batch is also one pace step: no larger than a second's worth.
+        let max_bytes = (limits.max_frame_bytes as usize / 2).min(usize::try_from(self.repair_rate).unwrap_or(usize::MAX)).max(1);
+        let mut undone = 0;
+        let mut rest = blocks;
+        while !rest.is_empty() {
+            let mut n = 0;
+            let mut bytes = 0;
+            while n < rest.len() && n < max_keys && (n == 0 || bytes + rest[n].1.len() <= max_bytes) {
+                bytes += rest[n].1.len();
+                n += 1;
+            }
+            let (batch, after) = rest.split_at(n);
+            rest = after;
+            let held = match client.exists(batch.iter().map(|(k, _)| k.clone()).collect()).await {
+                Ok(h) => h,
+                Err(e) => {
+                    tracing::warn!(member = member.id, error = %e, "repair: EXISTS refused");
+                    undone += fail(batch.len());
+                    continue;
+                }
+            };
+            let missing: Vec<&(Bytes, Block)> = batch.iter().zip(&held).filter(|(_, h)| !**h).map(|(b, _)| b).collect();
+            let present = (batch.len() - missing.len()) as u64;
+            r.present.fetch_add(present, Ordering::Relaxed);
+            r.pending.fetch_sub(present, Ordering::Relaxed);
+            if missing.is_empty() {
+                continue;
+            }
+            let bytes: usize = missing.iter().map(|(_, b)| b.len()).sum();
+            pacer.take(bytes as u64).await;
+            let put: Vec<(Bytes, Bytes)> = missing.iter().map(|(k, b)| (k.clone(), b.clone().into_bytes())).collect();
+            match client.put(put).await {
+                Ok(results) => {
+                    for ((_, b), res) in missing.iter().zip(results) {
+                        match res {
+                            Ok(()) => {
+                                r.copied.fetch_add(1, Ordering::Relaxed);
+                                r.bytes.fetch_add(b.len() as u64, Ordering::Relaxed);
+                                r.pending.fetch_sub(1, Ordering::Relaxed);
+                            }
+                            Err(_) => undone += fail(1),
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(member = member.id, error = %e, "repair: a batch was refused");
+                    undone += fail(missing.len());
+                }
+            }
+        }
+        undone
     }
 
     /// Marks this node draining, waits for the table without it, copies
@@ -317,5 +576,23 @@ impl ClusterNode {
         }
         let moved = stored.iter().filter(|s| **s).count() as u64;
         HandOff { moved, failed: entries.len() as u64 - moved }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn the_pacer_holds_sends_to_its_rate() {
+        // 10 000 B/s: the first 2 000 go at once, the next two wait for
+        // 0.2 s each.
+        let mut pacer = Pacer::new(10_000);
+        let started = tokio::time::Instant::now();
+        for _ in 0..3 {
+            pacer.take(2_000).await;
+        }
+        let took = started.elapsed();
+        assert!(took >= Duration::from_millis(400) && took < Duration::from_secs(2), "{took:?}");
     }
 }

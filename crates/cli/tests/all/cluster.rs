@@ -3,7 +3,8 @@
 //! over the table the nodes serve. A node killed under load loses no
 //! acknowledged block (R=2, W=2); a node that drains hands its keys on; a
 //! node cut off from etcd (by a TCP proxy the test cuts, nothing inside the
-//! node) drops out of the table once its lease lapses.
+//! node) drops out of the table once its lease lapses; after a kill and a
+//! join, repair gives every key R copies again and the joiner its slots.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -405,4 +406,123 @@ fn a_write_quorum_outside_one_to_replicas_stops_the_node_naming_the_field() {
         assert!(!out.status.success(), "a node started with writeQuorum {w} of 2 replicas: {t}");
         assert!(t.contains(&format!("cluster.writeQuorum: {w} is outside 1..=2 (cluster.replicas)")), "{t}");
     }
+}
+
+/// Which of `keys` a client connected to `node` alone finds there (EXISTS,
+/// in batches the node takes).
+async fn present_on(node: &NodeProcess, keys: &[String]) -> Vec<bool> {
+    let mut config = kvplane_client::ClientConfig::new(Endpoint::Tcp(node.endpoint.clone()));
+    config.timeout = Duration::from_secs(5);
+    let c = kvplane_client::Client::connect(config).await.unwrap_or_else(|e| panic!("connecting to {}: {e}", node.endpoint));
+    let mut out = Vec::with_capacity(keys.len());
+    for chunk in keys.chunks(64) {
+        out.extend(c.exists(chunk.iter().map(|k| Bytes::from(k.clone())).collect()).await.unwrap());
+    }
+    out
+}
+
+/// Polls `check` every 50 ms until it answers `Some`, failing after `limit`
+/// with what its last answer said.
+async fn until<T, F, Fut>(what: &str, limit: Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, String>>,
+{
+    let started = tokio::time::Instant::now();
+    loop {
+        match check().await {
+            Ok(v) => return v,
+            Err(last) => assert!(started.elapsed() < limit, "{what}: not within {limit:?}; last: {last}"),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Issue 19's fault test: R=2 over three nodes, one SIGKILLed by PID, then
+/// a fourth joining. The survivors copy the dead node's share to its slots'
+/// new owners, and the older owners copy the joiner's slots to it, until
+/// every acknowledged key again has two copies (counted per node, EXISTS on
+/// a connection to that node alone) and the joiner holds every key the
+/// table gives it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_kill_and_a_join_every_key_has_r_copies_again() {
+    /// Repair of these 3 MiB must finish well within this (it takes ms).
+    const REPAIR: Duration = Duration::from_secs(30);
+    const KEYS: usize = 200;
+    const BLOCK: usize = 16 << 10;
+    let etcd = EtcdCluster::start();
+    let dir = tempfile::tempdir().unwrap();
+    let mut nodes: Vec<NodeProcess> = ["n0", "n1", "n2"].iter().map(|id| node(dir.path(), id, &etcd.endpoints(), 2)).collect();
+    let c = client(&nodes[0], 2).await;
+    wait_for_members(&c, &["n0", "n1", "n2"]).await;
+    let keys: Vec<String> = (0..KEYS).map(|i| format!("repair/k{i}")).collect();
+    let entries: Vec<(Bytes, Bytes)> = keys.iter().map(|k| (Bytes::from(k.clone()), value(k, 3, BLOCK))).collect();
+    assert!(c.put(entries).await.unwrap().iter().all(Result::is_ok), "every key stored on both owners");
+    let on_n2 = keys.iter().filter(|k| c.table().owner_members(k.as_bytes()).any(|m| m.id == "n2")).count();
+    assert!(on_n2 > 0, "n2 owns some keys");
+
+    sigkill(&mut nodes[2]);
+    let killed = tokio::time::Instant::now();
+    wait_for_members(&c, &["n0", "n1"]).await;
+    let dropped = tokio::time::Instant::now();
+    // Two members and R=2: each survivor must hold every key.
+    let survivors = &nodes[..2];
+    until("each survivor holding every key after the kill", REPAIR, || async {
+        let mut missing = Vec::new();
+        for n in survivors {
+            missing.push(present_on(n, &keys).await.iter().filter(|p| !**p).count());
+        }
+        missing.iter().all(|m| *m == 0).then_some(()).ok_or(format!("keys missing on n0, n1: {missing:?}"))
+    })
+    .await;
+    let healed = dropped.elapsed();
+    println!(
+        "kill: {on_n2} of {KEYS} keys had a copy on n2; every key on both survivors {healed:?} after the table dropped n2 \
+         ({:?} after the kill)",
+        killed.elapsed()
+    );
+
+    nodes.pop();
+    nodes.push(node(dir.path(), "n3", &etcd.endpoints(), 2));
+    wait_for_members(&c, &["n0", "n1", "n3"]).await;
+    let joined = tokio::time::Instant::now();
+    let table = c.table();
+    let for_n3: Vec<String> = keys.iter().filter(|k| table.owner_members(k.as_bytes()).any(|m| m.id == "n3")).cloned().collect();
+    assert!(!for_n3.is_empty(), "the table gives n3 some keys");
+    let copies = until("n3 holding its keys, and every key two copies", REPAIR, || async {
+        let on_n3 = present_on(&nodes[2], &for_n3).await.iter().filter(|p| **p).count();
+        let mut copies = vec![0usize; KEYS];
+        for n in &nodes {
+            for (i, p) in present_on(n, &keys).await.into_iter().enumerate() {
+                copies[i] += usize::from(p);
+            }
+        }
+        let short = copies.iter().filter(|c| **c < 2).count();
+        (on_n3 == for_n3.len() && short == 0)
+            .then(|| copies.clone())
+            .ok_or(format!("n3 holds {on_n3} of its {} keys; {short} keys with fewer than 2 copies", for_n3.len()))
+    })
+    .await;
+    let took = joined.elapsed();
+    // The joiner serves its slots: a client connected to it alone reads them.
+    let mut config = kvplane_client::ClientConfig::new(Endpoint::Tcp(nodes[2].endpoint.clone()));
+    config.timeout = Duration::from_secs(5);
+    let n3 = kvplane_client::Client::connect(config).await.unwrap();
+    for chunk in for_n3.chunks(64) {
+        let got = n3.get(chunk.iter().map(|k| Bytes::from(k.clone())).collect()).await.unwrap();
+        for (k, r) in chunk.iter().zip(got) {
+            assert_eq!(r.unwrap_or_else(|e| panic!("{k} on n3: {e}")), value(k, 3, BLOCK), "{k} on n3");
+        }
+    }
+    let copied: u64 = nodes.iter().map(|n| stat(n, "cluster_repair_blocks_copied")).sum();
+    let bytes: u64 = nodes.iter().map(|n| stat(n, "cluster_repair_bytes_copied")).sum();
+    let failed: u64 = nodes.iter().map(|n| stat(n, "cluster_repair_copies_failed")).sum();
+    assert_eq!(failed, 0, "no repair copy failed");
+    let total: usize = copies.iter().sum();
+    println!(
+        "join: n3 holds all {} keys the table gives it {took:?} after the table listed it; {KEYS} keys, {total} copies on 3 nodes \
+         (min {}); repair copied {copied} blocks, {bytes} bytes, 0 failed",
+        for_n3.len(),
+        copies.iter().min().unwrap()
+    );
 }

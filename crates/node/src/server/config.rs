@@ -98,6 +98,7 @@ pub fn cluster_setup(file: &NodeConfigFile, plugins: &[VerifiedPlugin], token: O
         write_quorum: c.write_quorum,
         placement,
         token,
+        repair_bytes_per_second: c.repair_bytes_per_second.bytes(),
     }))
 }
 

@@ -273,6 +273,9 @@ impl Node {
         if state.rdma.offered() {
             tasks.spawn(sweep_leases(Arc::downgrade(&state), shutdown.subscribe()));
         }
+        if state.cluster.is_some() {
+            tasks.spawn(crate::cluster::repair(Arc::downgrade(&state), shutdown.subscribe()));
+        }
         state.metrics.register(&mut registry, Arc::downgrade(&state));
         let admin = match admin_at {
             Some(addr) => {
