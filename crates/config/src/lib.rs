@@ -11,7 +11,9 @@ pub mod node;
 pub mod plugin;
 pub mod size;
 
-pub use node::{AtBound, BackendType, ClusterConfig, IngestMode, InvalidField, MetadataEndpoints, NodeConfigFile, TieringConfig, WriteMode};
+pub use node::{
+    AtBound, BackendType, ClusterConfig, IngestMode, InvalidField, MetadataEndpoints, NodeConfigFile, TieringConfig, WriteMode,
+};
 pub use plugin::{DriverRef, FailurePolicy, PluginKind, PluginLimits, PluginSourceSpec, PluginSpec};
 pub use size::{parse_bytes, ByteSize, SizeError};
 
