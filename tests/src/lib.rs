@@ -95,6 +95,9 @@ pub mod hostile {
     /// it can read `/data/hello` (containing "hello") and write `/data/escape`
     /// as `granted-read` / `granted-write`; then answers normally.
     pub const AMBIENT: &[u8] = b"ambient";
+    /// Makes 200 000 WASI pollables and never drops them, reporting gauge
+    /// `wasi-handles` (how many so far) every 16.
+    pub const WASI_HANDLES: &[u8] = b"wasi-handles";
     /// Results in the answer to [`HUGE`].
     pub const HUGE_ANSWERS: usize = 200_000;
 }

@@ -262,9 +262,17 @@ impl HostState {
                 .with_context(|| format!("plugin {}: granting directory {}", shared.decl.name, dir.display()))?;
         }
         let limit = shared.decl.limits.memory_bytes;
+        // Every handle in the instance's table counts against the declared
+        // `handles`, the WASI ones (streams, pollables) as much as the
+        // host's: wasmtime's own cap is 100,000. The host's handles are
+        // refused with `capacity` by `admit` before they reach the table; a
+        // WASI call whose resource no longer fits traps (WASI functions have
+        // no error to answer), and the trapped instance is discarded.
+        let mut table = ResourceTable::new();
+        table.set_max_capacity(shared.decl.limits.handles as usize);
         Ok(HostState {
             shared,
-            table: ResourceTable::new(),
+            table,
             wasi: wasi.build(),
             stderr,
             memory: MemoryCap { limit, hit: false },

@@ -275,3 +275,25 @@ async fn the_host_counts_calls_faults_and_fail_open_apart_from_what_the_plugin_r
     // Nothing the host counts lands among the plugin's own series.
     assert!(!p.plugin.shared().metrics_snapshot().keys().any(|k| k.contains("fail_open")));
 }
+
+/// WASI's own handles (pollables, streams) were capped only by wasmtime's
+/// 100,000; now they count against the declared `handles` with the host's.
+/// A WASI call has no error to answer, so the one that does not fit traps,
+/// and the next call gets a fresh instance.
+#[tokio::test]
+async fn wasi_handles_count_against_the_declared_handles() {
+    let mut d = hostile_decl();
+    d.limits.handles = 64;
+    d.limits.timeout = Duration::from_secs(10);
+    let p = loaded(d);
+    let e = p.exists(vec![hostile::WASI_HANDLES.to_vec()], no_options()).await.expect_err("200,000 pollables do not fit in 64 handles");
+    assert!(matches!(e.fault, Fault::Trap { .. }), "{e}");
+    use kvplane_runtime::host::MetricValue::Gauge;
+    let made = match p.plugin.shared().metrics_snapshot().get("wasi-handles") {
+        Some(Gauge { value }) => *value,
+        other => panic!("the fixture reported no progress: {other:?}"),
+    };
+    assert!(made <= 64.0, "{made} WASI handles were made against a limit of 64");
+    // The trapped instance is gone; a fresh one serves.
+    p.exists(vec![b"other".to_vec()], no_options()).await.expect("a fresh instance answers");
+}
