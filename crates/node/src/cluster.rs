@@ -191,7 +191,7 @@ pub(crate) async fn repair(state: Weak<NodeState>, mut shutdown: watch::Receiver
         }
         let Some(s) = state.upgrade() else { return };
         let Some(cluster) = &s.cluster else { return };
-        let round = cluster.repair_round(&s.cache, done.table(), next.table());
+        let round = cluster.repair_round(s.store.cache(), done.table(), next.table());
         let failed = tokio::select! {
             failed = round => failed,
             _ = shutdown.changed() => return,

@@ -7,8 +7,11 @@
 //! leases on described blocks, and with the `rdma` feature the registered
 //! pool and each connection's queue pair).
 //!
-//! Data flows one way: a request enters [`server`], which asks [`cache`],
-//! which takes blocks from [`memory`]. Unsafe code is denied everywhere but
+//! Data flows one way: a request enters [`server`], which asks the `store`
+//! (the memory tier and the second tier behind it, as one set of
+//! operations), which asks [`cache`] and [`tier`]; the cache takes blocks
+//! from [`memory`]. What the parts report in `/metrics` they encode
+//! themselves, with the helpers in `telemetry`. Unsafe code is denied everywhere but
 //! in [`memory`], `shm` and the `rdma` feature's verbs side, whose module
 //! docs justify each use.
 
@@ -20,6 +23,8 @@ mod rdma;
 pub mod server;
 #[allow(unsafe_code)] // memfd, mmap and SCM_RIGHTS; see the module docs.
 mod shm;
+mod store;
+mod telemetry;
 pub mod tier;
 
 pub use server::{Node, NodeConfig};

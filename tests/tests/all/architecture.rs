@@ -327,3 +327,26 @@ fn rust_files(dir: &Path) -> Vec<std::path::PathBuf> {
     }
     files
 }
+
+/// The node's server speaks the protocol and asks its `Store`; which tier
+/// holds a key is the store's business (crates/node/src/store.rs). So no
+/// file of `server/` names the second tier or its types, but for
+/// `TierSetup`, the declaration a node is started with.
+#[test]
+fn the_node_server_names_no_tier() {
+    let server = workspace().join("crates/node/src/server");
+    let mut found = Vec::new();
+    for file in rust_files(&server) {
+        let code = std::fs::read_to_string(&file).unwrap();
+        for (n, line) in code.lines().enumerate() {
+            let code_part = line.split("//").next().unwrap_or("");
+            let names_tier = code_part.contains("SecondTier")
+                || code_part.contains(".tier(")
+                || (code_part.contains("tier::") && !code_part.contains("tier::TierSetup"));
+            if names_tier {
+                found.push(format!("{}:{}: {}", file.display(), n + 1, line.trim()));
+            }
+        }
+    }
+    assert!(found.is_empty(), "server/ names the second tier; ask the Store instead:\n{}", found.join("\n"));
+}

@@ -29,6 +29,7 @@ use super::NodeState;
 use crate::memory::BlockMut;
 use crate::rdma::ConnRdma;
 use crate::shm::SharedRegion;
+use crate::store::Staged;
 
 /// Receive buffer per connection: many small frames per system call, while
 /// block payloads larger than it are read straight into block memory.
@@ -460,7 +461,7 @@ where
     /// may evict), and read under the frame's `deadline`.
     async fn put(&mut self, slots: Vec<PayloadSlot>, deadline: tokio::time::Instant) -> Result<Vec<Result<(), ErrorCode>>, ConnectionEnd> {
         let mut results = Vec::with_capacity(slots.len());
-        let max_block = self.state.cache.pool().max_block_bytes();
+        let max_block = self.state.store.max_block_bytes();
         // Write-through: the frame's checked blocks go to the store together,
         // then into memory; answered once both hold them.
         let mut staged = Vec::new();
@@ -484,15 +485,13 @@ where
                 results.push(Err(ErrorCode::BadChecksum));
                 continue;
             }
-            if self.writes_through() {
-                staged.push(Staged {
-                    index: results.len(),
-                    key: Bytes::copy_from_slice(&slot.key),
-                    block: block.freeze(),
-                    crc: Some(slot.crc),
-                });
+            // Keys are copied out of the frame's meta buffer: a stored slice
+            // would keep the whole buffer alive as long as any key lives.
+            let (key, block) = (Bytes::copy_from_slice(&slot.key), block.freeze());
+            if self.state.store.writes_through() {
+                staged.push((results.len(), Staged { key, block, crc: Some(slot.crc) }));
             } else {
-                self.store(&slot.key, block, Some(slot.crc)).await;
+                self.state.store.put(key, block, Some(slot.crc)).await;
             }
             drop(reserved);
             results.push(Ok(()));
@@ -501,22 +500,16 @@ where
         Ok(results)
     }
 
-    fn writes_through(&self) -> bool {
-        self.state.tier.as_ref().is_some_and(|t| t.writes_through())
-    }
-
-    /// Write-through: writes `staged` to the store, then keeps in memory
-    /// what it took; a block it refused is answered its error and not kept.
-    async fn store_through(&self, staged: Vec<Staged>, results: &mut [Result<(), ErrorCode>]) {
-        let Some(tier) = self.state.tier.as_ref().filter(|_| !staged.is_empty()) else { return };
-        let entries: Vec<(Bytes, crate::memory::Block)> = staged.iter().map(|s| (s.key.clone(), s.block.clone())).collect();
-        for (s, written) in staged.into_iter().zip(tier.write_through(&entries).await) {
-            match written {
-                Ok(()) => match s.crc {
-                    Some(crc) => self.state.cache.insert(s.key, s.block, crc),
-                    None => self.state.cache.insert_unchecked(s.key, s.block),
-                },
-                Err(e) => results[s.index] = Err(ErrorCode::from(&e)),
+    /// Write-through: the PUT's checked blocks (each with its place in the
+    /// answer) to the store; a block it refused is answered its error.
+    async fn store_through(&self, staged: Vec<(usize, Staged)>, results: &mut [Result<(), ErrorCode>]) {
+        if staged.is_empty() {
+            return;
+        }
+        let (places, staged): (Vec<usize>, Vec<Staged>) = staged.into_iter().unzip();
+        for (i, written) in places.into_iter().zip(self.state.store.put_through(staged).await) {
+            if let Err(e) = written {
+                results[i] = Err(ErrorCode::from(&e));
             }
         }
     }
@@ -548,35 +541,12 @@ where
         Err(ConnectionEnd::Refused(message))
     }
 
-    /// A pool block for a PUT (through the second tier, which may take what
-    /// the allocation evicts).
+    /// A pool block for a PUT.
     async fn allocate(&self, len: usize) -> Result<BlockMut, KvError> {
-        match &self.state.tier {
-            Some(tier) => tier.allocate(&self.state.cache, len).await,
-            None => self.state.cache.allocate(len),
-        }
-    }
-
-    /// Makes a checked block visible under `key` (and offers it to the
-    /// second tier). `crc`: its CRC-32C when known (checked against the
-    /// bytes); `None` leaves it to be computed from the stored bytes when
-    /// first needed.
-    async fn store(&self, key: &[u8], block: BlockMut, crc: Option<u32>) {
-        // Keys are copied out of the frame's meta buffer: a stored slice
-        // would keep the whole buffer alive as long as any key lives.
-        let key = Bytes::copy_from_slice(key);
-        let block = block.freeze();
-        if let Some(tier) = &self.state.tier {
-            tier.stored(&key, &block).await;
-        }
-        match crc {
-            Some(crc) => self.state.cache.insert(key, block, crc),
-            None => self.state.cache.insert_unchecked(key, block),
-        }
+        self.state.store.allocate(len).await
     }
 
     async fn answer(&self, request: Request, started: Instant) -> Response {
-        let cache = &self.state.cache;
         let metrics = &self.state.metrics;
         match request {
             Request::Get { keys } => {
@@ -585,37 +555,12 @@ where
                 Response::Get { results }
             }
             Request::Exists { keys } => {
-                let mut results: Vec<Result<(), ErrorCode>> =
-                    keys.iter().map(|k| if cache.contains(k) { Ok(()) } else { Err(ErrorCode::NotFound) }).collect();
-                if let Some(tier) = &self.state.tier {
-                    let missing: Vec<usize> = (0..keys.len()).filter(|&i| results[i].is_err()).collect();
-                    if !missing.is_empty() {
-                        let found = tier.exists(missing.iter().map(|&i| keys[i].to_vec()).collect()).await;
-                        for (i, r) in missing.into_iter().zip(found) {
-                            results[i] = match r {
-                                Ok(true) => Ok(()),
-                                Ok(false) => Err(ErrorCode::NotFound),
-                                Err(e) => Err(ErrorCode::from(&e)),
-                            };
-                        }
-                    }
-                }
+                let results = self.state.store.exists(&keys).await.into_iter().map(present).collect();
                 metrics.record(Op::Exists, keys.len(), started.elapsed());
                 Response::Exists { results }
             }
             Request::Delete { keys } => {
-                let mut results: Vec<Result<(), ErrorCode>> =
-                    keys.iter().map(|k| if cache.remove(k) { Ok(()) } else { Err(ErrorCode::NotFound) }).collect();
-                if let Some(tier) = &self.state.tier {
-                    let removed = tier.delete(&keys).await;
-                    for (slot, r) in results.iter_mut().zip(removed) {
-                        *slot = match (&*slot, r) {
-                            (_, Err(e)) => Err(ErrorCode::from(&e)),
-                            (Ok(()), _) | (_, Ok(true)) => Ok(()),
-                            (Err(_), Ok(false)) => Err(ErrorCode::NotFound),
-                        };
-                    }
-                }
+                let results = self.state.store.delete(&keys).await.into_iter().map(present).collect();
                 metrics.record(Op::Delete, keys.len(), started.elapsed());
                 Response::Delete { results }
             }
@@ -623,17 +568,7 @@ where
                 let granted =
                     if self.features.contains(Features::PIN_LEASE) { lease_ms.min(self.state.config.limits.max_lease_ms) } else { 0 };
                 let lease = (granted > 0).then(|| Duration::from_millis(granted as u64));
-                let mut matched = cache.match_prefix(&keys, lease);
-                if let (Some(tier), true) = (&self.state.tier, matched < keys.len()) {
-                    // The rest of the chain from the second tier, into the
-                    // memory tier, then pinned like the first part. A block
-                    // evicted again before the pin just ends the match there.
-                    let rest: Vec<&[u8]> = keys[matched..].iter().map(|k| k.as_ref()).collect();
-                    let fetched = tier.read_through(cache, &rest).await;
-                    let contiguous = fetched.iter().take_while(|r| matches!(r, Ok(Some(_)))).count();
-                    drop(fetched);
-                    matched += cache.match_prefix(&keys[matched..matched + contiguous], lease);
-                }
+                let matched = self.state.store.match_prefix(&keys, lease).await;
                 metrics.record(Op::MatchPrefix, keys.len(), started.elapsed());
                 Response::MatchPrefix { matched: matched as u32, lease_ms: if matched > 0 { granted } else { 0 } }
             }
@@ -669,7 +604,7 @@ where
             Request::RdmaDescribe { keys, lease_ms } => {
                 let agreed = self.features.contains(Features::RDMA);
                 let max = self.state.config.limits.max_lease_ms;
-                let answer = self.rdma.describe(&self.state.rdma, agreed, cache, &keys, lease_ms, max);
+                let answer = self.rdma.describe(&self.state.rdma, agreed, self.state.store.cache(), &keys, lease_ms, max);
                 metrics.record(Op::Get, keys.len(), started.elapsed());
                 answer
             }
@@ -767,10 +702,11 @@ where
                 results.push(Err(ErrorCode::BadChecksum));
                 continue;
             }
-            if self.writes_through() {
-                staged.push(Staged { index: results.len(), key: Bytes::copy_from_slice(&e.key), block: block.freeze(), crc });
+            let (key, block) = (Bytes::copy_from_slice(&e.key), block.freeze());
+            if self.state.store.writes_through() {
+                staged.push((results.len(), Staged { key, block, crc }));
             } else {
-                self.store(&e.key, block, crc).await;
+                self.state.store.put(key, block, crc).await;
             }
             results.push(Ok(()));
         }
@@ -802,41 +738,19 @@ where
         Response::GetShm { results }
     }
 
-    /// Each key from the memory tier, else from the second tier (read into
-    /// a pool block and kept in the memory tier).
+    /// Each key from the store (see `Store::get`), as the protocol answers it.
     async fn get(&self, keys: &[Bytes]) -> Vec<Result<Block, ErrorCode>> {
-        let cache = &self.state.cache;
-        let mut results = Vec::with_capacity(keys.len());
-        let mut missing = Vec::new();
-        for (i, k) in keys.iter().enumerate() {
-            match cache.get(k) {
-                Some(hit) => {
-                    if let Some(tier) = &self.state.tier {
-                        tier.read_hit(k, &hit).await;
-                    }
-                    let crc = hit.crc();
-                    results.push(Ok(Block::with_crc(hit.block.into_bytes(), crc)));
-                }
-                None => {
-                    missing.push(i);
-                    results.push(Err(ErrorCode::NotFound));
-                }
-            }
-        }
-        if let (Some(tier), false) = (&self.state.tier, missing.is_empty()) {
-            let wanted: Vec<&[u8]> = missing.iter().map(|&i| keys[i].as_ref()).collect();
-            for (i, r) in missing.iter().zip(tier.read_through(cache, &wanted).await) {
-                results[*i] = match r {
-                    Ok(Some(found)) => {
-                        let crc = found.crc();
-                        Ok(Block::with_crc(found.block.into_bytes(), crc))
-                    }
-                    Ok(None) => Err(ErrorCode::NotFound),
-                    Err(e) => Err(ErrorCode::from(&e)),
-                };
-            }
-        }
-        results
+        self.state
+            .store
+            .get(keys)
+            .await
+            .into_iter()
+            .map(|r| match r {
+                Ok(Some(found)) => Ok(Block::with_crc(found.bytes, found.crc)),
+                Ok(None) => Err(ErrorCode::NotFound),
+                Err(e) => Err(ErrorCode::from(&e)),
+            })
+            .collect()
     }
 
     async fn send(&mut self, request_id: u64, response: Response) -> Result<(), ConnectionEnd> {
@@ -869,13 +783,14 @@ where
     }
 }
 
-/// A checked PUT block waiting for the store (write-through).
-struct Staged {
-    /// Its place in the PUT's answer.
-    index: usize,
-    key: Bytes,
-    block: crate::memory::Block,
-    crc: Option<u32>,
+/// A presence answer as the protocol has it: present, `not-found`, or the
+/// key's error.
+fn present(r: Result<bool, KvError>) -> Result<(), ErrorCode> {
+    match r {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(ErrorCode::NotFound),
+        Err(e) => Err(ErrorCode::from(&e)),
+    }
 }
 
 /// Compares secrets without an early exit, so response timing does not

@@ -9,22 +9,22 @@
 //! are read at scrape time by a collector.
 
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Weak;
 use std::time::Duration;
 
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
-use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::encoding::DescriptorEncoder;
+use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 
 use super::NodeState;
 use crate::cache::CacheStats;
 use crate::memory::PoolStats;
-use crate::tier::{operation_name, SecondTier, OPERATIONS};
+use crate::telemetry::{counter, gauge, LatencyHistogram, OpLabel};
 
 /// Operations timed by the node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,45 +47,6 @@ impl Op {
             Op::Delete => "delete",
             Op::MatchPrefix => "match_prefix",
         }
-    }
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct OpLabel {
-    op: &'static str,
-}
-
-/// Upper bounds of the latency buckets, in seconds: 10 µs to 2.5 s, wide
-/// enough for a 4 KiB hit and a 64 MiB batch alike.
-const BUCKETS: [f64; 14] = [1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 0.5, 2.5];
-
-/// A latency histogram recorded with relaxed atomic adds.
-#[derive(Default)]
-pub(crate) struct LatencyHistogram {
-    buckets: [AtomicU64; BUCKETS.len()],
-    count: AtomicU64,
-    sum_ns: AtomicU64,
-}
-
-impl LatencyHistogram {
-    pub(crate) fn record(&self, d: Duration) {
-        let secs = d.as_secs_f64();
-        if let Some(i) = BUCKETS.iter().position(|&b| secs <= b) {
-            self.buckets[i].fetch_add(1, Ordering::Relaxed);
-        }
-        self.count.fetch_add(1, Ordering::Relaxed);
-        self.sum_ns.fetch_add(d.as_nanos().min(u64::MAX as u128) as u64, Ordering::Relaxed);
-    }
-
-    /// (sum in seconds, count, per-bucket counts) as the encoder wants them;
-    /// observations above the last bound count only toward `+Inf`.
-    pub(crate) fn snapshot(&self) -> (f64, u64, Vec<(f64, u64)>) {
-        let buckets: Vec<(f64, u64)> = BUCKETS.iter().zip(&self.buckets).map(|(b, c)| (*b, c.load(Ordering::Relaxed))).collect();
-        let count = self.count.load(Ordering::Relaxed);
-        let in_buckets: u64 = buckets.iter().map(|(_, c)| c).sum();
-        let mut with_inf = buckets;
-        with_inf.push((f64::INFINITY, count.saturating_sub(in_buckets)));
-        (self.sum_ns.load(Ordering::Relaxed) as f64 / 1e9, count, with_inf)
     }
 }
 
@@ -186,7 +147,7 @@ impl Metrics {
         registry.register("kvplane_checksum_failures", "PUT blocks whose payload failed its checksum", self.checksum_failures.clone());
         registry.register("kvplane_received_bytes", "Bytes read from clients", self.bytes_received.clone());
         registry.register("kvplane_sent_bytes", "Bytes written to clients", self.bytes_sent.clone());
-        registry.register_collector(Box::new(TierCollector(state)));
+        registry.register_collector(Box::new(NodeCollector(state)));
     }
 
     /// The counters sent in a STATS answer and printed by `kvplane stats`.
@@ -225,31 +186,21 @@ impl Metrics {
 }
 
 /// Reads the memory tier's counters at scrape time.
-struct TierCollector(Weak<NodeState>);
+struct NodeCollector(Weak<NodeState>);
 
-impl fmt::Debug for TierCollector {
+impl fmt::Debug for NodeCollector {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("TierCollector")
+        f.write_str("NodeCollector")
     }
 }
 
-fn counter(encoder: &mut DescriptorEncoder, name: &str, help: &str, value: u64) -> fmt::Result {
-    let metric = ConstCounter::new(value);
-    metric.encode(encoder.encode_descriptor(name, help, None, metric.metric_type())?)
-}
-
-fn gauge(encoder: &mut DescriptorEncoder, name: &str, help: &str, value: u64) -> fmt::Result {
-    let metric = ConstGauge::<i64>::new(i64::try_from(value).unwrap_or(i64::MAX));
-    metric.encode(encoder.encode_descriptor(name, help, None, metric.metric_type())?)
-}
-
-impl Collector for TierCollector {
+impl Collector for NodeCollector {
     fn encode(&self, mut e: DescriptorEncoder) -> fmt::Result {
         let Some(state) = self.0.upgrade() else {
             return Ok(());
         };
-        let cache = state.cache.stats();
-        let pool = state.cache.pool().stats();
+        let cache = state.store.cache().stats();
+        let pool = state.store.cache().pool().stats();
         counter(&mut e, "kvplane_cache_hits", "GET keys found in the memory tier", cache.hits)?;
         counter(&mut e, "kvplane_cache_misses", "GET keys not found in the memory tier", cache.misses)?;
         counter(&mut e, "kvplane_cache_evictions", "Entries evicted to make room", cache.evictions)?;
@@ -290,87 +241,10 @@ impl Collector for TierCollector {
                 family.encode_family(&OpLabel { op: op.name() })?.encode_histogram::<OpLabel>(sum, count, &buckets, None)?;
             }
         }
-        if let Some(tier) = &state.tier {
-            encode_second_tier(&mut e, &cache, tier)?;
-        }
+        state.store.encode_metrics(&mut e, &cache)?;
         if let Some(cluster) = &state.cluster {
             cluster.encode_metrics(&mut e)?;
         }
         Ok(())
     }
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct TierLabel {
-    tier: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct OutcomeLabel {
-    outcome: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct ErrorLabel {
-    op: &'static str,
-    error: String,
-}
-
-/// A counter family with one series per `(labels, value)`.
-fn counters<L: EncodeLabelSet + fmt::Debug>(e: &mut DescriptorEncoder, name: &str, help: &str, series: &[(L, u64)]) -> fmt::Result {
-    let mut family = e.encode_descriptor(name, help, None, MetricType::Counter)?;
-    for (labels, value) in series {
-        ConstCounter::new(*value).encode(family.encode_family(labels)?)?;
-    }
-    Ok(())
-}
-
-/// The second tier's series: hits and misses per tier, backend latency,
-/// bytes, errors, retries and what the ingest did.
-fn encode_second_tier(e: &mut DescriptorEncoder, cache: &CacheStats, tier: &SecondTier) -> fmt::Result {
-    let m = tier.metrics();
-    let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
-    let memory = TierLabel { tier: "memory" };
-    let backend = TierLabel { tier: "backend" };
-    counters(e, "kvplane_tier_hits", "GET keys found, by tier", &[(memory.clone(), cache.hits), (backend.clone(), load(&m.hits))])?;
-    counters(e, "kvplane_tier_misses", "GET keys not found, by tier", &[(memory, cache.misses), (backend, load(&m.misses))])?;
-    counter(e, "kvplane_backend_read_bytes", "Bytes read from the second tier into pool blocks", load(&m.read_bytes))?;
-    counter(e, "kvplane_backend_written_bytes", "Bytes written to the second tier", load(&m.written_bytes))?;
-    counter(e, "kvplane_backend_retries", "Second-tier calls retried", load(&m.retries))?;
-    counter(e, "kvplane_backend_failed_open", "Second-tier failures answered as misses (fail-open)", load(&m.failed_open))?;
-    gauge(
-        e,
-        "kvplane_backend_reachable",
-        "1 while the second tier's store answers, 0 while it is unreachable",
-        u64::from(m.reachable.load(Ordering::Relaxed)),
-    )?;
-    counter(e, "kvplane_backend_corrupt", "Second-tier blocks that failed their trailer's check (never served)", load(&m.corrupt))?;
-    counter(e, "kvplane_backend_unsealed", "Second-tier blocks without a trailer, answered as misses", load(&m.unsealed))?;
-    let errors: Vec<(ErrorLabel, u64)> = m
-        .errors
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .iter()
-        .map(|((op, kind), n)| (ErrorLabel { op: operation_name(*op), error: kind.to_string() }, *n))
-        .collect();
-    counters(e, "kvplane_backend_errors", "Second-tier call failures, by operation and error", &errors)?;
-    counters(
-        e,
-        "kvplane_tier_ingest",
-        "Blocks offered to the second tier, by outcome",
-        &[
-            (OutcomeLabel { outcome: "stored" }, load(&m.ingest_stored)),
-            (OutcomeLabel { outcome: "failed" }, load(&m.ingest_failed)),
-            (OutcomeLabel { outcome: "skipped" }, load(&m.ingest_skipped)),
-        ],
-    )?;
-    counter(e, "kvplane_tier_ingest_waits", "PUTs that waited for room in the second tier's queue", load(&m.ingest_waited))?;
-    gauge(e, "kvplane_tier_ingest_in_flight_bytes", "Bytes queued for or being written to the second tier", tier.in_flight_bytes())?;
-    let mut family =
-        e.encode_descriptor("kvplane_backend_duration_seconds", "Second-tier call latency, by operation", None, MetricType::Histogram)?;
-    for op in OPERATIONS {
-        let (sum, count, buckets) = m.latency[op as usize].snapshot();
-        family.encode_family(&OpLabel { op: operation_name(op) })?.encode_histogram::<OpLabel>(sum, count, &buckets, None)?;
-    }
-    Ok(())
 }

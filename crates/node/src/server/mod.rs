@@ -30,7 +30,8 @@ use crate::cache::{BlockCache, CacheConfig};
 use crate::cluster::{ClusterNode, ClusterSetup, HandOff};
 use crate::memory::{MemoryPool, PoolConfig};
 use crate::rdma::{Rdma, WallClock};
-use crate::tier::{SecondTier, TierSetup};
+use crate::store::Store;
+use crate::tier::TierSetup;
 use admission::{HandshakeThrottle, PeerSlots};
 use metrics::Metrics;
 use receive::{FrameClock, ReceiveBudget};
@@ -171,10 +172,10 @@ impl NodeConfig {
 
 /// What every connection shares.
 pub(crate) struct NodeState {
-    pub(crate) cache: BlockCache,
+    /// The memory tier and the second tier behind it (see `store.rs`).
+    pub(crate) store: Store,
     pub(crate) metrics: Metrics,
     pub(crate) config: NodeConfig,
-    pub(crate) tier: Option<SecondTier>,
     pub(crate) cluster: Option<ClusterNode>,
     /// Connections holding shared memory now.
     pub(crate) shm_regions: std::sync::atomic::AtomicUsize,
@@ -197,15 +198,14 @@ impl NodeState {
     }
 
     pub(crate) fn stats(&self) -> Vec<(String, u64)> {
-        let mut out = self.metrics.snapshot(&self.cache.stats(), &self.cache.pool().stats());
+        let cache = self.store.cache();
+        let mut out = self.metrics.snapshot(&cache.stats(), &cache.pool().stats());
         out.push(("rdma_leases".into(), self.rdma.leases.len() as u64));
-        out.push(("max_block_bytes".into(), self.cache.pool().max_block_bytes() as u64));
+        out.push(("max_block_bytes".into(), self.store.max_block_bytes() as u64));
         out.push(("receive_budget_bytes".into(), self.receive_budget.bytes() as u64));
         out.push(("receive_budget_used_bytes".into(), self.receive_budget.used_bytes() as u64));
         out.push(("receive_budget_waits".into(), self.receive_budget.waits.load(std::sync::atomic::Ordering::Relaxed)));
-        if let Some(tier) = &self.tier {
-            out.extend(tier.stats());
-        }
+        out.extend(self.store.stats());
         if let Some(cluster) = &self.cluster {
             out.extend(cluster.stats());
         }
@@ -250,21 +250,19 @@ impl Node {
         let tcp_addr = tcp.as_ref().map(TcpListener::local_addr).transpose()?;
         let unix_path = config.unix.clone();
         let admin_at = config.admin;
-        let tier = config.tier.clone().map(|t| SecondTier::start(t, cache.pool().capacity_bytes()));
         // Registered once the listener is bound: the record names the port.
         let cluster = match config.cluster.clone() {
             Some(setup) => Some(ClusterNode::join(setup, tcp_addr).await.context("joining the cluster (cluster in the config file)")?),
             None => None,
         };
         let state = Arc::new(NodeState {
-            cache,
+            store: Store::start(cache, config.tier.clone()),
             metrics: Metrics::default(),
             peer_slots: PeerSlots::new(config.connections_per_peer()),
             throttle: HandshakeThrottle::new(config.max_handshake_failures),
             receive_budget: ReceiveBudget::new(config.receive_budget_bytes()),
             frame_clock: FrameClock { grace: config.frame_grace, min_rate: config.min_receive_rate },
             config,
-            tier,
             cluster,
             shm_regions: Default::default(),
             rdma,
@@ -286,7 +284,7 @@ impl Node {
                 let health: HealthCheck = Arc::new(move || match weak.upgrade() {
                     Some(s) if !s.is_draining() => {
                         s.cluster.as_ref().map_or(Ok(()), ClusterNode::registered)?;
-                        s.tier.as_ref().map_or(Ok(()), SecondTier::ready)
+                        s.store.ready()
                     }
                     _ => Err("draining".into()),
                 });
@@ -334,7 +332,7 @@ impl Node {
     /// then revoking its registration. Call before [`Node::shutdown`].
     pub async fn hand_off(&self) -> anyhow::Result<HandOff> {
         let cluster = self.state.cluster.as_ref().context("this node is not in a cluster")?;
-        let handed = cluster.hand_off(&self.state.cache, self.state.config.drain_timeout).await?;
+        let handed = cluster.hand_off(self.state.store.cache(), self.state.config.drain_timeout).await?;
         tracing::info!(moved = handed.moved, failed = handed.failed, "handed blocks on");
         Ok(handed)
     }
@@ -350,17 +348,7 @@ impl Node {
             tracing::warn!(?deadline, "drain deadline passed; closing the remaining connections");
             self.tasks.abort_all();
         }
-        let mut drained = drained;
-        if let Some(tier) = &self.state.tier {
-            if !tier.drain(deadline).await {
-                tracing::warn!(
-                    ?deadline,
-                    bytes = tier.in_flight_bytes(),
-                    "drain deadline passed; blocks queued for the second tier are not written"
-                );
-                drained = false;
-            }
-        }
+        let drained = self.state.store.drain(deadline).await && drained;
         if let Some(path) = &self.unix_path {
             let _ = std::fs::remove_file(path);
         }

@@ -16,6 +16,7 @@
 pub mod envelope;
 pub(crate) mod ingest;
 pub(crate) mod retry;
+mod telemetry;
 
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -87,7 +88,7 @@ pub(crate) struct TierMetrics {
     /// [`SecondTier::start`]), which sets it again once the store answers.
     pub(crate) reachable: AtomicBool,
     unreachable: tokio::sync::Notify,
-    pub(crate) latency: [crate::server::metrics::LatencyHistogram; 4],
+    pub(crate) latency: [crate::telemetry::LatencyHistogram; 4],
     /// (operation, error kind) → count; errors are rare, a lock is fine.
     pub(crate) errors: Mutex<Vec<((Operation, ErrorKind), u64)>>,
 }
