@@ -3,6 +3,7 @@
 import sys
 from collections.abc import Sequence
 from types import TracebackType
+from typing import overload
 
 if sys.version_info >= (3, 12):
     from collections.abc import Buffer
@@ -100,9 +101,17 @@ class Client:
         when a call raises, other buffers may already hold their values.
         """
 
-    def get(self, keys: Sequence[Key]) -> list[bytes | None]:
-        """The values as new ``bytes`` (``None`` where absent): a copying
-        convenience; engines use ``get_into``."""
+    @overload
+    def get(self, key: Key) -> bytes | None: ...
+    @overload
+    def get(self, key: Sequence[Key]) -> list[bytes | None]: ...
+    def get(self, key: Key | Sequence[Key]) -> bytes | None | list[bytes | None]:
+        """The value of one key as new ``bytes`` (``None`` when absent), or of
+        a list of keys, in order: a copying convenience; engines use
+        ``get_into``."""
+
+    def put(self, key: Key, value: Buffer) -> None:
+        """Stores ``value`` under ``key``: ``put_from`` of one key."""
 
     def exists(self, keys: Sequence[Key]) -> list[bool]:
         """Which keys are stored, in order."""

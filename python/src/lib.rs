@@ -605,27 +605,27 @@ impl Client {
         })
     }
 
-    /// The values of `keys` as new `bytes` objects (`None` where absent).
+    /// The value of `key` (a `str` or `bytes`) as a new `bytes` object, or
+    /// `None` when absent; given a list of keys, the list of their values.
     /// A convenience that copies; engines use `get_into`.
-    fn get<'py>(&self, py: Python<'py>, keys: Vec<Bound<'py, PyAny>>) -> PyResult<Vec<Option<Bound<'py, PyBytes>>>> {
-        let inner = self.inner()?;
-        let keys = keys_of(&keys)?;
-        if keys.is_empty() {
-            return Ok(Vec::new());
+    fn get<'py>(&self, py: Python<'py>, key: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        if key.is_instance_of::<PyString>() || key.is_instance_of::<PyBytes>() {
+            let mut one = self.get_many(py, vec![key.clone()])?;
+            return Ok(match one.pop().flatten() {
+                Some(value) => value.into_any(),
+                None => py.None().into_bound(py),
+            });
         }
-        let request = keys.clone();
-        let values = py
-            .detach(|| inner.run(|inner| async move { inner.target.get(request).await }))
-            .map_err(|e| kv_error(&e, format!("get of {} keys", keys.len()), None, None))?;
-        values
-            .into_iter()
-            .enumerate()
-            .map(|(i, v)| match v {
-                Ok(v) => Ok(Some(PyBytes::new(py, &v))),
-                Err(KvError::NotFound) => Ok(None),
-                Err(e) => Err(kv_error(&e, format!("get: key '{}' (keys[{i}])", show(&keys[i])), Some(&keys[i]), Some(i))),
-            })
-            .collect()
+        let keys: Vec<Bound<'py, PyAny>> = key.extract().map_err(|_| {
+            raise("Invalid", format!("get: expected a key (str or bytes) or a list of keys, not {}", key.get_type()), None, None)
+        })?;
+        Ok(pyo3::types::PyList::new(py, self.get_many(py, keys)?)?.into_any())
+    }
+
+    /// Stores `value` (`bytes` or any C-contiguous buffer) under `key`:
+    /// `put_from` of one key.
+    fn put(&self, py: Python<'_>, key: Bound<'_, PyAny>, value: Bound<'_, PyAny>) -> PyResult<()> {
+        self.put_from(py, vec![key], vec![value])
     }
 
     /// Which of `keys` are stored, in order.
@@ -756,6 +756,30 @@ impl Client {
     fn __repr__(&self) -> String {
         let state = if self.closed() { ", closed" } else { "" };
         format!("kvplane.Client({:?}, cluster={}{state})", self.endpoints, if self.cluster { "True" } else { "False" })
+    }
+}
+
+impl Client {
+    /// `get` of a list of keys.
+    fn get_many<'py>(&self, py: Python<'py>, keys: Vec<Bound<'py, PyAny>>) -> PyResult<Vec<Option<Bound<'py, PyBytes>>>> {
+        let inner = self.inner()?;
+        let keys = keys_of(&keys)?;
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let request = keys.clone();
+        let values = py
+            .detach(|| inner.run(|inner| async move { inner.target.get(request).await }))
+            .map_err(|e| kv_error(&e, format!("get of {} keys", keys.len()), None, None))?;
+        values
+            .into_iter()
+            .enumerate()
+            .map(|(i, v)| match v {
+                Ok(v) => Ok(Some(PyBytes::new(py, &v))),
+                Err(KvError::NotFound) => Ok(None),
+                Err(e) => Err(kv_error(&e, format!("get: key '{}' (keys[{i}])", show(&keys[i])), Some(&keys[i]), Some(i))),
+            })
+            .collect()
     }
 }
 

@@ -376,3 +376,18 @@ def test_a_lease_longer_than_the_node_grants_is_reported_once(tmp_path: Path, ca
         node.close()
     finally:
         short.stop()
+
+
+def test_one_key_gets_and_puts_as_redis_py_users_expect(client: kvplane.Client, unique: str) -> None:
+    """``kv.get("k")`` raised ``TypeError: Can't extract 'str' to 'Vec'``:
+    a single key now reads one value (``None`` when absent), ``put`` stores
+    one, and a list still reads a batch."""
+    key = f"{unique}one"
+    assert client.get(key) is None
+    client.put(key, b"hello")
+    assert client.get(key) == b"hello"
+    assert client.get(key.encode()) == b"hello", "a bytes key is one key too"
+    client.put(f"{unique}two", bytearray(b"world"))
+    assert client.get([key, f"{unique}two", f"{unique}absent"]) == [b"hello", b"world", None]
+    with pytest.raises(kvplane.Invalid, match="a key .str or bytes. or a list of keys"):
+        client.get(42)  # type: ignore[call-overload]
