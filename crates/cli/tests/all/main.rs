@@ -13,6 +13,7 @@
 mod etcd;
 mod support;
 
+mod bench_scripts;
 mod cluster;
 mod examples;
 mod hostile;

@@ -1,0 +1,26 @@
+//! The benchmark scripts keep working: each runs in its smoke mode (every
+//! path once, briefly, tiny shapes) against this build's binary. Their
+//! figures mean nothing here; the scripts are run by hand for those.
+
+use std::path::Path;
+use std::process::Command;
+
+fn workspace() -> &'static Path {
+    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
+}
+
+#[test]
+fn bench_node_runs_every_cell_and_prints_its_tables() {
+    let out = Command::new(workspace().join("scripts/bench-node"))
+        .current_dir(workspace())
+        .env("SMOKE", "1")
+        .env("KVPLANE_BIN", env!("CARGO_BIN_EXE_kvplane"))
+        .output()
+        .expect("running scripts/bench-node");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "scripts/bench-node failed: {}\n{stdout}\n{stderr}", out.status);
+    for expected in ["node/raw", "spread over 1 run(s)", "64 KiB  get |", "single 4 KiB GET p50"] {
+        assert!(stdout.contains(expected), "no {expected:?} in its output:\n{stdout}");
+    }
+}
