@@ -392,3 +392,40 @@ fn a_node_whose_bounds_exceed_the_descriptor_limit_refuses_to_start() {
     assert!(!out.status.success(), "{text}");
     assert!(text.contains("hard limit (ulimit -Hn)") && text.contains("100000000 for --max-connections"), "{text}");
 }
+
+/// Stalled PUTs from one peer fill only that peer's share of the receive
+/// budget: another peer's PUT is received and answered at once, before any
+/// stalled frame is cut.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_puts_of_one_peer_leave_room_for_another() {
+    let node = NodeProcess::start(&["--memory", "256MiB", "--max-block", "4MiB", "--frame-grace", "60s"]);
+    let c = client(&node).await;
+    let endpoint = node.endpoint.clone();
+    let stalled =
+        tokio::task::spawn_blocking(move || (0..30).map(|i| stalled_put(&endpoint, &format!("stall/{i}"), 4 * MIB)).collect::<Vec<_>>())
+            .await
+            .unwrap();
+    let started = Instant::now();
+    while stat(&c.stats().await.unwrap(), "receive_budget_waits") == 0 {
+        assert!(started.elapsed() < PATIENCE, "the stalled PUTs never filled their peer's share");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let endpoint = node.endpoint.clone();
+    let answer = tokio::task::spawn_blocking(move || {
+        let (mut other, ack) = hello_from(&endpoint, "127.0.0.2", None).expect("another peer connects");
+        assert!(matches!(ack, Response::HelloAck(_)), "{ack:?}");
+        let value = block(7, 4 * MIB);
+        let put = Request::Put {
+            entries: vec![kvplane_protocol::PutEntry { key: Bytes::from_static(b"other/0"), block: kvplane_protocol::Block::new(value) }],
+        };
+        other.write_all(&encode(&Frame::request(3, put)).unwrap().to_vec()).unwrap();
+        read_answer(&mut other).unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(matches!(&answer, Response::Put { results } if results.iter().all(Result::is_ok)), "{answer:?}");
+    let s = c.stats().await.unwrap();
+    assert_eq!(stat(&s, "frames_stalled"), 0, "the other peer's PUT waited for the stalled frames to be cut");
+    assert!(stat(&s, "receive_budget_used_bytes") <= stat(&s, "receive_budget_per_peer_bytes"), "{s:?}");
+    drop(stalled);
+}

@@ -222,6 +222,8 @@ struct Conn<'a, R, W> {
     shm: Option<SharedRegion>,
     /// This connection's queue pair, once it asked (RDMA_CONNECT).
     rdma: ConnRdma,
+    /// Who is on the other end, for its share of the receive budget.
+    peer: Peer,
 }
 
 async fn serve<R, W>(
@@ -245,6 +247,7 @@ where
         local,
         shm: None,
         rdma: ConnRdma::default(),
+        peer,
     };
     let timeout = state.config.handshake_timeout;
     let shaken = match tokio::time::timeout(timeout, conn.handshake()).await {
@@ -410,7 +413,7 @@ where
         // The meta is buffered whole: reserved first, so stalled frames
         // hold at most the receive budget between them. The wait counts
         // against the frame's clock (see `receive.rs`).
-        let meta_reserved = within(deadline, self.state.receive_budget.reserve(header.meta_len as usize)).await?;
+        let meta_reserved = within(deadline, self.state.receive_budget.reserve(self.peer, header.meta_len as usize)).await?;
         let meta = within(deadline, read_bytes(&mut self.reader, header.meta_len as usize)).await??;
         self.state.metrics.bytes_received.inc_by(header.frame_len());
         let meta = match decode_body(&header, meta, &limits) {
@@ -469,8 +472,11 @@ where
             let len = slot.len as usize;
             // A block over the largest class is refused by the allocation
             // below without reserving anything.
-            let reserved =
-                if len <= max_block { within(deadline, self.state.receive_budget.reserve(len)).await? } else { Default::default() };
+            let reserved = if len <= max_block {
+                within(deadline, self.state.receive_budget.reserve(self.peer, len)).await?
+            } else {
+                Default::default()
+            };
             let mut block = match self.allocate(len).await {
                 Ok(b) => b,
                 Err(e) => {

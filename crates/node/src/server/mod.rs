@@ -77,6 +77,9 @@ pub struct NodeConfig {
     /// a quarter of the pool, and at least one longest meta plus one
     /// largest block. See `receive.rs`.
     pub receive_budget: Option<usize>,
+    /// Most of the receive budget one peer may hold; `None`: a quarter of
+    /// it, and at least one longest meta plus one largest block.
+    pub receive_budget_per_peer: Option<usize>,
     /// How long one answer may take to write: a client that stops reading is
     /// disconnected after this, releasing the blocks its answer holds.
     pub write_timeout: Duration,
@@ -118,6 +121,7 @@ impl Default for NodeConfig {
             frame_grace: Duration::from_secs(10),
             min_receive_rate: 1 << 20,
             receive_budget: None,
+            receive_budget_per_peer: None,
             write_timeout: Duration::from_secs(30),
             drain_timeout: Duration::from_secs(10),
             tier: None,
@@ -147,6 +151,11 @@ impl NodeConfig {
         self.receive_budget.unwrap_or_else(|| (self.pool.capacity_bytes / 4).max(self.connection_receive_bytes()))
     }
 
+    /// One peer's share of the receive budget in force.
+    pub fn receive_budget_per_peer_bytes(&self) -> usize {
+        self.receive_budget_per_peer.unwrap_or_else(|| (self.receive_budget_bytes() / 4).max(self.connection_receive_bytes()))
+    }
+
     /// Refuses bounds that cannot work together, naming the flags.
     fn check(&self) -> anyhow::Result<()> {
         let (budget, one) = (self.receive_budget_bytes(), self.connection_receive_bytes());
@@ -154,6 +163,13 @@ impl NodeConfig {
             anyhow::bail!(
                 "--receive-budget {budget} bytes cannot hold one connection's longest meta and largest block together \
                  ({one} bytes, from --max-block and the batch and key limits)"
+            );
+        }
+        let share = self.receive_budget_per_peer_bytes();
+        if share < one || share > budget {
+            anyhow::bail!(
+                "--receive-budget-per-peer {share} bytes must hold one connection's longest meta and largest block ({one} bytes) \
+                 and fit in --receive-budget ({budget} bytes)"
             );
         }
         if self.cluster.is_some() && self.idle_timeout <= Duration::from_millis(u64::from(kvplane_protocol::MAX_CLUSTER_WAIT_MS)) {
@@ -204,6 +220,7 @@ impl NodeState {
         out.push(("max_block_bytes".into(), self.store.max_block_bytes() as u64));
         out.push(("receive_budget_bytes".into(), self.receive_budget.bytes() as u64));
         out.push(("receive_budget_used_bytes".into(), self.receive_budget.used_bytes() as u64));
+        out.push(("receive_budget_per_peer_bytes".into(), self.receive_budget.per_peer_bytes() as u64));
         out.push(("receive_budget_waits".into(), self.receive_budget.waits.load(std::sync::atomic::Ordering::Relaxed)));
         out.extend(self.store.stats());
         if let Some(cluster) = &self.cluster {
@@ -260,7 +277,7 @@ impl Node {
             metrics: Metrics::default(),
             peer_slots: PeerSlots::new(config.connections_per_peer()),
             throttle: HandshakeThrottle::new(config.max_handshake_failures),
-            receive_budget: ReceiveBudget::new(config.receive_budget_bytes()),
+            receive_budget: ReceiveBudget::new(config.receive_budget_bytes(), config.receive_budget_per_peer_bytes()),
             frame_clock: FrameClock { grace: config.frame_grace, min_rate: config.min_receive_rate },
             config,
             cluster,

@@ -18,6 +18,9 @@
 //!   within the grace plus its length at the minimum rate. A legal 128 MiB
 //!   frame on a slow link is not cut; a stalled one is answered `timeout`
 //!   and its connection closed, which gives back everything it reserved.
+//!   One peer (see `admission.rs`) may hold at most its share of the
+//!   budget (`--receive-budget-per-peer`): a client that stalls many frames
+//!   fills its own share, and another peer's frames still find room.
 //!   Time spent waiting for the budget counts against the clock too: frames
 //!   queued behind stalled ones are cut when their own time is up, so the
 //!   queue empties at the pace of the clock and a frame that arrives later
@@ -25,30 +28,57 @@
 //!   queued stalled frame would hold the budget for a full allowance in
 //!   turn, and an honest frame behind them would wait for all of them.)
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
-/// The node-wide receive budget.
+use super::admission::{Peer, MAX_TRACKED_PEERS};
+
+/// The node-wide receive budget, and each peer's share of it.
 pub(crate) struct ReceiveBudget {
     permits: Arc<Semaphore>,
     bytes: usize,
-    /// Reservations that had to wait for the budget.
+    /// Most one peer may hold at once.
+    per_peer: usize,
+    peers: Mutex<HashMap<Peer, Arc<Semaphore>>>,
+    /// Reservations that had to wait for the budget (or their peer's share).
     pub(crate) waits: AtomicU64,
 }
 
-/// Bytes of the budget held until dropped.
+/// Bytes of the budget (and of the peer's share) held until dropped.
 #[derive(Default)]
 pub(crate) struct Reserved {
+    _peer: Option<OwnedSemaphorePermit>,
     _permit: Option<OwnedSemaphorePermit>,
 }
 
 impl ReceiveBudget {
-    pub(crate) fn new(bytes: usize) -> ReceiveBudget {
-        ReceiveBudget { permits: Arc::new(Semaphore::new(bytes)), bytes, waits: AtomicU64::new(0) }
+    pub(crate) fn new(bytes: usize, per_peer: usize) -> ReceiveBudget {
+        ReceiveBudget {
+            permits: Arc::new(Semaphore::new(bytes)),
+            bytes,
+            per_peer: per_peer.clamp(1, bytes.max(1)),
+            peers: Mutex::default(),
+            waits: AtomicU64::new(0),
+        }
+    }
+
+    pub(crate) fn per_peer_bytes(&self) -> usize {
+        self.per_peer
+    }
+
+    /// `peer`'s share, made on first use. Shares nobody holds are forgotten
+    /// once many peers were seen, so the table stays small.
+    fn share(&self, peer: Peer) -> Arc<Semaphore> {
+        let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        if peers.len() >= MAX_TRACKED_PEERS && !peers.contains_key(&peer) {
+            peers.retain(|_, s| Arc::strong_count(s) > 1 || s.available_permits() < self.per_peer);
+        }
+        Arc::clone(peers.entry(peer).or_insert_with(|| Arc::new(Semaphore::new(self.per_peer))))
     }
 
     pub(crate) fn bytes(&self) -> usize {
@@ -63,16 +93,26 @@ impl ReceiveBudget {
     /// the longest meta and the largest block together, so one connection
     /// alone always gets what it needs; `n` above the whole budget (a
     /// caller's bug) is capped to it rather than waiting forever.
-    pub(crate) async fn reserve(&self, n: usize) -> Reserved {
+    pub(crate) async fn reserve(&self, peer: Peer, n: usize) -> Reserved {
         if n == 0 {
-            return Reserved { _permit: None };
+            return Reserved::default();
         }
+        // The peer's share first: a peer over it waits without holding any
+        // of the node's budget.
+        let share = self.share(peer);
+        let own = u32::try_from(n.min(self.per_peer)).unwrap_or(u32::MAX);
+        let peer_permit = self.take(share, own).await;
         let n = u32::try_from(n.min(self.bytes)).unwrap_or(u32::MAX);
-        if let Ok(p) = Arc::clone(&self.permits).try_acquire_many_owned(n) {
-            return Reserved { _permit: Some(p) };
+        let permit = self.take(Arc::clone(&self.permits), n).await;
+        Reserved { _peer: peer_permit, _permit: permit }
+    }
+
+    async fn take(&self, from: Arc<Semaphore>, n: u32) -> Option<OwnedSemaphorePermit> {
+        if let Ok(p) = Arc::clone(&from).try_acquire_many_owned(n) {
+            return Some(p);
         }
         self.waits.fetch_add(1, Ordering::Relaxed);
-        Reserved { _permit: Arc::clone(&self.permits).acquire_many_owned(n).await.ok() }
+        from.acquire_many_owned(n).await.ok()
     }
 }
 
@@ -108,13 +148,15 @@ pub(crate) async fn within<T>(deadline: Instant, read: impl std::future::Future<
 mod tests {
     use super::*;
 
+    const PEER: Peer = Peer::Uid(1);
+
     #[tokio::test]
     async fn a_spent_budget_makes_the_next_reservation_wait_until_one_is_given_back() {
-        let budget = Arc::new(ReceiveBudget::new(100));
-        let held = budget.reserve(80).await;
+        let budget = Arc::new(ReceiveBudget::new(100, 100));
+        let held = budget.reserve(PEER, 80).await;
         assert_eq!(budget.used_bytes(), 80);
         let b = Arc::clone(&budget);
-        let waiting = tokio::spawn(async move { b.reserve(40).await });
+        let waiting = tokio::spawn(async move { b.reserve(Peer::Uid(2), 40).await });
         while budget.waits.load(Ordering::Relaxed) == 0 {
             tokio::task::yield_now().await;
         }
@@ -122,6 +164,21 @@ mod tests {
         drop(held);
         let _second = waiting.await.unwrap();
         assert_eq!(budget.used_bytes(), 40);
+    }
+
+    #[tokio::test]
+    async fn a_peer_past_its_share_waits_while_another_peer_is_served() {
+        let budget = Arc::new(ReceiveBudget::new(100, 30));
+        let _held = budget.reserve(PEER, 30).await;
+        let b = Arc::clone(&budget);
+        let same_peer = tokio::spawn(async move { b.reserve(PEER, 10).await });
+        while budget.waits.load(Ordering::Relaxed) == 0 {
+            tokio::task::yield_now().await;
+        }
+        assert!(!same_peer.is_finished(), "the peer holds its whole share");
+        let other = tokio::time::timeout(Duration::from_secs(10), budget.reserve(Peer::Uid(2), 30)).await;
+        assert!(other.is_ok(), "another peer found room");
+        assert_eq!(budget.used_bytes(), 60);
     }
 
     #[test]
