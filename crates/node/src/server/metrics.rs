@@ -222,10 +222,16 @@ impl Collector for NodeCollector {
             "Bytes held now for frames still arriving",
             state.receive_budget.used_bytes() as u64,
         )?;
+        gauge(
+            &mut e,
+            "kvplane_receive_budget_per_peer_bytes",
+            "Bytes of the receive budget one peer may hold (--receive-budget-per-peer)",
+            state.receive_budget.per_peer_bytes() as u64,
+        )?;
         counter(
             &mut e,
             "kvplane_receive_budget_waits",
-            "Reservations that waited for the receive budget",
+            "Reservations that waited for the receive budget or their peer's share",
             state.receive_budget.waits.load(Ordering::Relaxed),
         )?;
         counter(&mut e, "kvplane_memory_failed_allocations", "Block allocations refused for lack of memory", pool.failed_allocations)?;
