@@ -44,9 +44,16 @@ pub(crate) struct NodeArgs {
     /// Fault the whole pool in at start.
     #[arg(long)]
     prefault: bool,
-    /// Require this bearer token (file contents, trailing newline ignored) from every client.
+    /// Require this bearer token (file contents, trailing newline ignored)
+    /// from every client. Needed for a --listen address other than
+    /// loopback; a file its group or others can read draws a warning.
     #[arg(long)]
     token_file: Option<PathBuf>,
+    /// Serve a --listen address other than loopback with no --token-file:
+    /// anyone who reaches the port reads and writes every block. Off by
+    /// default, since a KV cache holds what prompts computed.
+    #[arg(long)]
+    allow_unauthenticated: bool,
     /// Connections served at once.
     #[arg(long, default_value_t = 1024)]
     max_connections: usize,
@@ -113,7 +120,64 @@ fn addr(flag: &str, value: &str) -> anyhow::Result<Option<SocketAddr>> {
 /// The memory tier's size when neither the flag nor the file sets it.
 const DEFAULT_MEMORY: usize = 1 << 30;
 
+/// Refuses a client port reachable from other hosts when no client has to
+/// authenticate: a node must never be open by accident (issue 21). Loopback
+/// and the Unix socket reach only this host, so they need no token.
+fn check_exposure(listen: Option<SocketAddr>, token: bool, allow_unauthenticated: bool) -> anyhow::Result<()> {
+    let Some(addr) = listen else { return Ok(()) };
+    if token || addr.ip().to_canonical().is_loopback() {
+        return Ok(());
+    }
+    if allow_unauthenticated {
+        eprintln!(
+            "warning: --listen {addr} serves clients on other hosts without a token (--allow-unauthenticated): anyone who reaches it reads and writes every block"
+        );
+        return Ok(());
+    }
+    anyhow::bail!(
+        "--listen {addr} is reachable from other hosts and no credentials are configured: give --token-file FILE (clients present its token), \
+         listen on loopback (127.0.0.1) or a --unix socket, or pass --allow-unauthenticated to accept that anyone who reaches the port reads and writes every block"
+    )
+}
+
+/// Reads the bearer token, warning when others than the node's own user
+/// (and its own primary group) can read it: whoever reads the token reads
+/// the cache. A group-readable file whose group is the node's own effective
+/// group is not warned about, because that is how Kubernetes hands a Secret
+/// to a non-root container (fsGroup makes the file 0440 in that group).
+fn read_token(path: &std::path::Path) -> anyhow::Result<String> {
+    use std::os::unix::fs::MetadataExt as _;
+    let meta = std::fs::metadata(path).with_context(|| format!("reading --token-file {}", path.display()))?;
+    let mode = meta.mode() & 0o777;
+    // /proc/self belongs to the process's effective uid and gid.
+    let own_group = std::fs::metadata("/proc/self").is_ok_and(|me| me.gid() == meta.gid());
+    let others = mode & 0o007 != 0;
+    let group = mode & 0o070 != 0 && !own_group;
+    if others || group {
+        let who = match (group, others) {
+            (true, true) => "its group and others",
+            (true, false) => "its group",
+            _ => "others",
+        };
+        eprintln!(
+            "warning: --token-file {} (mode {mode:04o}) is readable by {who}, who can then read and write the cache: chmod 600 it",
+            path.display()
+        );
+    }
+    let token = std::fs::read_to_string(path).with_context(|| format!("reading --token-file {}", path.display()))?;
+    let token = token.trim_end_matches(['\n', '\r']).to_string();
+    if token.is_empty() {
+        anyhow::bail!("--token-file {} is empty", path.display());
+    }
+    Ok(token)
+}
+
 pub(crate) async fn run(args: NodeArgs) -> anyhow::Result<ExitCode> {
+    // Exposure first, before plugins compile (seconds) or anything is bound.
+    let listen = addr("listen", &args.listen)?;
+    let admin = addr("admin", &args.admin)?;
+    check_exposure(listen, args.token_file.is_some(), args.allow_unauthenticated)?;
+    let token = args.token_file.as_deref().map(read_token).transpose()?;
     // The file first: its plugins are verified before anything is bound,
     // and its settings are the defaults the flags override.
     let mut registry = Registry::default();
@@ -156,8 +220,7 @@ pub(crate) async fn run(args: NodeArgs) -> anyhow::Result<ExitCode> {
             .context("the config file's memory does not fit in this machine's address space")?;
     }
     let memory = args.memory.or(file_memory).unwrap_or(DEFAULT_MEMORY);
-    let mut config =
-        NodeConfig { listen: addr("listen", &args.listen)?, admin: addr("admin", &args.admin)?, unix: args.unix, ..NodeConfig::default() };
+    let mut config = NodeConfig { listen, admin, unix: args.unix, token, ..NodeConfig::default() };
     config.pool = PoolConfig { huge_pages: args.huge_pages, mlock: args.mlock, prefault: args.prefault, ..PoolConfig::new(memory) };
     if let Some(max_block) = args.max_block {
         let class = max_block.max(1).next_power_of_two();
@@ -181,14 +244,6 @@ pub(crate) async fn run(args: NodeArgs) -> anyhow::Result<ExitCode> {
     config.shm_max_regions = args.shm_max;
     config.limits.max_frame_bytes = u32::try_from(args.max_frame).context("--max-frame must be below 4GiB")?;
     config.limits.max_lease_ms = u32::try_from(args.max_lease.as_millis()).context("--max-lease must be below 49 days")?;
-    if let Some(path) = &args.token_file {
-        let token = std::fs::read_to_string(path).with_context(|| format!("reading --token-file {}", path.display()))?;
-        let token = token.trim_end_matches(['\n', '\r']).to_string();
-        if token.is_empty() {
-            anyhow::bail!("--token-file {} is empty", path.display());
-        }
-        config.token = Some(token);
-    }
     if let Some(file) = &cluster_file {
         config.cluster = kvplane_node::server::config::cluster_setup(file, &plugins, config.token.clone())?;
         if let (Some(c), Some(f)) = (&config.cluster, &file.cluster) {

@@ -7,6 +7,7 @@
 
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 
 use crate::{etcd, support};
 use support::{kvplane, run, tcp_addr, text, wait_for_line, NodeProcess};
@@ -326,4 +327,86 @@ fn the_config_rendered_for_the_vineyard_tier_example_serves_with_that_second_tie
     let out = run(&["stats", "--endpoint", &second.endpoint, "--json"]);
     let stats: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(stats["backend_hits"], 1, "{stats}");
+}
+
+/// Runs `kvplane ARGS` expecting it to exit within 20 s, as a node that
+/// refuses to start does; one that serves instead is killed by PID and the
+/// test fails saying so.
+fn run_refused(args: &[&str]) -> std::process::Output {
+    let mut child = kvplane().args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("starting kvplane");
+    let started = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if started.elapsed() > std::time::Duration::from_secs(20) {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!("kvplane {args:?} started instead of refusing:\n{}", text(&out));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
+}
+
+/// Issue 21, item 3: a node whose client port other hosts can reach refuses
+/// to start without credentials, naming the flags that would let it; with a
+/// token, or with --allow-unauthenticated (and a warning), it serves. It
+/// binds every address, so it runs inside a private network namespace.
+#[test]
+fn a_node_reachable_from_other_hosts_refuses_to_start_without_a_token() {
+    use kvplane_tests::vineyard::in_private_network;
+    if !in_private_network(module_path!(), "a_node_reachable_from_other_hosts_refuses_to_start_without_a_token") {
+        return;
+    }
+    for listen in ["0.0.0.0:0", "[::]:0", "10.1.2.3:9600"] {
+        let out = run_refused(&["node", "--listen", listen, "--admin", "none", "--memory", "64MiB"]);
+        let log = text(&out);
+        assert!(!out.status.success(), "{log}");
+        for needle in [&format!("--listen {listen}") as &str, "--token-file", "--allow-unauthenticated"] {
+            assert!(log.contains(needle), "the refusal does not name {needle}: {log}");
+        }
+    }
+    // The operator's rendered arguments, less the token: refused before the
+    // config file is even read.
+    let out = run_refused(&["node", "--listen=0.0.0.0:9600", "--admin=0.0.0.0:9601", "--config=/nonexistent/node.json"]);
+    assert!(!out.status.success() && text(&out).contains("--allow-unauthenticated"), "{}", text(&out));
+
+    let dir = tempfile::tempdir().unwrap();
+    let token = dir.path().join("token");
+    std::fs::write(&token, "s3cret\n").unwrap();
+    std::fs::set_permissions(&token, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    for extra in [&["--token-file", token.to_str().unwrap()][..], &["--allow-unauthenticated"][..]] {
+        let mut node = kvplane()
+            .args(["node", "--listen", "0.0.0.0:0", "--admin", "none", "--memory", "64MiB"])
+            .args(extra)
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("starting kvplane node");
+        let stderr = node.stderr.take().unwrap();
+        let log = Arc::default();
+        let line = support::wait_for_line_logged(&mut node, stderr, "kvplane node serving", "kvplane node", Arc::clone(&log));
+        assert!(line.contains("tcp 0.0.0.0:"), "{line}");
+        let warned =
+            log.lock().unwrap().iter().any(|l| l.contains("warning: --listen 0.0.0.0:0 serves clients on other hosts without a token"));
+        assert_eq!(warned, extra == ["--allow-unauthenticated"], "{extra:?}: {:?}", log.lock().unwrap());
+        let _ = node.kill();
+        let _ = node.wait();
+    }
+}
+
+/// A token file its group or others can read draws a warning at start
+/// (whoever reads it reads the cache); a 0600 one does not.
+#[test]
+fn a_token_file_others_can_read_draws_a_warning() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let dir = tempfile::tempdir().unwrap();
+    let token = dir.path().join("token");
+    std::fs::write(&token, "s3cret\n").unwrap();
+    // 0640 in the node's own group is how Kubernetes mounts a Secret for a
+    // non-root pod (fsGroup): not warned about.
+    for (mode, warned) in [(0o644, true), (0o604, true), (0o600, false), (0o400, false), (0o640, false)] {
+        std::fs::set_permissions(&token, std::fs::Permissions::from_mode(mode)).unwrap();
+        let node = NodeProcess::start(&["--token-file", token.to_str().unwrap()]);
+        let log = node.log.lock().unwrap().join("\n");
+        let warning = format!("warning: --token-file {} (mode {mode:04o}) is readable by", token.display());
+        assert_eq!(log.contains(&warning), warned, "mode {mode:o}: {log}");
+    }
 }
