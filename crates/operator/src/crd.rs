@@ -89,6 +89,24 @@ pub struct KVCacheSpec {
     #[schemars(length(max = 32))]
     #[x_kube(validation = Rule::new("self.all(p, self.exists_one(q, q.name == p.name))").message("plugins: every plugin name must be unique"))]
     pub plugins: Vec<PluginSpec>,
+
+    /// The credentials clients present to the cache pods. Without it the
+    /// operator generates a token Secret, `NAME-token`: a pool is never
+    /// deployed open.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auth: Option<AuthSpec>,
+}
+
+/// How clients authenticate to a kvplane pool.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AuthSpec {
+    /// Name of an existing Secret in the KVCache's namespace holding the
+    /// bearer token under the key `token`. Unset: the operator creates
+    /// `NAME-token` once, with a random token, and never rotates it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    pub token_secret_ref: Option<String>,
 }
 
 /// Where the pool keeps its metadata.

@@ -15,9 +15,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::ByteString;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{OwnerReference, Time};
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType};
 use kube::{Resource, ResourceExt};
@@ -28,7 +30,7 @@ use crate::conditions::{self, ConditionType, Reason};
 use crate::crd::{KVCache, KVCacheStatus};
 use crate::plugins::{resolve_and_place, PluginFailure};
 use crate::render::{render, Child, Names};
-use crate::resolve::{resolve, Metadata, Resolved};
+use crate::resolve::{resolve, Metadata, Resolved, TOKEN_KEY};
 use crate::Context;
 
 /// The field manager of every apply.
@@ -125,6 +127,34 @@ async fn apply_child(client: &kube::Client, ns: &str, child: &Child, seen_before
     })
 }
 
+/// Creates the generated token Secret when it does not exist, and leaves
+/// an existing one alone: its token is made once, from the kernel's
+/// random source, so passes (and operator restarts) never rotate it under
+/// running pods and their clients. A plain create answered 409 is "already
+/// there", so the operator needs only `create` on Secrets, never `get`.
+async fn ensure_token(client: &kube::Client, ns: &str, secret: &Secret, seen_before: bool) -> Result<Applied, kube::Error> {
+    let mut secret = secret.clone();
+    secret.data = Some(BTreeMap::from([(TOKEN_KEY.to_string(), ByteString(random_token().into_bytes()))]));
+    match Api::<Secret>::namespaced(client.clone(), ns).create(&PostParams::default(), &secret).await {
+        // Recreated after a deletion, it holds a new token: pods started
+        // with the old one keep it until they restart.
+        Ok(_) => Ok(if seen_before { Applied::Recreated } else { Applied::Created }),
+        Err(kube::Error::Api(e)) if e.code == 409 => Ok(Applied::Unchanged),
+        Err(e) => Err(e),
+    }
+}
+
+/// 32 bytes from /dev/urandom, hex-encoded (64 characters: printable, so
+/// the same text works in a file, an environment variable and a URL).
+fn random_token() -> String {
+    use std::io::Read as _;
+    let mut bytes = [0u8; 32];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut bytes))
+        .expect("the kernel's random source (/dev/urandom) is readable");
+    hex::encode(bytes)
+}
+
 /// One reconcile pass.
 pub(crate) async fn reconcile(kv: Arc<KVCache>, ctx: Arc<Context>) -> Result<Action, ReconcileError> {
     let started = Instant::now();
@@ -193,6 +223,24 @@ async fn reconcile_inner(kv: &KVCache, ctx: &Context) -> Result<Action, Reconcil
     let mut outcomes: Vec<(&'static str, String, Applied)> = Vec::new();
     let mut etcd_ready = None;
     let mut cache_ready = 0;
+    // The token before the pods that mount it.
+    if let Some(secret) = &children.token {
+        let secret_name = secret.metadata.name.clone().unwrap_or_default();
+        match ensure_token(&ctx.client, &ns, secret, seen_before).await {
+            Ok(applied) => outcomes.push(("Secret", secret_name, applied)),
+            Err(source) => {
+                let error = ReconcileError::Apply { kind: "Secret", name: secret_name, source };
+                let message = error.to_string();
+                conditions::set(&mut status, kv, ConditionType::Ready, false, Reason::ApplyFailed, &message);
+                conditions::set(&mut status, kv, ConditionType::Degraded, true, Reason::ApplyFailed, &message);
+                if status != old_status {
+                    publish(ctx, &oref, EventType::Warning, Reason::ApplyFailed, "Apply", message).await;
+                }
+                write_status(&kvs, &name, &old_status, &status).await?;
+                return Err(error);
+            }
+        }
+    }
     for child in children.into_list() {
         match apply_child(&ctx.client, &ns, &child, seen_before).await {
             Ok((applied, after)) => {

@@ -7,16 +7,16 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::apps::v1::{StatefulSet, StatefulSetSpec};
 use k8s_openapi::api::core::v1::{
     Affinity, ConfigMap, ConfigMapProjection, Container, ContainerPort, EmptyDirVolumeSource, EnvVar, EnvVarSource, HTTPGetAction,
-    KeyToPath, ObjectFieldSelector, PersistentVolumeClaim, PersistentVolumeClaimSpec, PodSpec, PodTemplateSpec, Probe,
-    ProjectedVolumeSource, SecretKeySelector, Service, ServicePort, ServiceSpec, TCPSocketAction, Toleration, TopologySpreadConstraint,
-    Volume, VolumeMount, VolumeProjection, VolumeResourceRequirements,
+    KeyToPath, ObjectFieldSelector, PersistentVolumeClaim, PersistentVolumeClaimSpec, PodSecurityContext, PodSpec, PodTemplateSpec, Probe,
+    ProjectedVolumeSource, Secret, SecretKeySelector, SecretVolumeSource, Service, ServicePort, ServiceSpec, TCPSocketAction, Toleration,
+    TopologySpreadConstraint, Volume, VolumeMount, VolumeProjection, VolumeResourceRequirements,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use sha2::{Digest, Sha256};
 
-use super::resolve::{EtcdPlan, Metadata, Resolved, ADMIN_PORT, DEFAULT_PORT};
+use super::resolve::{EtcdPlan, Metadata, Resolved, TokenSecret, ADMIN_PORT, DEFAULT_PORT, TOKEN_KEY};
 use kvplane_config::ClusterConfig;
 use kvplane_config::{BackendType, ByteSize, MetadataEndpoints, NodeConfigFile};
 
@@ -54,6 +54,10 @@ pub(crate) struct Children {
     pub cache: StatefulSet,
     pub cache_headless: Service,
     pub rpc: Service,
+    /// The token Secret to create when absent (no `spec.auth.tokenSecretRef`),
+    /// without its data: the reconciler generates the token once, and never
+    /// applies it again, so a pass never rotates it.
+    pub token: Option<Secret>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -127,7 +131,16 @@ impl Names {
     pub(crate) fn etcd_client(kv: &str) -> String {
         format!("{kv}-etcd-client")
     }
+    pub(crate) fn token(kv: &str) -> String {
+        format!("{kv}-token")
+    }
 }
+
+/// Where cache pods find the token Secret's files.
+pub(crate) const TOKEN_DIR: &str = "/var/run/secrets/kvplane.io/auth";
+/// The group the node image runs as (deploy/Dockerfile's `nonroot`): the
+/// pods' fsGroup, so a non-root node can read its 0440 token file.
+const NODE_GROUP: i64 = 65532;
 
 fn labels(r: &Resolved, role: &str) -> BTreeMap<String, String> {
     BTreeMap::from([
@@ -221,6 +234,11 @@ pub(crate) fn render(r: &Resolved, placements: &Placements, owner: &OwnerReferen
         _ => None,
     };
     let cache = render_cache(r, &placements.cache, owner, &config_hash, &etcd_urls);
+    let token = r.token.as_ref().filter(|t| t.generated).map(|t| Secret {
+        metadata: meta(r, t.name.clone(), ROLE_CACHE, owner),
+        type_: Some("Opaque".into()),
+        ..Default::default()
+    });
     let headless = Service {
         metadata: meta(r, Names::cache_headless(&r.name), ROLE_CACHE, owner),
         spec: Some(ServiceSpec {
@@ -242,7 +260,7 @@ pub(crate) fn render(r: &Resolved, placements: &Placements, owner: &OwnerReferen
         }),
         ..Default::default()
     };
-    Children { config, etcd, cache, cache_headless: headless, rpc }
+    Children { config, etcd, cache, cache_headless: headless, rpc, token }
 }
 
 fn port(name: &str, port: i32) -> ServicePort {
@@ -417,6 +435,23 @@ fn config_volume(r: &Resolved) -> Volume {
     }
 }
 
+/// The token Secret's `token` key, as a file only its owner (and the pod's
+/// fsGroup, which the kubelet adds) can read. Not optional: a pod whose
+/// Secret is missing does not start (the kubelet's event names the Secret)
+/// rather than start open.
+fn token_volume(t: &TokenSecret) -> Volume {
+    Volume {
+        name: "token".into(),
+        secret: Some(SecretVolumeSource {
+            secret_name: Some(t.name.clone()),
+            items: Some(vec![KeyToPath { key: TOKEN_KEY.into(), path: TOKEN_KEY.into(), ..Default::default() }]),
+            default_mode: Some(0o400),
+            optional: Some(false),
+        }),
+        ..Default::default()
+    }
+}
+
 fn render_cache(r: &Resolved, placement: &RolePlacement, owner: &OwnerReference, config_hash: &str, etcd_urls: &[String]) -> StatefulSet {
     let sts_name = Names::cache(&r.name);
     let w = &r.cache;
@@ -454,12 +489,17 @@ fn render_cache(r: &Resolved, placement: &RolePlacement, owner: &OwnerReference,
             (args, probe, None, vec![container_port("rpc", DEFAULT_PORT)])
         }
         BackendType::Kvplane | BackendType::Redis | BackendType::Eic => {
-            let args = vec![
+            let mut args = vec![
                 "node".to_string(),
                 format!("--listen=0.0.0.0:{DEFAULT_PORT}"),
                 format!("--admin=0.0.0.0:{ADMIN_PORT}"),
                 "--config=/etc/kvplane/node.json".to_string(),
             ];
+            // Other pods reach the client port, so the node requires the
+            // token (and refuses to start without one).
+            if r.token.is_some() {
+                args.push(format!("--token-file={TOKEN_DIR}/{TOKEN_KEY}"));
+            }
             let get = |path: &str| HTTPGetAction { path: Some(path.into()), port: IntOrString::Int(ADMIN_PORT), ..Default::default() };
             let probe = Probe { http_get: Some(get("/readyz")), period_seconds: Some(5), ..Default::default() };
             // Three misses 10 s apart: a node loaded enough to miss one
@@ -478,6 +518,13 @@ fn render_cache(r: &Resolved, placement: &RolePlacement, owner: &OwnerReference,
         BackendType::Vineyard => (Some(vec!["vineyardd".to_string()]), args),
         _ => (None, args),
     };
+    let mut mounts =
+        vec![VolumeMount { name: "config".into(), mount_path: "/etc/kvplane".into(), read_only: Some(true), ..Default::default() }];
+    let mut volumes = vec![config_volume(r)];
+    if let Some(t) = &r.token {
+        mounts.push(VolumeMount { name: "token".into(), mount_path: TOKEN_DIR.into(), read_only: Some(true), ..Default::default() });
+        volumes.push(token_volume(t));
+    }
     let container = Container {
         name: "cache".into(),
         image: Some(w.image.clone()),
@@ -490,17 +537,13 @@ fn render_cache(r: &Resolved, placement: &RolePlacement, owner: &OwnerReference,
         liveness_probe: liveness.as_ref().map(|(l, _)| l.clone()),
         startup_probe: liveness.map(|(_, s)| s),
         resources: w.resources.clone(),
-        volume_mounts: Some(vec![VolumeMount {
-            name: "config".into(),
-            mount_path: "/etc/kvplane".into(),
-            read_only: Some(true),
-            ..Default::default()
-        }]),
+        volume_mounts: Some(mounts),
         ..Default::default()
     };
     let mut pod = PodSpec {
         containers: vec![container],
-        volumes: Some(vec![config_volume(r)]),
+        volumes: Some(volumes),
+        security_context: r.token.as_ref().map(|_| PodSecurityContext { fs_group: Some(NODE_GROUP), ..Default::default() }),
         // Draining a node finishes in-flight requests (its default drain deadline is 10 s).
         termination_grace_period_seconds: Some(30),
         ..Default::default()

@@ -91,7 +91,21 @@ pub(crate) struct Resolved {
     pub service_ports: Vec<ServicePort>,
     /// Declared plugins plus the defaults (a placement rule).
     pub plugins: Vec<PluginSpec>,
+    /// The Secret whose `token` key every client presents; `None` only for
+    /// vineyardd, which has no authentication of its own.
+    pub token: Option<TokenSecret>,
 }
+
+/// The Secret holding a pool's client token (key [`TOKEN_KEY`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct TokenSecret {
+    pub name: String,
+    /// True when the operator creates it (no `spec.auth.tokenSecretRef`).
+    pub generated: bool,
+}
+
+/// The key of the token in a pool's token Secret.
+pub(crate) const TOKEN_KEY: &str = "token";
 
 /// Applies defaults and checks what the schema cannot.
 pub(crate) fn resolve(kv: &KVCache) -> Result<Resolved, SpecError> {
@@ -149,6 +163,7 @@ pub(crate) fn resolve(kv: &KVCache) -> Result<Resolved, SpecError> {
         }
     }
     let plugins = resolve_plugins(spec, backend, &backend_endpoints)?;
+    let token = resolve_token(spec, backend, &name)?;
     Ok(Resolved {
         name,
         namespace,
@@ -162,7 +177,26 @@ pub(crate) fn resolve(kv: &KVCache) -> Result<Resolved, SpecError> {
         service_type,
         service_ports,
         plugins,
+        token,
     })
+}
+
+/// The pool's token Secret: the one `spec.auth.tokenSecretRef` names, or
+/// `NAME-token`, generated. A vineyard pool gets none (vineyardd checks no
+/// token), and naming one for it is refused rather than silently ignored.
+fn resolve_token(spec: &KVCacheSpec, backend: BackendType, name: &str) -> Result<Option<TokenSecret>, SpecError> {
+    let named = spec.auth.as_ref().and_then(|a| a.token_secret_ref.clone());
+    if backend == BackendType::Vineyard {
+        return match named {
+            Some(_) => Err(err("auth.tokenSecretRef", "vineyardd checks no token: a vineyard pool cannot require one")),
+            None => Ok(None),
+        };
+    }
+    Ok(Some(match named {
+        Some(n) if n.trim().is_empty() => return Err(err("auth.tokenSecretRef", "names no Secret")),
+        Some(n) => TokenSecret { name: n, generated: false },
+        None => TokenSecret { name: crate::render::Names::token(name), generated: true },
+    }))
 }
 
 /// vineyardd's `--size`, checked by the shared size rules and passed on as

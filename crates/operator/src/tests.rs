@@ -232,6 +232,10 @@ fn invalid_specs_name_the_field() {
     let cases = [
         ("  metadata: {etcd: {replicas: 2}}", "spec.metadata.etcd.replicas: 2 members"),
         ("  backend: {type: vineyard}", "spec.cacheSpec.image: a vineyard backend needs"),
+        (
+            "  backend: {type: vineyard}\n  cache: {image: vineyardd}\n  auth: {tokenSecretRef: t}",
+            "spec.auth.tokenSecretRef: vineyardd checks no token",
+        ),
         ("  backend: {type: eic, endpoints: [\"eic:9000\"]}", "spec.plugins: an eic backend needs a backend plugin"),
         ("  backend: {type: redis, endpoints: [\"no-port\"]}", "spec.backend.endpoints[0]: \"no-port\" is not host:port"),
         (
@@ -278,5 +282,65 @@ fn every_example_resolves() {
         ("eic", include_str!("../../../examples/kvcache/eic.yaml")),
     ] {
         resolve(&kv(yaml)).unwrap_or_else(|e| panic!("examples/kvcache/{name}.yaml: {e}"));
+    }
+}
+
+/// The cache container and pod of a rendered pool, as JSON (what the API
+/// server stores), so the assertions read like the manifest.
+fn cache_pod(yaml: &str) -> (serde_json::Value, super::render::Children) {
+    let c = render(&resolve(&kv(yaml)).unwrap(), &Placements::default(), &owner());
+    (serde_json::to_value(c.cache.spec.as_ref().unwrap().template.spec.as_ref().unwrap()).unwrap(), c)
+}
+
+/// Issue 21, item 3: a pool applied with no auth fields is not open: the
+/// node gets `--token-file` from a Secret the operator generates (rendered
+/// without data: the reconciler creates it once), mounted owner-only.
+#[test]
+fn a_pool_with_no_auth_fields_requires_a_generated_token() {
+    let (pod, c) = cache_pod(include_str!("../../../examples/kvcache/kvplane.yaml"));
+    let args = pod["containers"][0]["args"].as_array().unwrap();
+    assert!(args.iter().any(|a| a == "--token-file=/var/run/secrets/kvplane.io/auth/token"), "{args:?}");
+    let volume = pod["volumes"].as_array().unwrap().iter().find(|v| v["name"] == "token").expect("a token volume").clone();
+    assert_eq!(volume["secret"]["secretName"], "llama-kv-token");
+    assert_eq!(volume["secret"]["items"][0]["key"], "token");
+    assert_eq!(volume["secret"]["defaultMode"], 0o400);
+    assert_eq!(volume["secret"]["optional"], false, "a missing Secret must keep the pod from starting, not start it open");
+    let mount = pod["containers"][0]["volumeMounts"].as_array().unwrap().iter().find(|m| m["name"] == "token").unwrap().clone();
+    assert_eq!((mount["mountPath"].as_str(), mount["readOnly"].as_bool()), (Some("/var/run/secrets/kvplane.io/auth"), Some(true)));
+    assert_eq!(pod["securityContext"]["fsGroup"], 65532, "the non-root node must be able to read its 0400 token");
+    let secret = c.token.expect("a token Secret to create");
+    assert_eq!(secret.metadata.name.as_deref(), Some("llama-kv-token"));
+    assert_eq!(secret.metadata.owner_references.as_deref(), Some(&[owner()][..]));
+    assert!(secret.data.is_none() && secret.string_data.is_none(), "the renderer generates no token (it would rotate every pass)");
+}
+
+#[test]
+fn a_named_token_secret_is_mounted_and_none_is_generated() {
+    let yaml = concat!(include_str!("../../../examples/kvcache/kvplane.yaml"), "  auth: {tokenSecretRef: my-token}\n");
+    let (pod, c) = cache_pod(yaml);
+    assert!(c.token.is_none());
+    let volume = pod["volumes"].as_array().unwrap().iter().find(|v| v["name"] == "token").expect("a token volume").clone();
+    assert_eq!(volume["secret"]["secretName"], "my-token");
+    assert!(pod["containers"][0]["args"].as_array().unwrap().iter().any(|a| a.as_str().unwrap().starts_with("--token-file=")));
+}
+
+/// Every example whose node listens on every address gets a token: the
+/// node would refuse to start otherwise. vineyardd has no token to give.
+#[test]
+fn every_example_pool_listening_beyond_loopback_has_a_token() {
+    for (name, yaml) in [
+        ("kvplane", include_str!("../../../examples/kvcache/kvplane.yaml")),
+        ("redis", include_str!("../../../examples/kvcache/redis.yaml")),
+        ("vineyard-tier", include_str!("../../../examples/kvcache/vineyard-tier.yaml")),
+        ("eic", include_str!("../../../examples/kvcache/eic.yaml")),
+        ("vineyard", include_str!("../../../examples/kvcache/vineyard.yaml")),
+        ("aibrix-seed", include_str!("../../../examples/kvcache/aibrix-seed.yaml")),
+    ] {
+        let (pod, _) = cache_pod(yaml);
+        let args: Vec<&str> = pod["containers"][0]["args"].as_array().unwrap().iter().map(|a| a.as_str().unwrap()).collect();
+        if args.first() == Some(&"node") {
+            assert!(args.iter().any(|a| a.starts_with("--listen=0.0.0.0")), "{name}: {args:?}");
+            assert!(args.iter().any(|a| a.starts_with("--token-file=")), "examples/kvcache/{name}.yaml renders an open node: {args:?}");
+        }
     }
 }

@@ -376,3 +376,72 @@ fn a_restarted_operator_converges_and_only_the_leader_reconciles() {
     let etcd = cp.get(&format!("/apis/apps/v1/namespaces/{ns}/statefulsets/pool-etcd"));
     assert_eq!(etcd["status"]["readyReplicas"], 3);
 }
+
+/// Issue 21, item 3: a KVCache applied with no auth fields is not deployed
+/// open. The operator creates its token Secret once (later passes, here
+/// forced by a spec edit, leave the token as it was), mounts it into the
+/// cache pods and passes `--token-file`; the same arguments without the
+/// token make `kvplane node` refuse to start, naming the flag. A KVCache
+/// naming its own Secret gets that one mounted and none generated.
+#[test]
+fn a_kvcache_with_no_auth_fields_gets_a_token_secret_its_nodes_require() {
+    let cp = ControlPlane::start(Options { version: "1.34", scheduling: true });
+    let ns = "auth";
+    cp.create_namespace(ns);
+    cp.create_fake_node("node-a", &[]);
+    cp.wait_node_ready("node-a", WAIT);
+    let op = Operator::start(&cp, "op-a", "none");
+    wait_crd(&cp, &op);
+    let kvcaches = format!("/apis/kvplane.io/v1alpha1/namespaces/{ns}/kvcaches");
+    cp.create(
+        &kvcaches,
+        &json!({"apiVersion": "kvplane.io/v1alpha1", "kind": "KVCache",
+        "metadata": {"name": "pool", "namespace": ns}, "spec": {"cache": {"replicas": 1}}}),
+    );
+
+    let sts_path = format!("/apis/apps/v1/namespaces/{ns}/statefulsets/pool-cache");
+    let sts = cp.wait_for("the cache StatefulSet", WAIT, || cp.request("GET", &sts_path, None).ok());
+    let pod = &sts["spec"]["template"]["spec"];
+    let args: Vec<String> = pod["containers"][0]["args"].as_array().unwrap().iter().map(|a| a.as_str().unwrap().to_owned()).collect();
+    assert!(args.contains(&"--token-file=/var/run/secrets/kvplane.io/auth/token".to_string()), "{args:?}");
+    let volume =
+        pod["volumes"].as_array().unwrap().iter().find(|v| v["name"] == "token").unwrap_or_else(|| panic!("no token volume: {pod}"));
+    assert_eq!(volume["secret"]["secretName"], "pool-token", "{volume}");
+
+    let secret_path = format!("/api/v1/namespaces/{ns}/secrets/pool-token");
+    let secret = cp.wait_for("the generated token Secret", WAIT, || cp.request("GET", &secret_path, None).ok());
+    let token = secret["data"]["token"].as_str().unwrap_or_else(|| panic!("no data.token: {secret}")).to_owned();
+    assert_eq!(token.len(), 88, "64 hex characters, base64-encoded: {token}");
+    assert_eq!(secret["metadata"]["ownerReferences"][0]["name"], "pool", "{secret}");
+
+    // More passes (a spec edit, the pods' status): the token stays.
+    cp.request("PATCH", &kvcache_path(ns, "pool"), Some(&json!({"spec": {"cache": {"replicas": 2}}}))).expect("edit the spec");
+    cp.wait_for("the edit to reach the StatefulSet", WAIT, || {
+        cp.request("GET", &sts_path, None).ok().filter(|s| s["spec"]["replicas"] == 2)
+    });
+    wait_condition(&cp, ns, "pool", "Ready", "True", &op);
+    let after = cp.get(&secret_path);
+    assert_eq!(after["data"]["token"], token.as_str(), "a pass rotated the token");
+    assert_eq!(after["metadata"]["resourceVersion"], secret["metadata"]["resourceVersion"], "a pass rewrote the Secret");
+
+    // The rendered arguments without the token: the node refuses to start.
+    let open: Vec<&str> = args.iter().map(String::as_str).filter(|a| !a.starts_with("--token-file")).collect();
+    let out = Command::new(env!("CARGO_BIN_EXE_kvplane")).args(&open).output().expect("running kvplane node");
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && log.contains("--allow-unauthenticated") && log.contains("--token-file"), "{open:?}: {log}");
+
+    // A Secret of its own: mounted, and no other generated.
+    cp.create(
+        &kvcaches,
+        &json!({"apiVersion": "kvplane.io/v1alpha1", "kind": "KVCache",
+        "metadata": {"name": "named", "namespace": ns}, "spec": {"auth": {"tokenSecretRef": "my-token"}}}),
+    );
+    let sts = cp.wait_for("the second cache StatefulSet", WAIT, || {
+        cp.request("GET", &format!("/apis/apps/v1/namespaces/{ns}/statefulsets/named-cache"), None).ok()
+    });
+    let volumes = sts["spec"]["template"]["spec"]["volumes"].as_array().unwrap().clone();
+    assert!(volumes.iter().any(|v| v["secret"]["secretName"] == "my-token"), "{volumes:?}");
+    let err = cp.request("GET", &format!("/api/v1/namespaces/{ns}/secrets/named-token"), None).expect_err("no generated Secret");
+    assert_eq!(err.status, 404, "{err}");
+    drop(op);
+}
