@@ -89,6 +89,12 @@ pub(crate) struct NodeArgs {
     /// and one largest block).
     #[arg(long, value_parser = parse_size)]
     receive_budget: Option<usize>,
+    /// Most of the receive budget one peer (a TCP address, a Unix uid) may
+    /// hold, so one client's stalled frames leave room for the others
+    /// (default: a quarter of --receive-budget, at least one longest meta
+    /// and one largest block).
+    #[arg(long, value_parser = parse_size)]
+    receive_budget_per_peer: Option<usize>,
     /// Node configuration written by the operator (backend, plugin
     /// declarations); every declared plugin is fetched, digest-checked and
     /// compiled before the node serves.
@@ -238,6 +244,7 @@ pub(crate) async fn run(args: NodeArgs) -> anyhow::Result<ExitCode> {
     config.frame_grace = args.frame_grace;
     config.min_receive_rate = args.min_receive_rate as u64;
     config.receive_budget = args.receive_budget;
+    config.receive_budget_per_peer = args.receive_budget_per_peer;
     config.tier = tier;
     config.plugin_sockets = plugins.iter().map(|p| p.loaded.sockets()).sum();
     config.shm_region_bytes = args.shm_region;
