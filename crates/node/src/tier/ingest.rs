@@ -31,7 +31,7 @@ use kvplane_protocol::KvError;
 use kvplane_runtime::worlds::Operation;
 use tokio::sync::{mpsc, oneshot, Notify};
 
-use super::retry::{plugin_error, Attempts, Next};
+use super::retry::{plugin_error, Attempts};
 use super::TierShared;
 use crate::memory::Block;
 
@@ -323,41 +323,37 @@ async fn write_batch(shared: &TierShared, batch: &mut Vec<(Vec<u8>, Bytes)>) {
             }
         }
         let Some(error) = first_error else { break };
-        match shared.retrier.next(Operation::Put, true, &mut attempts, &error).await {
-            Next::RetryAfter(wait) => {
-                shared.metrics.retries.fetch_add(1, Ordering::Relaxed);
-                tokio::time::sleep(wait).await;
-                pending = failed;
-            }
-            // The PUT was answered from memory (write-behind): the store
-            // must get the copy. Past the retry policy's deadline, while the
-            // store is only unreachable, the blocks are kept (their bytes stay
-            // counted against maxInFlight, so PUTs wait or skip at the bound
-            // as `atBound` says) and offered again, less and less often.
-            Next::GiveUp if super::retry::transient(&error) => {
-                outage_rounds += 1;
-                if outage_rounds == 1 || outage_rounds % 30 == 0 {
-                    let named: Vec<String> = failed.iter().take(8).map(|(k, _, _)| String::from_utf8_lossy(k).into_owned()).collect();
-                    tracing::warn!(writes = failed.len(), keys = ?named, rounds = outage_rounds, %error, "second tier: the store is not taking writes; keeping the blocks and retrying until it does");
-                }
-                shared.metrics.retries.fetch_add(1, Ordering::Relaxed);
-                tokio::time::sleep(OUTAGE_RETRY_FIRST.saturating_mul(outage_rounds.min(20)).min(OUTAGE_RETRY_MAX)).await;
-                attempts = Attempts::new();
-                pending = failed;
-            }
-            Next::GiveUp => {
-                // Named, so a block that never reached the store can be
-                // traced (the first few keys, and the count). A block whose
-                // trailer was not written reads back as a miss.
-                let blocks: Vec<&(Vec<u8>, Bytes, bool)> = failed.iter().filter(|(_, _, t)| !t).collect();
-                let named: Vec<String> = failed.iter().take(8).map(|(k, _, _)| String::from_utf8_lossy(k).into_owned()).collect();
-                tracing::warn!(blocks = blocks.len(), trailers = failed.len() - blocks.len(), keys = ?named, %error, "second tier: given up, not written");
-                // A block counts once, whether its bytes, its trailer or both failed.
-                let lost: std::collections::HashSet<&[u8]> = failed.iter().map(|(k, _, _)| super::envelope::block_key(k)).collect();
-                shared.metrics.ingest_failed.fetch_add(lost.len() as u64, Ordering::Relaxed);
-                break;
-            }
+        if shared.retry_after(Operation::Put, &mut attempts, &error).await {
+            pending = failed;
+            continue;
         }
+        // The PUT was answered from memory (write-behind): the store must
+        // get the copy. Past the retry policy's deadline, while the store is
+        // only unreachable, the blocks are kept (their bytes stay counted
+        // against maxInFlight, so PUTs wait or skip at the bound as
+        // `atBound` says) and offered again, less and less often.
+        if super::retry::transient(&error) {
+            outage_rounds += 1;
+            if outage_rounds == 1 || outage_rounds % 30 == 0 {
+                let named: Vec<String> = failed.iter().take(8).map(|(k, _, _)| String::from_utf8_lossy(k).into_owned()).collect();
+                tracing::warn!(writes = failed.len(), keys = ?named, rounds = outage_rounds, %error, "second tier: the store is not taking writes; keeping the blocks and retrying until it does");
+            }
+            shared.metrics.retries.fetch_add(1, Ordering::Relaxed);
+            tokio::time::sleep(OUTAGE_RETRY_FIRST.saturating_mul(outage_rounds.min(20)).min(OUTAGE_RETRY_MAX)).await;
+            attempts = Attempts::new();
+            pending = failed;
+            continue;
+        }
+        // Named, so a block that never reached the store can be traced (the
+        // first few keys, and the count). A block whose trailer was not
+        // written reads back as a miss.
+        let blocks = failed.iter().filter(|(_, _, t)| !t).count();
+        let named: Vec<String> = failed.iter().take(8).map(|(k, _, _)| String::from_utf8_lossy(k).into_owned()).collect();
+        tracing::warn!(blocks, trailers = failed.len() - blocks, keys = ?named, %error, "second tier: given up, not written");
+        // A block counts once, whether its bytes, its trailer or both failed.
+        let lost: std::collections::HashSet<&[u8]> = failed.iter().map(|(k, _, _)| super::envelope::block_key(k)).collect();
+        shared.metrics.ingest_failed.fetch_add(lost.len() as u64, Ordering::Relaxed);
+        break;
     }
     shared.budget.give_back(total);
 }

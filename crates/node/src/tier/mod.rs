@@ -167,13 +167,25 @@ impl TierShared {
                 Err(e) => plugin_error(&e),
             };
             self.metrics.error(op, &error);
-            match self.retrier.next(op, true, &mut attempts, &error).await {
-                Next::RetryAfter(wait) => {
-                    self.metrics.retries.fetch_add(1, Ordering::Relaxed);
-                    tokio::time::sleep(wait).await;
-                }
-                Next::GiveUp => return Err(error),
+            if !self.retry_after(op, &mut attempts, &error).await {
+                return Err(error);
             }
+        }
+    }
+
+    /// The one place a second-tier call is retried: asks the retry policy
+    /// (the declared plugin, or the node's own rule) about `error` within
+    /// the request's deadline, and when it says retry, counts it and waits
+    /// as told before answering true. False: give up. Every loop over the
+    /// store (a batch, a read-through, the writers) decides through this.
+    pub(crate) async fn retry_after(&self, op: Operation, attempts: &mut Attempts, error: &KvError) -> bool {
+        match self.retrier.next(op, true, attempts, error).await {
+            Next::RetryAfter(wait) => {
+                self.metrics.retries.fetch_add(1, Ordering::Relaxed);
+                tokio::time::sleep(wait).await;
+                true
+            }
+            Next::GiveUp => false,
         }
     }
 }
@@ -529,15 +541,9 @@ impl SecondTier {
                 }
             }
             if let Some(error) = first_error {
-                match self.shared.retrier.next(Operation::Get, true, &mut attempts, &error).await {
-                    Next::RetryAfter(wait) => {
-                        self.shared.metrics.retries.fetch_add(1, Ordering::Relaxed);
-                        tokio::time::sleep(wait).await;
-                    }
-                    Next::GiveUp => {
-                        for (i, _) in std::mem::take(&mut pending) {
-                            out[i] = self.failed(error.clone());
-                        }
+                if !self.shared.retry_after(Operation::Get, &mut attempts, &error).await {
+                    for (i, _) in std::mem::take(&mut pending) {
+                        out[i] = self.failed(error.clone());
                     }
                 }
             }
