@@ -85,7 +85,10 @@ class Client:
 
         Raises the typed exception of the first key not stored (``key`` and
         ``index`` set; others of the batch may have been stored), or
-        ``NonContiguousBuffer`` / ``BadBuffer`` before any I/O.
+        ``NonContiguousBuffer`` / ``BadBuffer`` before any I/O. Name each key
+        once per batch: a key named twice is refused (``Invalid``,
+        ``duplicate-key``; which value should win is not the node's to guess),
+        with the rest of the request it travels in.
         """
 
     def get_into(self, keys: Sequence[Key], buffers: Sequence[Buffer]) -> list[int | None]:

@@ -125,6 +125,10 @@ impl ClusterClient {
     /// Fetches the table from the first seed that answers and starts
     /// following it.
     pub async fn connect(config: ClusterClientConfig) -> Result<ClusterClient, KvError> {
+        if config.write_quorum == Some(0) {
+            // Zero owners would acknowledge a PUT no owner stored.
+            return Err(KvError::Invalid("write_quorum must be at least 1 (None: the cluster's writeQuorum)".into()));
+        }
         let mut last = KvError::Invalid("no seed nodes given".into());
         let mut first = None;
         for seed in &config.seeds {
