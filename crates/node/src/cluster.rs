@@ -408,6 +408,15 @@ impl ClusterNode {
         failed
     }
 
+    /// A one-connection client of another member, with the cluster's token
+    /// (what a hand-off and a repair send blocks through).
+    async fn peer_client(&self, member: &Member) -> Result<Client, kvplane_protocol::KvError> {
+        let mut config = ClientConfig::new(Endpoint::Tcp(member.endpoint.clone()));
+        config.token.clone_from(&self.token);
+        config.connections = 1;
+        Client::connect(config).await
+    }
+
     /// Sends `blocks` that `member` does not hold yet to it, in batches
     /// within its limits and the pace. Answers the copies not made.
     async fn repair_to(&self, member: &Member, blocks: &[(Bytes, Block)], pacer: &mut Pacer) -> u64 {
@@ -417,10 +426,7 @@ impl ClusterNode {
             r.pending.fetch_sub(n as u64, Ordering::Relaxed);
             n as u64
         };
-        let mut config = ClientConfig::new(Endpoint::Tcp(member.endpoint.clone()));
-        config.token.clone_from(&self.token);
-        config.connections = 1;
-        let client = match Client::connect(config).await {
+        let client = match self.peer_client(member).await {
             Ok(c) => c,
             Err(e) => {
                 tracing::warn!(member = member.id, error = %e, "repair: new owner unreachable");
@@ -538,10 +544,7 @@ impl ClusterNode {
                 continue;
             }
             let member = &table.members()[o];
-            let mut config = ClientConfig::new(Endpoint::Tcp(member.endpoint.clone()));
-            config.token.clone_from(&self.token);
-            config.connections = 1;
-            let client = match Client::connect(config).await {
+            let client = match self.peer_client(member).await {
                 Ok(c) => c,
                 Err(e) => {
                     tracing::warn!(member = member.id, error = %e, "hand-off: owner unreachable");

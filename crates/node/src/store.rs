@@ -102,6 +102,10 @@ impl Store {
     /// frame's meta: a stored slice would keep the whole frame alive.
     pub(crate) async fn put(&self, key: Bytes, block: Block, crc: Option<u32>) {
         if let Some(tier) = &self.tier {
+            // Known before the copy is queued: its trailer takes it as is.
+            if let Some(crc) = crc {
+                block.set_crc(crc);
+            }
             tier.stored(&key, &block).await;
         }
         self.insert(key, block, crc);
@@ -114,6 +118,11 @@ impl Store {
         let Some(tier) = self.tier.as_ref().filter(|_| !staged.is_empty()) else {
             return staged.into_iter().map(|s| self.insert(s.key, s.block, s.crc)).map(Ok).collect();
         };
+        for s in &staged {
+            if let Some(crc) = s.crc {
+                s.block.set_crc(crc);
+            }
+        }
         let entries: Vec<(Bytes, Block)> = staged.iter().map(|s| (s.key.clone(), s.block.clone())).collect();
         let written = tier.write_through(&entries).await;
         staged

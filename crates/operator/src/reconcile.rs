@@ -230,14 +230,7 @@ async fn reconcile_inner(kv: &KVCache, ctx: &Context) -> Result<Action, Reconcil
             Ok(applied) => outcomes.push(("Secret", secret_name, applied)),
             Err(source) => {
                 let error = ReconcileError::Apply { kind: "Secret", name: secret_name, source };
-                let message = error.to_string();
-                conditions::set(&mut status, kv, ConditionType::Ready, false, Reason::ApplyFailed, &message);
-                conditions::set(&mut status, kv, ConditionType::Degraded, true, Reason::ApplyFailed, &message);
-                if status != old_status {
-                    publish(ctx, &oref, EventType::Warning, Reason::ApplyFailed, "Apply", message).await;
-                }
-                write_status(&kvs, &name, &old_status, &status).await?;
-                return Err(error);
+                return Err(apply_failed(ctx, &kvs, kv, &oref, &old_status, status, error).await);
             }
         }
     }
@@ -259,14 +252,7 @@ async fn reconcile_inner(kv: &KVCache, ctx: &Context) -> Result<Action, Reconcil
                 // range, an admission webhook) is reported in the status
                 // before the pass fails.
                 let error = ReconcileError::Apply { kind: child.kind(), name: child.name().to_owned(), source };
-                let message = error.to_string();
-                conditions::set(&mut status, kv, ConditionType::Ready, false, Reason::ApplyFailed, &message);
-                conditions::set(&mut status, kv, ConditionType::Degraded, true, Reason::ApplyFailed, &message);
-                if status != old_status {
-                    publish(ctx, &oref, EventType::Warning, Reason::ApplyFailed, "Apply", message).await;
-                }
-                write_status(&kvs, &name, &old_status, &status).await?;
-                return Err(error);
+                return Err(apply_failed(ctx, &kvs, kv, &oref, &old_status, status, error).await);
             }
         }
     }
@@ -377,6 +363,30 @@ fn comparable(s: &KVCacheStatus) -> KVCacheStatus {
         c.last_transition_time = Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH);
     }
     s
+}
+
+/// A child (or the token Secret) the API server refused: said in the status
+/// (not Ready, Degraded) and, when that changed, as an event; answers the
+/// error the pass fails with (or the status write's, if that failed too).
+async fn apply_failed(
+    ctx: &Context,
+    kvs: &Api<KVCache>,
+    kv: &KVCache,
+    oref: &k8s_openapi::api::core::v1::ObjectReference,
+    old_status: &KVCacheStatus,
+    mut status: KVCacheStatus,
+    error: ReconcileError,
+) -> ReconcileError {
+    let message = error.to_string();
+    conditions::set(&mut status, kv, ConditionType::Ready, false, Reason::ApplyFailed, &message);
+    conditions::set(&mut status, kv, ConditionType::Degraded, true, Reason::ApplyFailed, &message);
+    if status != *old_status {
+        publish(ctx, oref, EventType::Warning, Reason::ApplyFailed, "Apply", message).await;
+    }
+    match write_status(kvs, &kv.name_any(), old_status, &status).await {
+        Ok(()) => error,
+        Err(e) => e,
+    }
 }
 
 async fn publish(

@@ -66,7 +66,10 @@ async fn client(node: &Node) -> Client {
 /// (see `kvplane_node::tier::envelope`), for a test that fills the store
 /// behind the node's back.
 fn sealed(key: &str, value: &Bytes) -> [(Vec<u8>, Bytes); 2] {
-    [(key.as_bytes().to_vec(), value.clone()), (envelope::trailer_key(key.as_bytes()), envelope::trailer(key.as_bytes(), value))]
+    [
+        (key.as_bytes().to_vec(), value.clone()),
+        (envelope::trailer_key(key.as_bytes()), envelope::trailer(key.as_bytes(), value.len(), kvplane_protocol::checksum(value))),
+    ]
 }
 
 fn value_of(key: &str, len: usize) -> Bytes {

@@ -24,7 +24,7 @@ use tokio::task::JoinSet;
 
 use super::admission::{FailureSeen, Peer};
 use super::metrics::Op;
-use super::receive::{within, Stalled};
+use super::receive::{within, PeerShare, Stalled};
 use super::NodeState;
 use crate::memory::BlockMut;
 use crate::rdma::ConnRdma;
@@ -222,8 +222,8 @@ struct Conn<'a, R, W> {
     shm: Option<SharedRegion>,
     /// This connection's queue pair, once it asked (RDMA_CONNECT).
     rdma: ConnRdma,
-    /// Who is on the other end, for its share of the receive budget.
-    peer: Peer,
+    /// The peer's share of the receive budget (see `receive.rs`).
+    receive_share: PeerShare,
 }
 
 async fn serve<R, W>(
@@ -247,7 +247,7 @@ where
         local,
         shm: None,
         rdma: ConnRdma::default(),
-        peer,
+        receive_share: state.receive_budget.share(peer),
     };
     let timeout = state.config.handshake_timeout;
     let shaken = match tokio::time::timeout(timeout, conn.handshake()).await {
@@ -413,7 +413,7 @@ where
         // The meta is buffered whole: reserved first, so stalled frames
         // hold at most the receive budget between them. The wait counts
         // against the frame's clock (see `receive.rs`).
-        let meta_reserved = within(deadline, self.state.receive_budget.reserve(self.peer, header.meta_len as usize)).await?;
+        let meta_reserved = within(deadline, self.state.receive_budget.reserve(&self.receive_share, header.meta_len as usize)).await?;
         let meta = within(deadline, read_bytes(&mut self.reader, header.meta_len as usize)).await??;
         self.state.metrics.bytes_received.inc_by(header.frame_len());
         let meta = match decode_body(&header, meta, &limits) {
@@ -473,7 +473,7 @@ where
             // A block over the largest class is refused by the allocation
             // below without reserving anything.
             let reserved = if len <= max_block {
-                within(deadline, self.state.receive_budget.reserve(self.peer, len)).await?
+                within(deadline, self.state.receive_budget.reserve(&self.receive_share, len)).await?
             } else {
                 Default::default()
             };

@@ -49,6 +49,9 @@ pub(crate) struct ReceiveBudget {
     pub(crate) waits: AtomicU64,
 }
 
+/// One peer's share of the budget, as a connection of it holds it.
+pub(crate) struct PeerShare(Arc<Semaphore>);
+
 /// Bytes of the budget (and of the peer's share) held until dropped.
 #[derive(Default)]
 pub(crate) struct Reserved {
@@ -71,9 +74,14 @@ impl ReceiveBudget {
         self.per_peer
     }
 
-    /// `peer`'s share, made on first use. Shares nobody holds are forgotten
-    /// once many peers were seen, so the table stays small.
-    fn share(&self, peer: Peer) -> Arc<Semaphore> {
+    /// `peer`'s share, made on first use; a connection takes it once, when
+    /// it starts, so reserving takes no lock. Shares no connection holds are
+    /// forgotten once many peers were seen, so the table stays small.
+    pub(crate) fn share(&self, peer: Peer) -> PeerShare {
+        PeerShare(self.share_of(peer))
+    }
+
+    fn share_of(&self, peer: Peer) -> Arc<Semaphore> {
         let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
         if peers.len() >= MAX_TRACKED_PEERS && !peers.contains_key(&peer) {
             peers.retain(|_, s| Arc::strong_count(s) > 1 || s.available_permits() < self.per_peer);
@@ -93,15 +101,14 @@ impl ReceiveBudget {
     /// the longest meta and the largest block together, so one connection
     /// alone always gets what it needs; `n` above the whole budget (a
     /// caller's bug) is capped to it rather than waiting forever.
-    pub(crate) async fn reserve(&self, peer: Peer, n: usize) -> Reserved {
+    pub(crate) async fn reserve(&self, share: &PeerShare, n: usize) -> Reserved {
         if n == 0 {
             return Reserved::default();
         }
         // The peer's share first: a peer over it waits without holding any
         // of the node's budget.
-        let share = self.share(peer);
         let own = u32::try_from(n.min(self.per_peer)).unwrap_or(u32::MAX);
-        let peer_permit = self.take(share, own).await;
+        let peer_permit = self.take(Arc::clone(&share.0), own).await;
         let n = u32::try_from(n.min(self.bytes)).unwrap_or(u32::MAX);
         let permit = self.take(Arc::clone(&self.permits), n).await;
         Reserved { _peer: peer_permit, _permit: permit }
@@ -153,10 +160,10 @@ mod tests {
     #[tokio::test]
     async fn a_spent_budget_makes_the_next_reservation_wait_until_one_is_given_back() {
         let budget = Arc::new(ReceiveBudget::new(100, 100));
-        let held = budget.reserve(PEER, 80).await;
+        let held = budget.reserve(&budget.share(PEER), 80).await;
         assert_eq!(budget.used_bytes(), 80);
         let b = Arc::clone(&budget);
-        let waiting = tokio::spawn(async move { b.reserve(Peer::Uid(2), 40).await });
+        let waiting = tokio::spawn(async move { b.reserve(&b.share(Peer::Uid(2)), 40).await });
         while budget.waits.load(Ordering::Relaxed) == 0 {
             tokio::task::yield_now().await;
         }
@@ -169,14 +176,14 @@ mod tests {
     #[tokio::test]
     async fn a_peer_past_its_share_waits_while_another_peer_is_served() {
         let budget = Arc::new(ReceiveBudget::new(100, 30));
-        let _held = budget.reserve(PEER, 30).await;
+        let _held = budget.reserve(&budget.share(PEER), 30).await;
         let b = Arc::clone(&budget);
-        let same_peer = tokio::spawn(async move { b.reserve(PEER, 10).await });
+        let same_peer = tokio::spawn(async move { b.reserve(&b.share(PEER), 10).await });
         while budget.waits.load(Ordering::Relaxed) == 0 {
             tokio::task::yield_now().await;
         }
         assert!(!same_peer.is_finished(), "the peer holds its whole share");
-        let other = tokio::time::timeout(Duration::from_secs(10), budget.reserve(Peer::Uid(2), 30)).await;
+        let other = tokio::time::timeout(Duration::from_secs(10), budget.reserve(&budget.share(Peer::Uid(2)), 30)).await;
         assert!(other.is_ok(), "another peer found room");
         assert_eq!(budget.used_bytes(), 60);
     }

@@ -59,11 +59,13 @@ pub fn trailer_len(key: &[u8]) -> usize {
     TRAILER_LEN + key.len()
 }
 
-/// The trailer of `block` stored under `key`.
-pub fn trailer(key: &[u8], block: &[u8]) -> Bytes {
+/// The trailer of a block of `len` bytes with CRC-32C `crc`, stored under
+/// `key`. The caller passes the checksum it has (a PUT's block carries the
+/// one it was checked with), so writing a block costs no second pass.
+pub fn trailer(key: &[u8], len: usize, crc: u32) -> Bytes {
     let mut t = Vec::with_capacity(trailer_len(key));
-    t.extend_from_slice(&(block.len() as u64).to_le_bytes());
-    t.extend_from_slice(&checksum(block).to_le_bytes());
+    t.extend_from_slice(&(len as u64).to_le_bytes());
+    t.extend_from_slice(&crc.to_le_bytes());
     t.extend_from_slice(&(key.len() as u16).to_le_bytes());
     t.push(VERSION);
     t.push(0);
@@ -126,17 +128,17 @@ mod tests {
 
     #[test]
     fn a_sealed_block_opens_to_itself() {
-        let t = trailer(b"tenant-a/block0", b"hello world");
+        let t = trailer(b"tenant-a/block0", b"hello world".len(), checksum(b"hello world"));
         assert_eq!(t.len(), trailer_len(b"tenant-a/block0"));
         assert_eq!(open(b"tenant-a/block0", b"hello world", Some(&t)), Opened::Block { crc: checksum(b"hello world") });
-        assert_eq!(open(b"k", b"", Some(&trailer(b"k", b""))), Opened::Block { crc: checksum(b"") });
+        assert_eq!(open(b"k", b"", Some(&trailer(b"k", b"".len(), checksum(b"")))), Opened::Block { crc: checksum(b"") });
         assert_eq!(trailer_key(b"k"), b"k\0kvplane-trailer");
     }
 
     #[test]
     fn every_changed_byte_of_block_or_trailer_is_caught() {
         let (key, block) = (b"k/1", [7u8; 100]);
-        let t = trailer(key, &block);
+        let t = trailer(key, block.len(), checksum(&block));
         for i in 0..block.len() {
             let mut bad = block;
             bad[i] ^= 0x40;
@@ -151,7 +153,7 @@ mod tests {
 
     #[test]
     fn another_keys_block_a_claimed_length_and_zeros_are_corrupt() {
-        let t = trailer(b"tenant-a/block0", &[1u8; 64]);
+        let t = trailer(b"tenant-a/block0", 64, checksum(&[1u8; 64]));
         assert!(matches!(open(b"tenant-b/never-written", &[1u8; 64], Some(&t)), Opened::Corrupt(m) if m.contains("another key")));
         assert!(matches!(open(b"tenant-a/block0", &[1u8; 65], Some(&t)), Opened::Corrupt(m) if m.contains("sealed as 64")));
         // A plugin that claims the whole destination and writes nothing.

@@ -142,7 +142,9 @@ impl Queued {
 pub(crate) enum Job {
     Put {
         key: Bytes,
-        value: Bytes,
+        /// The block itself: its checksum, known to the pool since the PUT
+        /// checked it, goes into its trailer without another pass.
+        value: Block,
         /// Its number in [`Queued`], for an evicted block.
         seq: Option<u64>,
     },
@@ -202,7 +204,7 @@ impl Ingest {
         }
         let seq = evicted.then(|| shared.queued.add(key.clone(), block.clone()));
         let writer = self.writer(&key);
-        if writer.send(Job::Put { key: key.clone(), value: block.into_bytes(), seq }).is_err() {
+        if writer.send(Job::Put { key: key.clone(), value: block, seq }).is_err() {
             if let Some(seq) = seq {
                 shared.queued.finished(&mut vec![(key, seq)]);
             }
@@ -245,7 +247,7 @@ impl Ingest {
 /// One writer: takes what is queued (up to a batch), writes it, repeats;
 /// ends when the node drops the queue.
 async fn write_loop(shared: Arc<TierShared>, mut rx: mpsc::UnboundedReceiver<Job>) {
-    let mut batch: Vec<(Vec<u8>, Bytes)> = Vec::new();
+    let mut batch: Vec<(Vec<u8>, Block)> = Vec::new();
     // The batch's evicted keys and their numbers, for `Queued::finished`.
     let mut written: Vec<(Bytes, u64)> = Vec::new();
     while let Some(first) = rx.recv().await {
@@ -280,16 +282,16 @@ async fn write_loop(shared: Arc<TierShared>, mut rx: mpsc::UnboundedReceiver<Job
 /// outcome and gives its bytes back to the budget. Each block goes with its
 /// trailer (see `envelope`), in the same call: the block's own bytes are
 /// lent as they are, the trailer is a few dozen bytes of its own.
-async fn write_batch(shared: &TierShared, batch: &mut Vec<(Vec<u8>, Bytes)>) {
+async fn write_batch(shared: &TierShared, batch: &mut Vec<(Vec<u8>, Block)>) {
     if batch.is_empty() {
         return;
     }
     let total: u64 = batch.iter().map(|(_, v)| v.len() as u64).sum();
     // (store key, value, whether it is a trailer)
     let mut pending: Vec<(Vec<u8>, Bytes, bool)> = Vec::with_capacity(batch.len() * 2);
-    for (key, value) in std::mem::take(batch) {
-        let trailer = (super::envelope::trailer_key(&key), super::envelope::trailer(&key, &value), true);
-        pending.push((key, value, false));
+    for (key, block) in std::mem::take(batch) {
+        let trailer = (super::envelope::trailer_key(&key), super::envelope::trailer(&key, block.len(), block.crc()), true);
+        pending.push((key, block.into_bytes(), false));
         pending.push(trailer);
     }
     let mut attempts = Attempts::new();

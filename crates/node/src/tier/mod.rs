@@ -394,7 +394,7 @@ impl SecondTier {
         let mut writes: Vec<(Vec<u8>, Bytes)> = Vec::with_capacity(entries.len() * 2);
         for (key, block) in entries {
             writes.push((key.to_vec(), block.clone().into_bytes()));
-            writes.push((envelope::trailer_key(key), envelope::trailer(key, block)));
+            writes.push((envelope::trailer_key(key), envelope::trailer(key, block.len(), block.crc())));
         }
         let m = &self.shared.metrics;
         let answers = match self.shared.whole_batch(Operation::Put, || self.shared.backend.put(writes.clone(), NO_OPTIONS)).await {
