@@ -18,6 +18,10 @@ use kube::{CustomResource, KubeSchema};
 // shared with the node that reads them back.
 pub use kvplane_config::plugin::{ConfigMapKeyRef, FailurePolicy, PluginKind, PluginLimits, PluginSourceSpec, PluginSpec};
 pub use kvplane_config::BackendType;
+// The second tier's settings are the node file's own section: the operator
+// writes them into the node's config as given, and checks them with the
+// node's own validation (see `crate::resolve`), so the two cannot disagree.
+pub use kvplane_config::{AtBound, IngestMode, TieringConfig, WriteMode};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
@@ -89,6 +93,17 @@ pub struct KVCacheSpec {
     #[schemars(length(max = 32))]
     #[x_kube(validation = Rule::new("self.all(p, self.exists_one(q, q.name == p.name))").message("plugins: every plugin name must be unique"))]
     pub plugins: Vec<PluginSpec>,
+
+    /// How the cache pods use the second tier (a redis or eic store, or a
+    /// declared backend plugin): which PUTs are copied (`mode`), when such a
+    /// PUT is answered (`write: behind` from memory, or `through` once the
+    /// store holds it too, which needs mode `all` and a failClosed backend),
+    /// the in-flight bound and what a PUT does at it, the deadline and the
+    /// writers. Written into the node's config as given; absent: the node's
+    /// defaults whenever there is a second tier. Refused for a vineyard pool
+    /// (vineyardd is not a kvplane node) and without a backend.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tiering: Option<TieringConfig>,
 
     /// The credentials clients present to the cache pods. Without it the
     /// operator generates a token Secret, `NAME-token`: a pool is never

@@ -175,8 +175,9 @@ fn meta(r: &Resolved, name: String, role: &str, owner: &OwnerReference) -> Objec
 }
 
 /// The node configuration the cache pods mount: backend, endpoints, the
-/// memory tier's size and the plugin declarations (what the node loads and
-/// verifies). The node parses the same struct back.
+/// memory tier's size, the plugin declarations (what the node loads and
+/// verifies) and the second tier's settings (`spec.tiering`). The node
+/// parses the same struct back.
 pub(crate) fn node_config(r: &Resolved, etcd_endpoints: &[String]) -> NodeConfigFile {
     NodeConfigFile {
         backend: r.backend,
@@ -188,7 +189,7 @@ pub(crate) fn node_config(r: &Resolved, etcd_endpoints: &[String]) -> NodeConfig
         }),
         memory: node_memory(r),
         plugins: r.plugins.clone(),
-        tiering: None,
+        tiering: r.tiering.clone(),
         cluster: node_cluster(r),
     }
 }

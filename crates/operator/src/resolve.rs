@@ -17,7 +17,7 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 use super::crd::{
     BackendType, ExternalConnection, FailurePolicy, KVCache, KVCacheSpec, PluginKind, PluginSourceSpec, PluginSpec, RuntimeSpec,
-    StorageSpec,
+    StorageSpec, TieringConfig,
 };
 
 /// The client port of a kvplane node (and of the RPC Service by default).
@@ -94,6 +94,8 @@ pub(crate) struct Resolved {
     /// The Secret whose `token` key every client presents; `None` only for
     /// vineyardd, which has no authentication of its own.
     pub token: Option<TokenSecret>,
+    /// `spec.tiering`, checked by the node's own validation.
+    pub tiering: Option<TieringConfig>,
 }
 
 /// The Secret holding a pool's client token (key [`TOKEN_KEY`]).
@@ -164,6 +166,7 @@ pub(crate) fn resolve(kv: &KVCache) -> Result<Resolved, SpecError> {
     }
     let plugins = resolve_plugins(spec, backend, &backend_endpoints)?;
     let token = resolve_token(spec, backend, &name)?;
+    let tiering = resolve_tiering(spec, backend, &backend_endpoints, &plugins)?;
     Ok(Resolved {
         name,
         namespace,
@@ -178,7 +181,35 @@ pub(crate) fn resolve(kv: &KVCache) -> Result<Resolved, SpecError> {
         service_ports,
         plugins,
         token,
+        tiering,
     })
+}
+
+/// `spec.tiering`, checked as the node will check it: the node file's own
+/// validation runs over the backend and plugins the pods get, so a setting
+/// the node would refuse at start (through without mode all or without a
+/// failClosed backend, a second tier without a backend plugin, a bound of
+/// 0) is refused here, naming `spec.tiering.<field>`, instead of rendering
+/// pods that crash-loop. One rule, in one place (`kvplane_config`).
+fn resolve_tiering(
+    spec: &KVCacheSpec,
+    backend: BackendType,
+    endpoints: &[String],
+    plugins: &[PluginSpec],
+) -> Result<Option<TieringConfig>, SpecError> {
+    let Some(tiering) = &spec.tiering else { return Ok(None) };
+    if backend == BackendType::Vineyard {
+        return Err(err("tiering", "a vineyard pool runs vineyardd, which has no second tier to configure"));
+    }
+    let file = kvplane_config::NodeConfigFile {
+        backend,
+        backend_endpoints: endpoints.to_vec(),
+        plugins: plugins.to_vec(),
+        tiering: Some(tiering.clone()),
+        ..Default::default()
+    };
+    file.validate().map_err(|e| err(e.field, e.message))?;
+    Ok(Some(tiering.clone()))
 }
 
 /// The pool's token Secret: the one `spec.auth.tokenSecretRef` names, or

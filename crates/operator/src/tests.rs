@@ -344,3 +344,42 @@ fn every_example_pool_listening_beyond_loopback_has_a_token() {
         }
     }
 }
+
+/// Issue 19: `spec.tiering` reaches the node's config as written (the node
+/// reads it back strictly), and what the node would refuse at start is
+/// refused here by the node's own validation, naming `spec.tiering.<field>`.
+#[test]
+fn tiering_settings_are_rendered_into_the_node_config_and_checked_as_the_node_checks_them() {
+    let redis = include_str!("../../../examples/kvcache/redis.yaml");
+    let with = |tiering: &str| format!("{redis}  tiering: {tiering}\n");
+    let node_file = |yaml: &str| -> kvplane_config::NodeConfigFile {
+        let c = render(&resolve(&kv(yaml)).unwrap(), &Placements::default(), &owner());
+        kvplane_config::from_json_strict(&c.config.data.as_ref().unwrap()["node.json"]).expect("the node reads what the operator writes")
+    };
+    // Absent: nothing rendered, the node's defaults apply.
+    assert_eq!(node_file(redis).tiering, None);
+    let file = node_file(&with("{write: through, maxInFlight: 32Mi, atBound: skip, deadlineMs: 5000, writers: 4}"));
+    let t = file.tiering.clone().expect("tiering rendered");
+    assert_eq!(t.write, kvplane_config::WriteMode::Through);
+    assert_eq!(t.mode, kvplane_config::IngestMode::All, "a field left out keeps the node's default");
+    assert_eq!((t.max_in_flight.bytes(), t.at_bound, t.deadline_ms, t.writers), (32 << 20, kvplane_config::AtBound::Skip, 5000, 4));
+    file.validate().expect("the rendered file passes the node's own validation");
+    assert_eq!(node_file(&with("{mode: on-evict}")).tiering.unwrap().write, kvplane_config::WriteMode::Behind);
+
+    let refused = |yaml: &str| resolve(&kv(yaml)).expect_err("refused").to_string();
+    let e = refused(&with("{write: through, mode: hot}"));
+    assert!(e.starts_with("spec.tiering.write: through applies to mode all"), "{e}");
+    let head = "apiVersion: kvplane.io/v1alpha1\nkind: KVCache\nmetadata: {name: t, namespace: ns}\nspec:\n";
+    let fail_open = format!(
+        "{head}  backend: {{type: redis, endpoints: [\"redis:6379\"]}}\n  plugins:\n  - {{name: store, kind: backend, source: {{builtin: resp}}, \
+         failurePolicy: failOpen, allowedEndpoints: [\"redis:6379\"]}}\n  tiering: {{write: through}}\n"
+    );
+    let e = refused(&fail_open);
+    assert!(e.starts_with("spec.tiering.write: through needs the backend's failurePolicy failClosed"), "{e}");
+    let e = refused(&with("{writers: 0}"));
+    assert!(e.starts_with("spec.tiering.writers"), "{e}");
+    let e = refused(&format!("{head}  tiering: {{write: behind}}\n"));
+    assert!(e.starts_with("spec.tiering: no backend plugin"), "{e}");
+    let e = refused(&format!("{head}  backend: {{type: vineyard}}\n  cache: {{image: vineyardd}}\n  tiering: {{}}\n"));
+    assert!(e.starts_with("spec.tiering: a vineyard pool"), "{e}");
+}
