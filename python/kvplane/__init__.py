@@ -16,7 +16,7 @@ A buffer is anything with the buffer protocol: ``bytearray``, ``memoryview``,
 numpy arrays; a torch CPU tensor through ``t.view(torch.uint8).numpy()`` (or
 ``memoryview`` of that). Calls release the GIL while they wait for the
 network. ``Client(seeds, cluster=True)`` routes keys over a cluster's slot
-table.
+table. ``kvplane.aio.Client`` offers the same calls as asyncio coroutines.
 
 On a GPU machine, ``DeviceClient("unix:///path/node.sock", device=0)`` moves
 blocks between device memory (``tensor.data_ptr()``) and a node on the same
@@ -33,5 +33,11 @@ from . import _errors
 from ._errors import *  # noqa: F403 -- the exceptions, as listed in _errors.__all__
 from ._native import Client, DeviceClient, __version__, gpu_unavailable_reason
 
-__all__ = ["Client", "DeviceClient", "gpu_unavailable_reason", "__version__"]
+Key = str | bytes
+"""A key: ``str`` (sent as its UTF-8 bytes) or ``bytes``."""
+
+__all__ = ["Client", "DeviceClient", "Key", "gpu_unavailable_reason", "__version__"]
 __all__ += _errors.__all__
+
+# Last: kvplane.aio uses the names above.
+from . import aio  # noqa: E402

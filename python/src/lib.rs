@@ -26,6 +26,7 @@
 //! call's buffers. A value longer than its buffer leaves that buffer
 //! unwritten, and no buffer is written past its value's length.
 
+mod aio;
 mod device;
 
 use std::sync::{Arc, Mutex, RwLock};
@@ -369,6 +370,25 @@ enum GetFailure {
     TooSmall { index: usize, detail: String },
 }
 
+impl GetFailure {
+    /// The typed exception, naming the key at fault among `keys`.
+    fn raise(self, keys: &[Bytes]) -> PyErr {
+        match self {
+            GetFailure::Call(e) => kv_error(&e, format!("get_into of {} keys", keys.len()), None, None),
+            GetFailure::Key(i, e) => kv_error(&e, format!("get_into: key '{}' (keys[{i}])", show(&keys[i])), Some(&keys[i]), Some(i)),
+            GetFailure::TooSmall { index, detail } => raise(
+                "BufferTooSmall",
+                format!(
+                    "get_into: buffers[{index}] is too small for the value of key '{}' ({detail}); it was not written",
+                    show(&keys[index])
+                ),
+                Some(&keys[index]),
+                Some(index),
+            ),
+        }
+    }
+}
+
 /// A client of one kvplane node, or of a whole cluster.
 ///
 /// `Client("127.0.0.1:9600")` keeps a pool of `connections` connections to
@@ -590,19 +610,7 @@ impl Client {
                 .collect()
         });
         drop(exports);
-        outcome.map_err(|f| match f {
-            GetFailure::Call(e) => kv_error(&e, format!("get_into of {} keys", keys.len()), None, None),
-            GetFailure::Key(i, e) => kv_error(&e, format!("get_into: key '{}' (keys[{i}])", show(&keys[i])), Some(&keys[i]), Some(i)),
-            GetFailure::TooSmall { index, detail } => raise(
-                "BufferTooSmall",
-                format!(
-                    "get_into: buffers[{index}] is too small for the value of key '{}' ({detail}); it was not written",
-                    show(&keys[index])
-                ),
-                Some(&keys[index]),
-                Some(index),
-            ),
-        })
+        outcome.map_err(|f| f.raise(&keys))
     }
 
     /// The value of `key` (a `str` or `bytes`) as a new `bytes` object, or
@@ -787,6 +795,9 @@ impl Client {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Client>()?;
+    // Both classes are named Client (kvplane.Client, kvplane.aio.Client):
+    // added under a name of its own, which kvplane/aio.py imports.
+    m.add("AsyncClient", m.py().get_type::<aio::AsyncClient>())?;
     m.add_class::<device::DeviceClient>()?;
     m.add_function(wrap_pyfunction!(device::gpu_unavailable_reason, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

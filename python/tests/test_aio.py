@@ -1,0 +1,268 @@
+"""kvplane.aio.Client against real `kvplane node` processes: the sync
+client's operations as coroutines on the same native core, typed errors,
+lazy connection, an event loop that keeps running while a call waits, and
+cancellation that leaves no buffer written after the coroutine raised."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import kvplane
+import kvplane.aio
+from conftest import Node
+from test_cluster import PATIENCE_S, cluster_node, etcd  # noqa: F401 -- etcd is a fixture
+
+DEADLINE_S = 30.0
+MiB = 1 << 20
+
+
+def pattern(seed: int, n: int) -> bytes:
+    return bytes((seed * 31 + i * 7) % 251 for i in range(n))
+
+
+def test_every_operation_round_trips(node: Node, unique: str) -> None:
+    async def main() -> None:
+        async with kvplane.aio.Client(node.endpoint) as kv:
+            assert kv.connected and not kv.closed and not kv.cluster
+            assert kv.endpoints == [node.endpoint]
+            assert kv.max_block_bytes == 4 * MiB and kv.max_lease_ms > 0
+            keys = [f"{unique}{i}" for i in range(8)]
+            blocks = [pattern(i, 4096 + i) for i in range(8)]
+            # Buffers of every kind the sync client takes.
+            sources = [bytearray(b) if i % 2 else memoryview(b) for i, b in enumerate(blocks)]
+            assert await kv.put_from(keys, sources) is None
+            back = [bytearray(8192) for _ in keys]
+            assert await kv.get_into([*keys, f"{unique}absent"], [*back, bytearray(1)]) == [len(b) for b in blocks] + [None]
+            assert [bytes(b[: len(blocks[i])]) for i, b in enumerate(back)] == blocks
+            assert all(not any(b[len(blocks[i]) :]) for i, b in enumerate(back)), "nothing written past a value"
+            assert await kv.get(keys[3]) == blocks[3]
+            assert await kv.get(keys[3].encode()) == blocks[3]
+            assert await kv.get(f"{unique}absent") is None
+            assert await kv.get([keys[0], f"{unique}absent"]) == [blocks[0], None]
+            await kv.put(f"{unique}one", b"v1")
+            assert await kv.get(f"{unique}one") == b"v1"
+            assert await kv.exists([keys[0], f"{unique}absent"]) == [True, False]
+            matched, lease_ms = await kv.match_prefix([*keys[:3], f"{unique}gap", *keys[3:]], lease_ms=1000)
+            assert matched == 3 and 0 < lease_ms <= 1000
+            assert await kv.match_prefix(keys[:2]) == (2, 0), "no pin asked, none granted"
+            stats = await kv.stats()
+            assert stats["requests_match_prefix"] >= 2 and stats["keys_put"] >= 9
+            assert await kv.delete([keys[0], f"{unique}absent"]) == [True, False]
+            assert await kv.exists([keys[0]]) == [False]
+            assert await kv.put_from([], []) is None and await kv.get_into([], []) == []
+        assert kv.closed
+        with pytest.raises(kvplane.Error, match="is closed"):
+            await kv.get("k")
+
+    asyncio.run(main())
+
+
+def test_many_calls_in_flight_at_once(node: Node, unique: str) -> None:
+    async def main() -> None:
+        async with kvplane.aio.Client(node.endpoint) as kv:
+            keys = [f"{unique}{i}" for i in range(64)]
+            await asyncio.gather(*(kv.put(k, pattern(i, 16384)) for i, k in enumerate(keys)))
+            buffers = [bytearray(16384) for _ in keys]
+            got = await asyncio.gather(*(kv.get_into([k], [b]) for k, b in zip(keys, buffers)))
+            assert got == [[16384]] * 64
+            assert [bytes(b) for b in buffers] == [pattern(i, 16384) for i in range(64)]
+
+    asyncio.run(main())
+
+
+def test_errors_are_typed_and_name_the_key(node: Node, unique: str) -> None:
+    async def main() -> None:
+        async with kvplane.aio.Client(node.endpoint) as kv:
+            await kv.put(f"{unique}big", b"x" * 100)
+            small = bytearray(10)
+            with pytest.raises(kvplane.BufferTooSmall) as e:
+                await kv.get_into([f"{unique}a", f"{unique}big"], [bytearray(4), small])
+            assert (e.value.key, e.value.index) == (f"{unique}big".encode(), 1)
+            assert "buffers[1] is too small" in str(e.value) and small == bytearray(10)
+            with pytest.raises(kvplane.ReadOnlyBuffer, match=r"buffers\[0\]"):
+                await kv.get_into([f"{unique}big"], [b"read-only"])
+            shared = bytearray(64)
+            view = memoryview(shared)
+            with pytest.raises(kvplane.OverlappingBuffers, match=r"buffers\[0\] and buffers\[1\] share memory"):
+                await kv.get_into(["a", "b"], [view[0:40], view[32:64]])
+            with pytest.raises(kvplane.Invalid, match="2 keys but 1 buffers"):
+                await kv.put_from(["a", "b"], [b"x"])
+            with pytest.raises(TypeError, match=r"keys\[1\]: a key is str or bytes, not int"):
+                await kv.exists(["a", 5])
+            with pytest.raises(kvplane.Invalid, match="expected a key"):
+                await kv.get(5)
+            too_long = bytes(5 * MiB)
+            with pytest.raises(kvplane.Error) as refused:
+                await kv.put(f"{unique}huge", too_long)
+            assert refused.value.key == f"{unique}huge".encode() and refused.value.index == 0
+            with pytest.raises(kvplane.Invalid, match="node client"):
+                kv.cluster_table()
+            # The client goes on after every refusal.
+            assert await kv.get(f"{unique}big") == b"x" * 100
+
+    asyncio.run(main())
+
+
+def test_options_are_checked_and_connecting_is_lazy() -> None:
+    gone = Node()
+    endpoint = gone.endpoint
+    gone.stop()
+
+    async def main() -> None:
+        with pytest.raises(kvplane.Invalid, match="timeout must be a positive number"):
+            kvplane.aio.Client(endpoint, timeout=0)
+        with pytest.raises(kvplane.Invalid, match="write_quorum applies to a cluster client"):
+            kvplane.aio.Client(endpoint, write_quorum=1)
+        with pytest.raises(kvplane.Invalid, match="write_quorum must be at least 1"):
+            kvplane.aio.Client([endpoint], cluster=True, write_quorum=0)
+        with pytest.raises(kvplane.Invalid, match="takes one endpoint, not 2"):
+            kvplane.aio.Client([endpoint, endpoint])
+        # Made without I/O; the node's absence shows at the first call.
+        kv = kvplane.aio.Client(endpoint, timeout=5)
+        assert not kv.connected
+        with pytest.raises(kvplane.Error, match=r"max_block_bytes: .* not connected yet; await connect\(\) first"):
+            kv.max_block_bytes
+        with pytest.raises(kvplane.Unavailable, match=f"connect to {endpoint}"):
+            await kv.connect()
+        with pytest.raises(kvplane.Unavailable, match=f"connect to {endpoint}"):
+            await kv.exists(["k"])
+        assert not kv.connected
+        kv.close()
+
+    asyncio.run(main())
+
+
+def test_calls_waiting_for_the_first_connection_share_it(unique: str) -> None:
+    node = Node()
+    try:
+
+        async def main() -> None:
+            async with kvplane.aio.Client(node.endpoint, connections=1) as probe:
+                before = (await probe.stats())["connections_total"]
+                kv = kvplane.aio.Client(node.endpoint, connections=1)
+                answers = await asyncio.gather(*(kv.exists([f"{unique}{i}"]) for i in range(20)))
+                assert answers == [[False]] * 20
+                assert (await probe.stats())["connections_total"] == before + 1, "one connection for all 20 calls"
+                kv.close()
+
+        asyncio.run(main())
+    finally:
+        node.stop()
+
+
+def test_the_event_loop_runs_while_a_call_waits(unique: str) -> None:
+    """A node frozen by SIGSTOP: the call waits, the loop keeps running
+    other coroutines; SIGCONT and the call completes."""
+    node = Node()
+    try:
+
+        async def main() -> None:
+            async with kvplane.aio.Client(node.endpoint, timeout=DEADLINE_S) as kv:
+                await kv.put(f"{unique}k", b"v")
+                os.kill(node.proc.pid, signal.SIGSTOP)
+                try:
+                    call = asyncio.create_task(kv.get(f"{unique}k"))
+                    turns = 0
+                    deadline = time.monotonic() + DEADLINE_S
+                    while turns < 200:
+                        await asyncio.sleep(0)
+                        turns += 1
+                        assert time.monotonic() < deadline, "the event loop was held up: 200 turns took longer than the deadline"
+                    assert not call.done(), "the call cannot finish while the node is frozen"
+                finally:
+                    os.kill(node.proc.pid, signal.SIGCONT)
+                assert await call == b"v"
+
+        asyncio.run(main())
+    finally:
+        node.stop()
+
+
+def test_a_cancelled_get_into_writes_no_buffer_after_it_raised(node: Node, unique: str) -> None:
+    """A 24 MiB GET over one connection, cancelled as soon as it is sent:
+    the coroutine raises CancelledError only once its task is gone, so
+    buffers overwritten right after stay as written even once the node's
+    answer has arrived (a later GET on the same connection, answered in
+    order, proves it has)."""
+
+    async def main() -> None:
+        async with kvplane.aio.Client(node.endpoint, connections=1, shared_memory=False) as kv:
+            keys = [f"{unique}{i}" for i in range(24)]
+            await kv.put_from(keys, [bytes([i + 1]) * MiB for i in range(24)])
+            before = (await kv.stats())["requests_get"]
+            buffers = [bytearray(MiB) for _ in keys]
+            for attempt in range(20):
+                task = asyncio.create_task(kv.get_into(keys, buffers))
+                await asyncio.sleep(0)  # one turn: the coroutine starts and spawns its task
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                for b in buffers:
+                    b[:] = b"\xee" * MiB
+                # The same keys again, on the same connection: its answer comes
+                # after the cancelled one's, which the client has then read.
+                fresh = [bytearray(MiB) for _ in keys]
+                assert await kv.get_into(keys, fresh) == [MiB] * 24
+                assert all(f == bytes([i + 1]) * MiB for i, f in enumerate(fresh))
+                written = [i for i, b in enumerate(buffers) if b != b"\xee" * MiB]
+                assert not written, f"attempt {attempt}: buffers {written} were written after the coroutine raised"
+            served = (await kv.stats())["requests_get"] - before
+            assert served > 20, f"the node served {served} GETs: the cancelled ones were sent too"
+
+    asyncio.run(main())
+
+
+def test_a_cluster_client(etcd: str, tmp_path: Path, unique: str) -> None:  # noqa: F811
+    nodes = [cluster_node(tmp_path, f"a{i}", etcd) for i in range(3)]
+    try:
+
+        async def main() -> None:
+            async with kvplane.aio.Client([nodes[0].endpoint], cluster=True, timeout=5) as kv:
+                assert kv.cluster
+                deadline = time.monotonic() + PATIENCE_S
+                while sorted((m[0], m[2]) for m in kv.cluster_table()[1]) != [("a0", "up"), ("a1", "up"), ("a2", "up")]:
+                    assert time.monotonic() < deadline, f"the table never listed a0..a2 up: {kv.cluster_table()}"
+                    await asyncio.sleep(0.1)
+                keys = [f"{unique}{i}" for i in range(24)]
+                await kv.put_from(keys, [pattern(i, 8192) for i in range(24)])
+                back = [bytearray(8192) for _ in keys]
+                assert await kv.get_into(keys, back) == [8192] * 24
+                assert [bytes(b) for b in back] == [pattern(i, 8192) for i in range(24)]
+                matched, lease_ms = await kv.match_prefix([*keys[:5], "gap"], lease_ms=500)
+                assert matched == 5 and 0 < lease_ms <= 500
+                with pytest.raises(kvplane.Unsupported, match="cluster client"):
+                    await kv.stats()
+
+        asyncio.run(main())
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+def test_the_package_works_without_numpy(node: Node, unique: str) -> None:
+    """numpy is an optional extra: with its import blocked, kvplane and
+    kvplane.aio import and move bytes."""
+    script = f"""
+import asyncio, sys
+sys.modules["numpy"] = None  # any `import numpy` now raises ImportError
+import kvplane, kvplane.aio
+with kvplane.Client({node.endpoint!r}) as kv:
+    kv.put({unique!r} + "n", bytearray(b"abc"))
+    assert kv.get({unique!r} + "n") == b"abc"
+async def main():
+    async with kvplane.aio.Client({node.endpoint!r}) as kv:
+        assert await kv.get({unique!r} + "n") == b"abc"
+asyncio.run(main())
+assert "numpy" not in {{m.split(".")[0] for m in sys.modules if sys.modules[m] is not None}}
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=DEADLINE_S)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
