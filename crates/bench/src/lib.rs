@@ -90,6 +90,8 @@ pub struct BenchConfig {
     /// its slot table, and how many members to wait for.
     pub endpoint: String,
     pub token: Option<String>,
+    /// `kvplane` and `cluster` over TCP: TLS to the nodes.
+    pub tls: Option<kvplane_client::ClientTls>,
     pub block_size: usize,
     /// Distinct keys; GET benchmarks store them all first (untimed).
     pub blocks: usize,
@@ -172,6 +174,7 @@ async fn kvplane_client(endpoint: &str, cfg: &BenchConfig) -> anyhow::Result<kvp
     config.connections = cfg.connections.max(1);
     let (token, shared_memory) = (cfg.token.clone(), cfg.shared_memory);
     config.token = token;
+    config.tls.clone_from(&cfg.tls);
     config.shared_memory = shared_memory;
     kvplane_client::Client::connect(config).await.with_context(|| format!("connecting to {endpoint}"))
 }
@@ -180,13 +183,19 @@ async fn kvplane_client(endpoint: &str, cfg: &BenchConfig) -> anyhow::Result<kvp
 const CLUSTER_PATIENCE: Duration = Duration::from_secs(30);
 
 /// A cluster client whose slot table lists every node of `endpoint`.
-async fn cluster_client(endpoint: &str, token: Option<String>, connections: usize) -> anyhow::Result<kvplane_client::ClusterClient> {
+async fn cluster_client(
+    endpoint: &str,
+    token: Option<String>,
+    tls: Option<kvplane_client::ClientTls>,
+    connections: usize,
+) -> anyhow::Result<kvplane_client::ClusterClient> {
     let seeds =
         endpoint.split(',').map(|e| e.parse().map_err(anyhow::Error::from)).collect::<anyhow::Result<Vec<kvplane_client::Endpoint>>>()?;
     let expected = seeds.len();
     let mut config = kvplane_client::ClusterClientConfig::new(seeds);
     config.connections = connections.max(1);
     config.token = token;
+    config.tls = tls;
     let client =
         kvplane_client::ClusterClient::connect(config).await.with_context(|| format!("connecting to the cluster of {endpoint}"))?;
     let deadline = tokio::time::Instant::now() + CLUSTER_PATIENCE;
@@ -244,7 +253,7 @@ impl Conn {
                 }
                 Conn::Kvplane(clients)
             }
-            Target::Cluster => Conn::Cluster(cluster_client(&cfg.endpoint, cfg.token.clone(), cfg.connections).await?),
+            Target::Cluster => Conn::Cluster(cluster_client(&cfg.endpoint, cfg.token.clone(), cfg.tls.clone(), cfg.connections).await?),
             Target::Raw => Conn::Raw(raw::RawClient::connect(&cfg.endpoint).await?),
             Target::Redis => Conn::Redis(redis::RedisClient::connect(&cfg.endpoint).await?),
             Target::Vineyard => Conn::Vineyard(vineyard::VineyardClient::connect(&cfg.endpoint).await?),

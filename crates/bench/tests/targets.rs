@@ -25,6 +25,7 @@ fn shape(target: Target, endpoint: String, op: BenchOp, block_size: usize, block
         target,
         endpoint,
         token: None,
+        tls: None,
         block_size,
         blocks,
         batch: 8,

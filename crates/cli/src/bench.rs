@@ -75,6 +75,7 @@ pub(crate) async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         target: args.target,
         endpoint: args.conn.endpoint.clone(),
         token: args.conn.token()?,
+        tls: args.conn.tls()?,
         block_size: args.block_size,
         blocks: args.blocks,
         batch: args.batch,

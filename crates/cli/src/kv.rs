@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use bytes::Bytes;
 use clap::Args;
-use kvplane_client::{Client, ClientConfig, Endpoint, KvError};
+use kvplane_client::{Client, ClientConfig, ClientTls, Endpoint, KvError};
 
 /// Where the node is and how to authenticate.
 #[derive(Args, Clone)]
@@ -22,6 +22,21 @@ pub(crate) struct ConnectArgs {
     /// Seconds to wait for the node.
     #[arg(long, default_value_t = 30)]
     pub timeout: u64,
+    /// Connect over TLS, trusting the node's certificate when this PEM CA
+    /// file signed it (a node started with --tls-cert). TCP endpoints only.
+    #[arg(long, env = "KVPLANE_TLS_CA")]
+    pub tls_ca: Option<PathBuf>,
+    /// Client certificate (PEM chain) for a node that requires one
+    /// (--tls-client-ca on the node).
+    #[arg(long, env = "KVPLANE_TLS_CERT", requires_all = ["tls_ca", "tls_key"])]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert.
+    #[arg(long, env = "KVPLANE_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// The name the node's certificate must carry (default: the endpoint's
+    /// host, a DNS name or an IP address).
+    #[arg(long, env = "KVPLANE_TLS_SERVER_NAME", requires = "tls_ca")]
+    pub tls_server_name: Option<String>,
 }
 
 impl ConnectArgs {
@@ -36,11 +51,19 @@ impl ConnectArgs {
             .transpose()
     }
 
+    /// The TLS the flags ask for; errors name the flag and the file.
+    pub(crate) fn tls(&self) -> anyhow::Result<Option<ClientTls>> {
+        let Some(ca) = &self.tls_ca else { return Ok(None) };
+        let client = self.tls_cert.as_deref().zip(self.tls_key.as_deref());
+        ClientTls::new(ca, client, self.tls_server_name.as_deref()).map(Some).context("--tls-ca, --tls-cert, --tls-key")
+    }
+
     pub(crate) async fn connect(&self) -> anyhow::Result<Client> {
         let endpoint: Endpoint = self.endpoint.parse().map_err(anyhow::Error::from)?;
         let mut config = ClientConfig::new(endpoint);
         config.connections = 1;
         config.token = self.token()?;
+        config.tls = self.tls()?;
         config.timeout = Duration::from_secs(self.timeout);
         Client::connect(config).await.with_context(|| format!("connecting to the node at {}", self.endpoint))
     }

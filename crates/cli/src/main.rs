@@ -30,7 +30,8 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run a cache node (the main job): with no flags, L1 memory only on 127.0.0.1:9600.
-    Node(node::NodeArgs),
+    // Boxed: its many flags would make every command's value as large.
+    Node(Box<node::NodeArgs>),
     /// Store a file's bytes under KEY (FILE `-` reads stdin).
     Put {
         #[command(flatten)]
@@ -102,7 +103,7 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async {
         match cli.command {
-            Command::Node(args) => node::run(args).await,
+            Command::Node(args) => node::run(*args).await,
             Command::Put { conn, key, file } => kv::put(conn, key, file).await,
             Command::Get { conn, key, output } => kv::get(conn, key, output).await,
             Command::Exists { conn, keys } => kv::exists(conn, keys).await,

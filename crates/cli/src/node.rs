@@ -54,6 +54,28 @@ pub(crate) struct NodeArgs {
     /// default, since a KV cache holds what prompts computed.
     #[arg(long)]
     allow_unauthenticated: bool,
+    /// Serve the TCP port over TLS with this PEM certificate chain (leaf
+    /// first), e.g. a kubernetes.io/tls Secret's tls.crt. Read again every
+    /// --tls-reload-interval: a rotated certificate is served to new
+    /// connections without a restart. The Unix socket stays without TLS.
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PKCS#8, PKCS#1 or SEC1 PEM; tls.key).
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Require every TCP client to present a certificate signed by a CA in
+    /// this PEM file (mutual TLS). A client CA counts as credentials for a
+    /// --listen address other than loopback, as a --token-file does.
+    #[arg(long, requires = "tls_cert")]
+    tls_client_ca: Option<PathBuf>,
+    /// How often the TLS files are read again for a rotated certificate.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    tls_reload_interval: std::time::Duration,
+    /// Time a new connection gets to complete its TLS handshake (with
+    /// --tls-cert) and send its HELLO, together; past it, it is closed and
+    /// counted as a failed handshake.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    handshake_timeout: std::time::Duration,
     /// Connections served at once.
     #[arg(long, default_value_t = 1024)]
     max_connections: usize,
@@ -129,9 +151,15 @@ const DEFAULT_MEMORY: usize = 1 << 30;
 /// Refuses a client port reachable from other hosts when no client has to
 /// authenticate: a node must never be open by accident (issue 21). Loopback
 /// and the Unix socket reach only this host, so they need no token.
-fn check_exposure(listen: Option<SocketAddr>, token: bool, allow_unauthenticated: bool) -> anyhow::Result<()> {
+///
+/// Credentials are a bearer token or a client CA (mutual TLS: a client
+/// without a certificate that CA signed cannot even complete the TLS
+/// handshake). TLS alone is not: it hides the bytes on the wire, but any
+/// client that trusts the node's CA (a public one, possibly) still reads
+/// and writes every block.
+fn check_exposure(listen: Option<SocketAddr>, credentials: bool, allow_unauthenticated: bool) -> anyhow::Result<()> {
     let Some(addr) = listen else { return Ok(()) };
-    if token || addr.ip().to_canonical().is_loopback() {
+    if credentials || addr.ip().to_canonical().is_loopback() {
         return Ok(());
     }
     if allow_unauthenticated {
@@ -141,8 +169,8 @@ fn check_exposure(listen: Option<SocketAddr>, token: bool, allow_unauthenticated
         return Ok(());
     }
     anyhow::bail!(
-        "--listen {addr} is reachable from other hosts and no credentials are configured: give --token-file FILE (clients present its token), \
-         listen on loopback (127.0.0.1) or a --unix socket, or pass --allow-unauthenticated to accept that anyone who reaches the port reads and writes every block"
+        "--listen {addr} is reachable from other hosts and no credentials are configured: give --token-file FILE (clients present its token) \
+         or --tls-client-ca FILE (clients present a certificate it signed; TLS alone is not credentials), listen on loopback (127.0.0.1) or a --unix socket, or pass --allow-unauthenticated to accept that anyone who reaches the port reads and writes every block"
     )
 }
 
@@ -182,7 +210,7 @@ pub(crate) async fn run(args: NodeArgs) -> anyhow::Result<ExitCode> {
     // Exposure first, before plugins compile (seconds) or anything is bound.
     let listen = addr("listen", &args.listen)?;
     let admin = addr("admin", &args.admin)?;
-    check_exposure(listen, args.token_file.is_some(), args.allow_unauthenticated)?;
+    check_exposure(listen, args.token_file.is_some() || args.tls_client_ca.is_some(), args.allow_unauthenticated)?;
     let token = args.token_file.as_deref().map(read_token).transpose()?;
     // The file first: its plugins are verified before anything is bound,
     // and its settings are the defaults the flags override.
@@ -226,7 +254,21 @@ pub(crate) async fn run(args: NodeArgs) -> anyhow::Result<ExitCode> {
             .context("the config file's memory does not fit in this machine's address space")?;
     }
     let memory = args.memory.or(file_memory).unwrap_or(DEFAULT_MEMORY);
-    let mut config = NodeConfig { listen, admin, unix: args.unix, token, ..NodeConfig::default() };
+    let tls = match (args.tls_cert, args.tls_key) {
+        (Some(cert_file), Some(key_file)) => {
+            let reload = args.tls_reload_interval.as_secs();
+            if reload == 0 {
+                anyhow::bail!("--tls-reload-interval must be at least 1s");
+            }
+            Some(kvplane_config::TlsConfig { cert_file, key_file, client_ca_file: args.tls_client_ca, reload_interval_seconds: reload })
+        }
+        _ => None,
+    };
+    if tls.is_some() && listen.is_none() {
+        anyhow::bail!("--tls-cert applies to the TCP port, and --listen is none");
+    }
+    let mut config = NodeConfig { listen, admin, unix: args.unix, token, tls, ..NodeConfig::default() };
+    config.handshake_timeout = args.handshake_timeout;
     config.pool = PoolConfig { huge_pages: args.huge_pages, mlock: args.mlock, prefault: args.prefault, ..PoolConfig::new(memory) };
     if let Some(max_block) = args.max_block {
         let class = max_block.max(1).next_power_of_two();
@@ -266,6 +308,11 @@ pub(crate) async fn run(args: NodeArgs) -> anyhow::Result<ExitCode> {
         }
     }
     let policy = config.cache.policy;
+    let tls_mode = match &config.tls {
+        Some(t) if t.client_ca_file.is_some() => "TLS, client certificates required",
+        Some(_) => "TLS",
+        None => "",
+    };
     // The handlers go in before the node serves: a SIGTERM that came once
     // the port answered but before they were installed would kill the node
     // (the default action) instead of draining it.
@@ -273,7 +320,7 @@ pub(crate) async fn run(args: NodeArgs) -> anyhow::Result<ExitCode> {
     let node = Node::start_with_registry(config, registry).await?;
     let mut parts = Vec::new();
     if let Some(a) = node.tcp_addr() {
-        parts.push(format!("tcp {a}"));
+        parts.push(format!("tcp {a}{}", if tls_mode.is_empty() { String::new() } else { format!(" ({tls_mode})") }));
     }
     if let Some(p) = node.unix_path() {
         parts.push(format!("unix {}", p.display()));

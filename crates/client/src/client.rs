@@ -12,6 +12,7 @@ use crate::endpoint::Endpoint;
 use crate::key_error::KeyContext;
 use crate::rdma;
 use crate::shm::{Range, SharedMemory};
+use crate::tls::ClientTls;
 
 /// How to reach a node.
 #[derive(Debug, Clone)]
@@ -26,11 +27,14 @@ pub struct ClientConfig {
     /// Over a Unix socket, move block bytes through memory the node shares
     /// (when it offers some); false keeps every byte on the socket.
     pub shared_memory: bool,
+    /// TLS to a TCP endpoint (a node started with `--tls-cert`); a Unix
+    /// endpoint ignores it.
+    pub tls: Option<ClientTls>,
 }
 
 impl ClientConfig {
     pub fn new(endpoint: Endpoint) -> ClientConfig {
-        ClientConfig { endpoint, connections: 4, token: None, timeout: Duration::from_secs(30), shared_memory: true }
+        ClientConfig { endpoint, connections: 4, token: None, timeout: Duration::from_secs(30), shared_memory: true, tls: None }
     }
 }
 
@@ -60,7 +64,9 @@ impl Client {
     /// Opens the first connection (so a wrong address or token fails here,
     /// not at the first request); the others open on first use.
     pub async fn connect(config: ClientConfig) -> Result<Client, KvError> {
-        let first = Connection::open_with(&config.endpoint, config.token.as_deref(), config.timeout, config.shared_memory).await?;
+        let first =
+            Connection::open_with(&config.endpoint, config.token.as_deref(), config.timeout, config.shared_memory, config.tls.as_ref())
+                .await?;
         let limits = first.hello_ack().limits;
         // One STATS at connect, for the node's largest block: a PUT of a
         // longer one is then refused here, by name, without sending it.
@@ -99,8 +105,14 @@ impl Client {
             return Ok(Arc::clone(c));
         }
         let c = Arc::new(
-            Connection::open_with(&self.config.endpoint, self.config.token.as_deref(), self.config.timeout, self.config.shared_memory)
-                .await?,
+            Connection::open_with(
+                &self.config.endpoint,
+                self.config.token.as_deref(),
+                self.config.timeout,
+                self.config.shared_memory,
+                self.config.tls.as_ref(),
+            )
+            .await?,
         );
         *slot = Some(Arc::clone(&c));
         Ok(c)

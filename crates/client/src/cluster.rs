@@ -23,6 +23,7 @@ use tokio::task::{JoinHandle, JoinSet};
 
 use crate::client::{Client, ClientConfig, PrefixMatch};
 use crate::endpoint::Endpoint;
+use crate::tls::ClientTls;
 
 /// How long one CLUSTER_TABLE may wait for a change before it is asked again.
 const TABLE_WAIT: Duration = Duration::from_secs(30);
@@ -34,6 +35,11 @@ pub struct ClusterClientConfig {
     pub seeds: Vec<Endpoint>,
     /// Bearer token the nodes require.
     pub token: Option<String>,
+    /// TLS to every node (seeds and the members the table lists). The
+    /// table names members by `host:port` as they advertise themselves
+    /// (often a pod IP): their certificates must carry that address, or
+    /// the TLS server name must be set to a name they all carry.
+    pub tls: Option<ClientTls>,
     /// Connections per node.
     pub connections: usize,
     /// Limit on connecting and on waiting for any one answer.
@@ -48,7 +54,7 @@ pub struct ClusterClientConfig {
 
 impl ClusterClientConfig {
     pub fn new(seeds: Vec<Endpoint>) -> ClusterClientConfig {
-        ClusterClientConfig { seeds, token: None, connections: 2, timeout: Duration::from_secs(10), write_quorum: None }
+        ClusterClientConfig { seeds, token: None, tls: None, connections: 2, timeout: Duration::from_secs(10), write_quorum: None }
     }
 }
 
@@ -65,6 +71,7 @@ impl Nodes {
         }
         let mut config = ClientConfig::new(Endpoint::Tcp(endpoint.to_string()));
         config.token.clone_from(&self.config.token);
+        config.tls.clone_from(&self.config.tls);
         config.connections = self.config.connections;
         config.timeout = self.config.timeout;
         let client = Arc::new(Client::connect(config).await?);
@@ -105,6 +112,7 @@ async fn fetch_table(
 ) -> Result<(SlotTable, Client), KvError> {
     let mut c = ClientConfig::new(endpoint.clone());
     c.token.clone_from(&config.token);
+    c.tls.clone_from(&config.tls);
     c.connections = 1;
     c.timeout = config.timeout + wait;
     let client = Client::connect(c).await?;
@@ -418,6 +426,7 @@ async fn follow(config: ClusterClientConfig, tx: watch::Sender<Arc<SlotTable>>) 
                 turn += 1;
                 let mut c = ClientConfig::new(Endpoint::Tcp(endpoint.clone()));
                 c.token.clone_from(&config.token);
+                c.tls.clone_from(&config.tls);
                 c.connections = 1;
                 // The answer may take the whole wait; a silent node is given
                 // up on once the timeout passes beyond it.

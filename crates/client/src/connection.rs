@@ -23,6 +23,7 @@ use crate::into::{read_get_into, Destinations, Lease, NotRead};
 use crate::key_error::KeyContext;
 use crate::rdma;
 use crate::shm::SharedMemory;
+use crate::tls::ClientTls;
 use bytes::Bytes;
 use kvplane_protocol::io::{read_frame, read_meta, read_payloads, write_frame, ReadError};
 
@@ -109,16 +110,20 @@ impl Connection {
     /// [`Connection::shared_memory`]); a node that offers none is used
     /// through the socket alone.
     pub async fn open(endpoint: &Endpoint, token: Option<&str>, timeout: Duration) -> Result<Connection, KvError> {
-        Connection::open_with(endpoint, token, timeout, true).await
+        Connection::open_with(endpoint, token, timeout, true, None).await
     }
 
     /// As [`Connection::open`]; `shared_memory: false` never asks for the
-    /// node's shared memory.
+    /// node's shared memory; `tls`: speak TLS to a TCP endpoint (a Unix
+    /// endpoint ignores it: it reaches this host only). Over TLS the client
+    /// never asks for RDMA, whose one-sided reads would bypass the
+    /// encryption.
     pub async fn open_with(
         endpoint: &Endpoint,
         token: Option<&str>,
         timeout: Duration,
         shared_memory: bool,
+        tls: Option<&ClientTls>,
     ) -> Result<Connection, KvError> {
         let unavailable = |e: std::io::Error| KvError::Unavailable(format!("connect to {endpoint}: {e}"));
         let too_slow = || KvError::Timeout(format!("connect to {endpoint}: no answer in {timeout:?}"));
@@ -129,12 +134,20 @@ impl Connection {
                     .map_err(|_| too_slow())?
                     .map_err(unavailable)?;
                 stream.set_nodelay(true).map_err(unavailable)?;
-                let (r, mut w) = stream.into_split();
-                let mut r: Reader = BufReader::with_capacity(READ_BUFFER_BYTES, Box::new(r));
-                // RDMA only when this host has a device (and the feature).
-                let wanted = if rdma::offered() { Features::ALL | Features::RDMA } else { Features::ALL };
-                let ack = with_timeout(timeout, endpoint, handshake(&mut r, &mut w, endpoint, token, wanted)).await?;
-                (r, Box::new(w), ack, None)
+                if let Some(tls) = tls {
+                    let stream = with_timeout(timeout, endpoint, tls.connect(endpoint, addr, stream)).await?;
+                    let (r, mut w) = tokio::io::split(stream);
+                    let mut r: Reader = BufReader::with_capacity(READ_BUFFER_BYTES, Box::new(r));
+                    let ack = with_timeout(timeout, endpoint, handshake(&mut r, &mut w, endpoint, token, Features::ALL, Some(tls))).await?;
+                    (r, Box::new(w) as Writer, ack, None)
+                } else {
+                    let (r, mut w) = stream.into_split();
+                    let mut r: Reader = BufReader::with_capacity(READ_BUFFER_BYTES, Box::new(r));
+                    // RDMA only when this host has a device (and the feature).
+                    let wanted = if rdma::offered() { Features::ALL | Features::RDMA } else { Features::ALL };
+                    let ack = with_timeout(timeout, endpoint, handshake(&mut r, &mut w, endpoint, token, wanted, None)).await?;
+                    (r, Box::new(w) as Writer, ack, None)
+                }
             }
             Endpoint::Unix(path) => {
                 let mut stream = tokio::time::timeout(timeout, tokio::net::UnixStream::connect(path))
@@ -145,7 +158,7 @@ impl Connection {
                 let ack = {
                     let (r, mut w) = stream.split();
                     let mut r = BufReader::new(r);
-                    let ack = with_timeout(timeout, endpoint, handshake(&mut r, &mut w, endpoint, token, wanted)).await?;
+                    let ack = with_timeout(timeout, endpoint, handshake(&mut r, &mut w, endpoint, token, wanted, None)).await?;
                     // The node sends nothing more until asked, so nothing
                     // past the HELLO_ACK can have been read ahead.
                     if !r.buffer().is_empty() {
@@ -366,23 +379,38 @@ async fn with_timeout<T>(
     tokio::time::timeout(timeout, f).await.map_err(|_| KvError::Timeout(format!("handshake with {endpoint}: no answer in {timeout:?}")))?
 }
 
-/// HELLO → HELLO_ACK.
+/// HELLO → HELLO_ACK. Over TLS, an alert the node sends now is named
+/// (TLS 1.3 refuses a client certificate after the client's side of the
+/// handshake is done).
 async fn handshake<R, W>(
     reader: &mut R,
     writer: &mut W,
     endpoint: &Endpoint,
     token: Option<&str>,
     features: Features,
+    tls: Option<&ClientTls>,
 ) -> Result<HelloAck, KvError>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
-    let unavailable = |e: std::io::Error| KvError::Unavailable(format!("connect to {endpoint}: {e}"));
+    let named = |e: &std::io::Error| tls.and_then(|t| t.explain_tls(endpoint, None, e));
     let hello = Frame::request(0, Request::Hello(Hello { version: VERSION, features, token: token.map(str::to_owned) }));
     let encoded = encode(&hello).map_err(|e| KvError::Invalid(format!("hello: {e}")))?;
-    write_frame(writer, &encoded).await.map_err(unavailable)?;
+    if let Err(e) = write_frame(writer, &encoded).await {
+        // The write may fail on the close that followed an alert: the
+        // alert, when it can still be read, says why.
+        if tls.is_some() {
+            if let Err(ReadError::Io(read)) = read_frame(reader, &answer_limits()).await {
+                if let Some(known) = named(&read) {
+                    return Err(known);
+                }
+            }
+        }
+        return Err(named(&e).unwrap_or_else(|| KvError::Unavailable(format!("connect to {endpoint}: {e}"))));
+    }
     match read_frame(reader, &answer_limits()).await {
+        Err(ReadError::Io(e)) if named(&e).is_some() => Err(named(&e).expect("checked")),
         Ok(Some(Frame { message: Message::Response(Response::HelloAck(ack)), .. })) => Ok(ack),
         Ok(Some(Frame { message: Message::Response(Response::Error { code, message }), .. })) => {
             Err(code.into_kv_error(format!("{endpoint} refused the handshake: {message}")))

@@ -27,6 +27,7 @@ mod key_error;
 mod rdma;
 #[allow(unsafe_code)] // recvmsg and mmap of the node's memfd; see the module docs.
 mod shm;
+mod tls;
 
 pub use client::{Client, ClientConfig, PrefixMatch};
 pub use cluster::{ClusterClient, ClusterClientConfig};
@@ -34,3 +35,4 @@ pub use connection::Connection;
 pub use endpoint::Endpoint;
 pub use kvplane_protocol::{ErrorKind, KvError, Limits};
 pub use shm::SharedMemory;
+pub use tls::ClientTls;

@@ -235,6 +235,46 @@ impl Default for ClusterConfig {
     }
 }
 
+/// TLS on a node's client port: the certificate it presents and, for
+/// mutual TLS, the CA its clients' certificates must chain to. Paths of PEM
+/// files, read again every `reloadIntervalSeconds` so that a certificate
+/// rotated in place (cert-manager, a Kubernetes `kubernetes.io/tls` Secret)
+/// is served without a restart. The node's `--tls-cert`, `--tls-key`,
+/// `--tls-client-ca` and `--tls-reload-interval` flags fill it.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TlsConfig {
+    /// The certificate chain the node presents, leaf first (`tls.crt`).
+    pub cert_file: std::path::PathBuf,
+    /// The certificate's private key: PKCS#8, PKCS#1 or SEC1 (`tls.key`).
+    pub key_file: std::path::PathBuf,
+    /// CA certificates a client's certificate must chain to. Given, every
+    /// client must present one (mutual TLS); absent, none is asked for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_ca_file: Option<std::path::PathBuf>,
+    /// How often the files are read again for a rotated certificate.
+    #[serde(default = "TlsConfig::default_reload_interval_seconds")]
+    pub reload_interval_seconds: u64,
+}
+
+impl TlsConfig {
+    /// Seconds between two reads of the files: a rotation reaches new
+    /// handshakes within this, and three small reads a period cost nothing.
+    pub const DEFAULT_RELOAD_INTERVAL_SECONDS: u64 = 10;
+
+    fn default_reload_interval_seconds() -> u64 {
+        Self::DEFAULT_RELOAD_INTERVAL_SECONDS
+    }
+
+    /// Checks what the types cannot, naming the field.
+    pub fn validate(&self) -> Result<(), InvalidField> {
+        if self.reload_interval_seconds == 0 {
+            return Err(invalid("tls.reloadIntervalSeconds", "must be at least 1"));
+        }
+        Ok(())
+    }
+}
+
 /// A setting that parses but cannot work, named by its path in the file.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{field}: {message}")]

@@ -21,3 +21,4 @@ mod js_scaffold;
 mod node_cli;
 mod operator;
 mod plugin;
+mod tls;

@@ -46,8 +46,7 @@ pub(super) async fn accept_tcp(listener: TcpListener, state: Arc<NodeState>, slo
                     if let Err(e) = stream.set_nodelay(true) {
                         tracing::debug!(%peer, error = %e, "TCP_NODELAY refused");
                     }
-                    let (r, w) = stream.into_split();
-                    admit(&mut conns, r, w, None, &state, &slots, &shutdown, Peer::Ip(peer.ip()));
+                    admit(&mut conns, Incoming::Tcp(stream), &state, &slots, &shutdown, Peer::Ip(peer.ip()));
                 }
                 Err(e) => accept_failed(e).await,
             },
@@ -80,8 +79,7 @@ pub(super) async fn accept_unix(listener: UnixListener, state: Arc<NodeState>, s
                             None
                         }
                     };
-                    let (r, w) = stream.into_split();
-                    admit(&mut conns, r, w, local, &state, &slots, &shutdown, peer);
+                    admit(&mut conns, Incoming::Unix { stream, local }, &state, &slots, &shutdown, peer);
                 }
                 Err(e) => accept_failed(e).await,
             },
@@ -108,25 +106,22 @@ async fn accept_failed(e: std::io::Error) {
     tokio::time::sleep(Duration::from_millis(50)).await;
 }
 
+/// A connection just accepted.
+enum Incoming {
+    Tcp(tokio::net::TcpStream),
+    /// With a second handle on the socket, to pass a descriptor.
+    Unix {
+        stream: tokio::net::UnixStream,
+        local: Option<tokio::net::UnixStream>,
+    },
+}
+
 /// Starts serving a new connection, or tells it briefly why not: its peer
 /// failed too many handshakes lately, holds its share of the connection
-/// slots, or every slot is taken.
-#[allow(clippy::too_many_arguments)]
-fn admit<R, W>(
-    conns: &mut JoinSet<()>,
-    reader: R,
-    writer: W,
-    local: Option<tokio::net::UnixStream>,
-    state: &Arc<NodeState>,
-    slots: &Arc<Semaphore>,
-    shutdown: &Shutdown,
-    peer: Peer,
-) where
-    // Sync: a request answered across an await (the second tier) holds
-    // the connection by reference.
-    R: AsyncRead + Unpin + Send + Sync + 'static,
-    W: AsyncWrite + Unpin + Send + Sync + 'static,
-{
+/// slots, or every slot is taken. A refusal is written before any TLS
+/// handshake, in plaintext: a TLS client reads the node's reason from it
+/// (a refused flood then costs the node no handshakes).
+fn admit(conns: &mut JoinSet<()>, incoming: Incoming, state: &Arc<NodeState>, slots: &Arc<Semaphore>, shutdown: &Shutdown, peer: Peer) {
     let metrics = &state.metrics;
     if let Some(wait) = state.throttle.refuses(peer, std::time::Instant::now()) {
         metrics.connections_refused.inc_by(1);
@@ -134,7 +129,7 @@ fn admit<R, W>(
         let limit = state.throttle.limit();
         let message =
             format!("{peer} failed {limit} handshakes within a minute (--max-handshake-failures); retry in {} s", wait.as_secs().max(1));
-        return refuse(conns, reader, writer, message);
+        return refuse(conns, incoming, message);
     }
     let Some(peer_slot) = state.peer_slots.acquire(peer) else {
         metrics.connections_refused.inc_by(1);
@@ -142,20 +137,46 @@ fn admit<R, W>(
         let limit = state.peer_slots.limit();
         tracing::warn!(%peer, limit, "connection refused: the peer holds its share of the connections");
         let message = format!("{peer} already holds {limit} connections, one peer's share (--max-connections-per-peer); retry later");
-        return refuse(conns, reader, writer, message);
+        return refuse(conns, incoming, message);
     };
     let Ok(permit) = Arc::clone(slots).try_acquire_owned() else {
         metrics.connections_refused.inc_by(1);
         let limit = state.config.max_connections;
         tracing::warn!(%peer, limit, "connection refused: too many connections");
-        return refuse(conns, reader, writer, format!("too many connections (limit {limit}); retry later"));
+        return refuse(conns, incoming, format!("too many connections (limit {limit}); retry later"));
     };
     let state = Arc::clone(state);
     let shutdown = shutdown.clone();
     conns.spawn(async move {
         state.metrics.connections_total.inc_by(1);
         state.metrics.connections_open.inc();
-        let result = serve(reader, writer, local, &state, shutdown, peer).await;
+        // The TLS handshake and the HELLO share one deadline.
+        let deadline = tokio::time::Instant::now() + state.config.handshake_timeout;
+        let result = match incoming {
+            Incoming::Tcp(stream) => match &state.tls {
+                Some(tls) => match tls.accept(stream, deadline, state.config.handshake_timeout).await {
+                    Ok(stream) => {
+                        let (r, w) = tokio::io::split(stream);
+                        serve(r, w, None, &state, shutdown, peer, deadline).await
+                    }
+                    Err(refused) => {
+                        // A port probe is no failure (as without TLS).
+                        if refused.failure != super::tls::Failure::Closed {
+                            handshake_failed(&state, peer, &refused.message);
+                        }
+                        Err(ConnectionEnd::HandshakeFailed(refused.message))
+                    }
+                },
+                None => {
+                    let (r, w) = stream.into_split();
+                    serve(r, w, None, &state, shutdown, peer, deadline).await
+                }
+            },
+            Incoming::Unix { stream, local } => {
+                let (r, w) = stream.into_split();
+                serve(r, w, local, &state, shutdown, peer, deadline).await
+            }
+        };
         state.metrics.connections_open.dec();
         if let Err(e) = result {
             tracing::debug!(%peer, error = %e, "connection closed");
@@ -168,18 +189,15 @@ fn admit<R, W>(
 /// Answers `unavailable` with `message` (request id 0) and closes. A flood
 /// of these must not pile up tasks that wait on clients who never read:
 /// the write gets a second.
-fn refuse<R, W>(conns: &mut JoinSet<()>, reader: R, writer: W, message: String)
-where
-    R: Send + 'static,
-    W: AsyncWrite + Unpin + Send + 'static,
-{
+fn refuse(conns: &mut JoinSet<()>, incoming: Incoming, message: String) {
     conns.spawn(async move {
-        let mut writer = writer;
         let frame = Frame::response(0, Response::Error { code: ErrorCode::Unavailable, message });
-        if let Ok(encoded) = encode(&frame) {
-            let _ = tokio::time::timeout(Duration::from_secs(1), write_frame(&mut writer, &encoded)).await;
-        }
-        drop(reader);
+        let Ok(encoded) = encode(&frame) else { return };
+        let second = Duration::from_secs(1);
+        let _ = match incoming {
+            Incoming::Tcp(mut stream) => tokio::time::timeout(second, write_frame(&mut stream, &encoded)).await,
+            Incoming::Unix { mut stream, .. } => tokio::time::timeout(second, write_frame(&mut stream, &encoded)).await,
+        };
     });
 }
 
@@ -233,6 +251,7 @@ async fn serve<R, W>(
     state: &NodeState,
     mut shutdown: Shutdown,
     peer: Peer,
+    handshake_deadline: tokio::time::Instant,
 ) -> Result<(), ConnectionEnd>
 where
     R: AsyncRead + Unpin,
@@ -250,7 +269,7 @@ where
         receive_share: state.receive_budget.share(peer),
     };
     let timeout = state.config.handshake_timeout;
-    let shaken = match tokio::time::timeout(timeout, conn.handshake()).await {
+    let shaken = match tokio::time::timeout_at(handshake_deadline, conn.handshake()).await {
         Ok(result) => result,
         Err(_) => Err(ConnectionEnd::HandshakeFailed(format!("no HELLO within {timeout:?}"))),
     };
@@ -349,6 +368,7 @@ where
         let header = match read_header(&mut self.reader).await? {
             None => return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "closed before the handshake").into()),
             Some(Ok(h)) => h,
+            Some(Err(ProtocolError::BadMagic { found: [0x16, 0x03, ..] })) => return self.tls_on_plaintext_port().await,
             Some(Err(e)) => {
                 self.fatal(0, e).await?;
                 return Err(ConnectionEnd::Refused("bad first frame".into()));
@@ -396,6 +416,26 @@ where
         let ack = HelloAck { version: hello.version.min(VERSION), features: self.features, limits: self.state.config.limits };
         self.send(header.request_id, Response::HelloAck(ack)).await?;
         Ok(())
+    }
+
+    /// A TLS ClientHello on a port without TLS: answered, in plaintext, that
+    /// this port speaks none (a TLS client shows that answer; see the
+    /// client's `tls` module). The rest of the ClientHello is read first, so
+    /// that the close is not a reset that could lose the answer.
+    async fn tls_on_plaintext_port(&mut self) -> Result<(), ConnectionEnd> {
+        self.state.metrics.protocol_errors.inc_by(1);
+        let mut sink = [0u8; 4096];
+        for _ in 0..16 {
+            match tokio::time::timeout(Duration::from_millis(100), self.reader.read(&mut sink)).await {
+                Ok(Ok(n)) if n > 0 => {}
+                _ => break,
+            }
+        }
+        let message = "this port speaks kvplane without TLS (the node runs without --tls-cert): connect without TLS, \
+                       or start the node with --tls-cert and --tls-key";
+        self.send_error(0, ErrorCode::HandshakeRequired, message.into()).await?;
+        let _ = self.writer.shutdown().await;
+        Err(ConnectionEnd::Refused("a TLS ClientHello on a port without TLS".into()))
     }
 
     /// Serves one frame whose header has been read. `Ok(false)` closes the

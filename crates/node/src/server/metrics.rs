@@ -248,6 +248,9 @@ impl Collector for NodeCollector {
             }
         }
         state.store.encode_metrics(&mut e, &cache)?;
+        if let Some(tls) = &state.tls {
+            tls.encode_metrics(&mut e)?;
+        }
         if let Some(cluster) = &state.cluster {
             cluster.encode_metrics(&mut e)?;
         }

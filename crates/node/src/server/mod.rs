@@ -11,6 +11,7 @@ mod connection;
 mod descriptors;
 pub(crate) mod metrics;
 mod receive;
+mod tls;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -52,13 +53,17 @@ pub struct NodeConfig {
     pub cache: CacheConfig,
     /// Bearer token every connection must present in its `Hello`.
     pub token: Option<String>,
+    /// TLS on the TCP port (`None`: plaintext); the Unix socket never
+    /// speaks it (see `tls.rs`).
+    pub tls: Option<kvplane_config::TlsConfig>,
     pub limits: Limits,
     /// Connections served at once; more are answered `unavailable` and closed.
     pub max_connections: usize,
     /// Connections one peer may hold at once (TCP clients by IP address,
     /// Unix-socket clients by uid); `None`: a quarter of `max_connections`.
     pub max_connections_per_peer: Option<usize>,
-    /// How long a new connection may take to send its `Hello`.
+    /// How long a new connection may take to complete its TLS handshake
+    /// (with TLS) and send its `Hello`, together.
     pub handshake_timeout: Duration,
     /// Failed handshakes one peer may make in a minute before its new
     /// connections are refused for the rest of that minute.
@@ -112,6 +117,7 @@ impl Default for NodeConfig {
             pool: PoolConfig::default(),
             cache: CacheConfig::default(),
             token: None,
+            tls: None,
             limits: Limits::default(),
             max_connections: 1024,
             max_connections_per_peer: None,
@@ -205,6 +211,8 @@ pub(crate) struct NodeState {
     /// Bytes held for frames still arriving (see `receive.rs`).
     pub(crate) receive_budget: ReceiveBudget,
     pub(crate) frame_clock: FrameClock,
+    /// The TCP port's TLS, with its certificate as last (re)loaded.
+    pub(crate) tls: Option<Arc<tls::TlsServer>>,
     draining: AtomicBool,
 }
 
@@ -223,6 +231,9 @@ impl NodeState {
         out.push(("receive_budget_per_peer_bytes".into(), self.receive_budget.per_peer_bytes() as u64));
         out.push(("receive_budget_waits".into(), self.receive_budget.waits.load(std::sync::atomic::Ordering::Relaxed)));
         out.extend(self.store.stats());
+        if let Some(tls) = &self.tls {
+            out.extend(tls.stats());
+        }
         if let Some(cluster) = &self.cluster {
             out.extend(cluster.stats());
         }
@@ -251,6 +262,9 @@ impl Node {
     pub async fn start_with_registry(config: NodeConfig, mut registry: Registry) -> anyhow::Result<Node> {
         config.check()?;
         descriptors::settle(descriptors::DescriptorNeed::of(&config))?;
+        // The certificate before anything is bound: a node asked for TLS
+        // that cannot serve it does not start.
+        let tls = config.tls.clone().map(tls::TlsServer::load).transpose()?.map(Arc::new);
         let pool = MemoryPool::new(config.pool.clone()).context("reserving the memory pool (--memory, or memory in the config file)")?;
         let cache = BlockCache::new(pool, config.cache.clone());
         let rdma = Rdma::start(&cache, WallClock::new(config.cache.clock.clone(), WallClock::system_unix_ms()));
@@ -279,6 +293,7 @@ impl Node {
             throttle: HandshakeThrottle::new(config.max_handshake_failures),
             receive_budget: ReceiveBudget::new(config.receive_budget_bytes(), config.receive_budget_per_peer_bytes()),
             frame_clock: FrameClock { grace: config.frame_grace, min_rate: config.min_receive_rate },
+            tls,
             config,
             cluster,
             shm_regions: Default::default(),
@@ -287,6 +302,9 @@ impl Node {
         });
         if state.rdma.offered() {
             tasks.spawn(sweep_leases(Arc::downgrade(&state), shutdown.subscribe()));
+        }
+        if let Some(tls) = &state.tls {
+            tasks.spawn(Arc::clone(tls).watch(shutdown.subscribe()));
         }
         if state.cluster.is_some() {
             tasks.spawn(crate::cluster::repair(Arc::downgrade(&state), shutdown.subscribe()));
@@ -323,7 +341,7 @@ impl Node {
         if let Some(l) = unix {
             tasks.spawn(connection::accept_unix(l, Arc::clone(&state), Arc::clone(&slots), shutdown.subscribe()));
         }
-        tracing::info!(tcp = ?tcp_addr, unix = ?unix_path, admin = ?admin_addr, "node serving");
+        tracing::info!(tcp = ?tcp_addr, tls = state.tls.is_some(), unix = ?unix_path, admin = ?admin_addr, "node serving");
         Ok(Node { state, tcp_addr, admin, unix_path, shutdown, tasks })
     }
 

@@ -1,0 +1,343 @@
+//! TLS on a real `kvplane node` process's TCP port (issue 21, item 1):
+//! certificates made here with rcgen (a CA, server certificates for
+//! 127.0.0.1 and localhost, an expired one, one for another name, client
+//! certificates), the Rust client and the CLI as users run them. Each
+//! refusal must reach the caller as its own readable message.
+
+use std::io::{Read as _, Write as _};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use kvplane_client::{Client, ClientConfig, ClientTls, Endpoint, KvError};
+use rcgen::{BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose};
+
+use crate::support::{run, text, NodeProcess};
+
+const PATIENCE: Duration = Duration::from_secs(30);
+
+/// A certificate authority of the test's own.
+struct Ca {
+    issuer: Issuer<'static, KeyPair>,
+    pem: String,
+}
+
+/// A certificate and its key, as PEM files in the test's directory.
+struct Issued {
+    cert: PathBuf,
+    key: PathBuf,
+}
+
+enum Use {
+    Server,
+    Client,
+}
+
+impl Ca {
+    fn new(name: &str) -> Ca {
+        let key = KeyPair::generate().expect("generating a CA key");
+        let mut params = CertificateParams::new(Vec::<String>::new()).expect("CA params");
+        params.distinguished_name.push(DnType::CommonName, name);
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
+        let cert = params.self_signed(&key).expect("self-signing the CA");
+        Ca { pem: cert.pem(), issuer: Issuer::new(params, key) }
+    }
+
+    fn write(&self, dir: &Path, name: &str) -> PathBuf {
+        let path = dir.join(format!("{name}.pem"));
+        std::fs::write(&path, &self.pem).unwrap();
+        path
+    }
+
+    /// A certificate for `names` (DNS names or IP addresses), expired a
+    /// year ago when `expired`, written as `NAME.crt` and `NAME.key`.
+    fn issue(&self, dir: &Path, name: &str, names: &[&str], usage: Use, expired: bool) -> Issued {
+        let key = KeyPair::generate().expect("generating a key");
+        let mut params = CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>()).expect("params");
+        params.distinguished_name.push(DnType::CommonName, name);
+        params.extended_key_usages = vec![match usage {
+            Use::Server => ExtendedKeyUsagePurpose::ServerAuth,
+            Use::Client => ExtendedKeyUsagePurpose::ClientAuth,
+        }];
+        if expired {
+            params.not_before = rcgen::date_time_ymd(2020, 1, 1);
+            params.not_after = rcgen::date_time_ymd(2021, 1, 1);
+        }
+        let cert = params.signed_by(&key, &self.issuer).expect("signing");
+        let issued = Issued { cert: dir.join(format!("{name}.crt")), key: dir.join(format!("{name}.key")) };
+        std::fs::write(&issued.cert, cert.pem()).unwrap();
+        std::fs::write(&issued.key, key.serialize_pem()).unwrap();
+        issued
+    }
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+fn tls_node(cert: &Issued, extra: &[&str]) -> NodeProcess {
+    let mut args = vec!["--memory", "16MiB", "--tls-cert", s(&cert.cert), "--tls-key", s(&cert.key)];
+    args.extend_from_slice(extra);
+    NodeProcess::start(&args)
+}
+
+async fn connect(node: &NodeProcess, tls: Option<ClientTls>) -> Result<Client, KvError> {
+    let mut config = ClientConfig::new(Endpoint::Tcp(node.endpoint.clone()));
+    config.connections = 1;
+    config.timeout = PATIENCE;
+    config.tls = tls;
+    Client::connect(config).await
+}
+
+fn trusting(ca: &Path) -> ClientTls {
+    ClientTls::new(ca, None, None).expect("a CA file")
+}
+
+/// The error a connect got, as the user reads it.
+async fn refusal(node: &NodeProcess, tls: Option<ClientTls>) -> String {
+    match connect(node, tls).await {
+        Ok(_) => panic!("{} accepted the connection", node.endpoint),
+        Err(e) => {
+            // What each refusal prints, in the test's output.
+            eprintln!("refused: {e}");
+            e.to_string()
+        }
+    }
+}
+
+fn assert_names(message: &str, needles: &[&str]) {
+    for needle in needles {
+        assert!(message.contains(needle), "{needle:?} is not in the error: {message}");
+    }
+}
+
+async fn stat(client: &Client, name: &str) -> u64 {
+    let stats = client.stats().await.expect("STATS");
+    stats.iter().find(|(n, _)| n == name).map(|(_, v)| *v).unwrap_or_else(|| panic!("no stat {name} in {stats:?}"))
+}
+
+async fn round_trip(client: &Client, key: &str) {
+    let value = Bytes::from(vec![7u8; 64 << 10]);
+    client.put(vec![(Bytes::from(key.to_string()), value.clone())]).await.unwrap().pop().unwrap().expect("PUT over TLS");
+    let got = client.get(vec![Bytes::from(key.to_string())]).await.unwrap().pop().unwrap().expect("GET over TLS");
+    assert_eq!(got, value);
+}
+
+/// A TLS node serves a client that trusts its CA (by its IP address, and by
+/// a name its certificate carries), and the Unix socket beside it keeps its
+/// shared memory without TLS. Each refusal is a message of its own: another
+/// CA, an expired certificate, a certificate for another name, a plaintext
+/// client on the TLS port, a TLS client on a plaintext port; the node
+/// counts what it saw.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_serves_and_names_each_refusal() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new("kvplane-test-ca");
+    let ca_file = ca.write(dir.path(), "ca");
+    let other_ca = Ca::new("another-ca").write(dir.path(), "other-ca");
+    let good = ca.issue(dir.path(), "node", &["127.0.0.1", "localhost"], Use::Server, false);
+    let sock = dir.path().join("node.sock");
+    let node = tls_node(&good, &["--unix", s(&sock)]);
+    assert!(node.log.lock().unwrap().iter().any(|l| l.contains("(TLS)")), "the serving line says TLS: {:?}", node.log.lock().unwrap());
+
+    let client = connect(&node, Some(trusting(&ca_file))).await.expect("a client trusting the CA connects");
+    round_trip(&client, "over-tls").await;
+    let by_name = ClientTls::new(&ca_file, None, Some("localhost")).unwrap();
+    round_trip(&connect(&node, Some(by_name)).await.expect("the server name localhost is on the certificate"), "by-name").await;
+
+    // The same-host path is unchanged: no TLS, shared memory.
+    let local = Client::connect(ClientConfig::new(Endpoint::Unix(sock.clone()))).await.expect("the unix socket serves");
+    assert!(local.connection().await.unwrap().shared_memory().is_some(), "the unix socket shares memory");
+    assert_eq!(local.get(vec![Bytes::from("over-tls")]).await.unwrap()[0].as_ref().map(|b| b.len()), Ok(64 << 10));
+
+    let e = refusal(&node, Some(trusting(&other_ca))).await;
+    assert_names(&e, &["TLS: the certificate of", "is not signed by a CA in", s(&other_ca), "(unknown issuer)"]);
+
+    let e = refusal(&node, Some(ClientTls::new(&ca_file, None, Some("cache.example")).unwrap())).await;
+    assert_names(&e, &["TLS: the certificate of", "is not valid for the name \"cache.example\"", "127.0.0.1", "localhost"]);
+
+    let e = refusal(&node, None).await;
+    assert_names(&e, &["refused the handshake", "this port requires TLS (the node runs with --tls-cert)"]);
+
+    assert_eq!(stat(&client, "tls_handshake_failures_plaintext").await, 1);
+    assert_eq!(stat(&client, "tls_handshake_failures_client_refused").await, 2, "the client refused the node's certificate twice");
+    assert!(stat(&client, "tls_handshakes").await >= 2);
+
+    // An expired certificate, and one for another name only.
+    let expired = tls_node(&ca.issue(dir.path(), "expired", &["127.0.0.1"], Use::Server, true), &[]);
+    let e = refusal(&expired, Some(trusting(&ca_file))).await;
+    assert_names(&e, &["TLS: the certificate of", "has expired (", "s ago): the node needs a renewed certificate"]);
+    let elsewhere = tls_node(&ca.issue(dir.path(), "elsewhere", &["elsewhere.example"], Use::Server, false), &[]);
+    let e = refusal(&elsewhere, Some(trusting(&ca_file))).await;
+    assert_names(&e, &["is not valid for the name \"127.0.0.1\"", "(it is for elsewhere.example)"]);
+
+    // A TLS client on a port without TLS.
+    let plain = NodeProcess::start(&["--memory", "16MiB"]);
+    let e = refusal(&plain, Some(trusting(&ca_file))).await;
+    assert_names(&e, &["TLS:", "does not speak TLS on this port", "the node runs without --tls-cert"]);
+    let plain_client = connect(&plain, None).await.expect("a plaintext client");
+    assert_eq!(stat(&plain_client, "protocol_errors").await, 1, "the node counted the ClientHello");
+
+    // The CLI, with its flags.
+    let data = dir.path().join("data.bin");
+    std::fs::write(&data, b"written by the CLI over TLS").unwrap();
+    let out = run(&["put", "--endpoint", &node.endpoint, "--tls-ca", s(&ca_file), "cli-key", s(&data)]);
+    assert!(out.status.success(), "{}", text(&out));
+    let out = run(&["get", "--endpoint", &node.endpoint, "--tls-ca", s(&ca_file), "cli-key"]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(out.stdout, b"written by the CLI over TLS");
+    let out = run(&["stats", "--endpoint", &node.endpoint, "--tls-ca", s(&other_ca)]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert_names(&text(&out), &["error: connecting to the node at", "(unknown issuer)"]);
+    let out = run(&["stats", "--endpoint", &node.endpoint, "--tls-ca", s(&dir.path().join("missing.pem"))]);
+    assert_names(&text(&out), &["--tls-ca", "missing.pem"]);
+}
+
+/// With --tls-client-ca every client must present a certificate that CA
+/// signed: none, one from another CA and an expired one are refused, each
+/// saying so, and a good one is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mutual_tls_refuses_clients_without_a_good_certificate() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new("kvplane-test-ca");
+    let ca_file = ca.write(dir.path(), "ca");
+    let clients = Ca::new("clients-ca");
+    let clients_file = clients.write(dir.path(), "clients-ca");
+    let rogue = Ca::new("rogue-ca");
+    let server = ca.issue(dir.path(), "node", &["127.0.0.1"], Use::Server, false);
+    let node = tls_node(&server, &["--tls-client-ca", s(&clients_file)]);
+    let with = |issued: &Issued| ClientTls::new(&ca_file, Some((&issued.cert, &issued.key)), None).unwrap();
+
+    let engine = clients.issue(dir.path(), "engine", &["engine"], Use::Client, false);
+    let client = connect(&node, Some(with(&engine))).await.expect("a client with a certificate the client CA signed");
+    round_trip(&client, "mtls").await;
+
+    let e = refusal(&node, Some(trusting(&ca_file))).await;
+    assert_names(&e, &["TLS:", "requires a client certificate (mutual TLS: the node runs with --tls-client-ca)"]);
+    let e = refusal(&node, Some(with(&rogue.issue(dir.path(), "rogue", &["rogue"], Use::Client, false)))).await;
+    assert_names(&e, &["TLS:", "refused this client's certificate", "rogue.crt", "(alert UnknownCA)"]);
+    let e = refusal(&node, Some(with(&clients.issue(dir.path(), "old", &["old"], Use::Client, true)))).await;
+    assert_names(&e, &["TLS:", "refused this client's certificate", "old.crt", "(alert CertificateExpired)"]);
+    let e = refusal(&node, None).await;
+    assert_names(&e, &["this port requires TLS with a client certificate"]);
+
+    assert_eq!(stat(&client, "tls_handshake_failures_no_client_cert").await, 1);
+    assert_eq!(stat(&client, "tls_handshake_failures_bad_client_cert").await, 2);
+    assert_eq!(stat(&client, "tls_handshake_failures_plaintext").await, 1);
+}
+
+/// The files are read again while the node serves: a connection opened
+/// before a rotation keeps working, a new one gets the new certificate (a
+/// client trusting only the old CA is refused, one trusting the new CA is
+/// served); a key that does not match its certificate is refused, counted
+/// and logged, and the certificate before keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rotated_certificate_reaches_new_connections_and_spares_open_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let old_ca = Ca::new("old-ca");
+    let old_ca_file = old_ca.write(dir.path(), "old-ca");
+    let new_ca = Ca::new("new-ca");
+    let new_ca_file = new_ca.write(dir.path(), "new-ca");
+    let served = old_ca.issue(dir.path(), "served", &["127.0.0.1"], Use::Server, false);
+    let node = tls_node(&served, &["--tls-reload-interval", "1s"]);
+    let open = connect(&node, Some(trusting(&old_ca_file))).await.expect("connected before the rotation");
+    round_trip(&open, "before").await;
+    assert!(connect(&node, Some(trusting(&new_ca_file))).await.is_err(), "the new CA is not served yet");
+
+    // A rotation as a Secret volume does it: new files moved into place.
+    let rotated = new_ca.issue(dir.path(), "rotated", &["127.0.0.1"], Use::Server, false);
+    std::fs::rename(&rotated.cert, &served.cert).unwrap();
+    std::fs::rename(&rotated.key, &served.key).unwrap();
+    let deadline = Instant::now() + PATIENCE;
+    while stat(&open, "tls_reloads").await < 1 {
+        assert!(Instant::now() < deadline, "the node did not reload within {PATIENCE:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    round_trip(&open, "after").await;
+    let e = refusal(&node, Some(trusting(&old_ca_file))).await;
+    assert_names(&e, &["(unknown issuer)"]);
+    let fresh = connect(&node, Some(trusting(&new_ca_file))).await.expect("a new connection gets the new certificate");
+    round_trip(&fresh, "fresh").await;
+
+    // A key of another certificate: refused, the certificate before serves.
+    let stray = new_ca.issue(dir.path(), "stray", &["127.0.0.1"], Use::Server, false);
+    std::fs::rename(&stray.key, &served.key).unwrap();
+    while stat(&open, "tls_reload_failures").await < 1 {
+        assert!(Instant::now() < deadline, "the failed reload was not counted within {PATIENCE:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    connect(&node, Some(trusting(&new_ca_file))).await.expect("the certificate loaded before still serves");
+    let log = node.log.lock().unwrap().join("\n");
+    assert_names(&log, &["TLS reload failed, the certificate loaded before keeps serving", "--tls-key"]);
+    assert_eq!(stat(&open, "tls_reloads").await, 1);
+    // Reported once, not every period.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(stat(&open, "tls_reload_failures").await, 1);
+}
+
+/// A client that opens a TLS handshake and stalls, or sends nothing, is
+/// cut at --handshake-timeout and counted; the node serves others
+/// meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_tls_handshake_is_cut_at_the_deadline() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new("kvplane-test-ca");
+    let ca_file = ca.write(dir.path(), "ca");
+    let node = tls_node(&ca.issue(dir.path(), "node", &["127.0.0.1"], Use::Server, false), &["--handshake-timeout", "1s"]);
+    let client = connect(&node, Some(trusting(&ca_file))).await.unwrap();
+    for first in [&[0x16u8, 0x03, 0x01][..], &[][..]] {
+        let started = Instant::now();
+        let mut stalled = std::net::TcpStream::connect(&node.endpoint).unwrap();
+        stalled.set_read_timeout(Some(PATIENCE)).unwrap();
+        stalled.write_all(first).unwrap();
+        round_trip(&client, "meanwhile").await;
+        let mut rest = Vec::new();
+        let closed = match stalled.read_to_end(&mut rest) {
+            Ok(_) => true,
+            Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
+        };
+        let took = started.elapsed();
+        assert!(closed, "the stalled handshake was not closed within {PATIENCE:?}");
+        assert!(took >= Duration::from_millis(900) && took < Duration::from_secs(10), "closed after {took:?}");
+    }
+    assert_eq!(stat(&client, "tls_handshake_failures_timeout").await, 2);
+    assert_eq!(stat(&client, "handshake_failures").await, 2);
+}
+
+/// A client CA counts as credentials for a port other hosts can reach; a
+/// certificate alone does not (TLS hides the bytes, it does not say who
+/// may read them). Binds every address: runs in a private network namespace.
+#[test]
+fn tls_alone_is_not_credentials_for_a_port_others_reach_a_client_ca_is() {
+    use kvplane_tests::vineyard::in_private_network;
+    if !in_private_network(module_path!(), "tls_alone_is_not_credentials_for_a_port_others_reach_a_client_ca_is") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new("kvplane-test-ca");
+    let ca_file = ca.write(dir.path(), "ca");
+    let cert = ca.issue(dir.path(), "node", &["127.0.0.1"], Use::Server, false);
+    let base =
+        ["node", "--listen", "0.0.0.0:0", "--admin", "none", "--memory", "16MiB", "--tls-cert", s(&cert.cert), "--tls-key", s(&cert.key)];
+    let mut refused = crate::support::kvplane().args(base).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let started = Instant::now();
+    while refused.try_wait().unwrap().is_none() {
+        if started.elapsed() > PATIENCE {
+            let _ = refused.kill();
+            panic!("kvplane node served 0.0.0.0 with TLS and no credentials: {}", text(&refused.wait_with_output().unwrap()));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = refused.wait_with_output().unwrap();
+    assert!(!out.status.success(), "{}", text(&out));
+    assert_names(&text(&out), &["--listen 0.0.0.0:0", "--tls-client-ca", "TLS alone is not credentials", "--allow-unauthenticated"]);
+
+    let mut node =
+        crate::support::kvplane().args(base).args(["--tls-client-ca", s(&ca_file)]).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let stderr = node.stderr.take().unwrap();
+    let line = crate::support::wait_for_line(&mut node, stderr, "kvplane node serving", "kvplane node");
+    let _ = node.kill();
+    let _ = node.wait();
+    assert!(line.contains("tcp 0.0.0.0:") && line.contains("(TLS, client certificates required)"), "{line}");
+}
