@@ -226,21 +226,27 @@ class KVPlaneConnector(Connector[bytes, torch.Tensor]):
         return await self._async(self._exists, key)
 
     async def get(self, key: bytes, mr: MemoryRegion | Sequence[MemoryRegion]) -> Status:
-        return (await self.mget([key], [mr]))[0]
+        return _first(await self.mget([key], [mr]))
 
     async def put(self, key: bytes, mr: MemoryRegion | Sequence[MemoryRegion]) -> Status:
-        return (await self.mput([key], [mr]))[0]
+        return _first(await self.mput([key], [mr]))
 
     async def delete(self, key: bytes) -> Status:
         return await self._async(self._delete, key)
 
-    async def mget(self, keys: Sequence[bytes], mrs: Sequence[MemoryRegion | Sequence[MemoryRegion]]) -> Sequence[Status]:
+    async def mget(
+        self, keys: Sequence[bytes], mrs: Sequence[MemoryRegion | Sequence[MemoryRegion]]
+    ) -> Sequence[Status] | Status:
         """One GET of every key, each value read straight into its memory
-        region; per key OK, NOT_FOUND, or ERROR with the reason."""
+        region: per key OK or NOT_FOUND, or one status (ERROR, TIMEOUT,
+        with the reason) when the batch failed as a whole."""
         return await self._async(self._mget, list(keys), list(mrs))
 
-    async def mput(self, keys: Sequence[bytes], mrs: Sequence[MemoryRegion | Sequence[MemoryRegion]]) -> Sequence[Status]:
-        """One PUT of every key, sent straight from its memory region."""
+    async def mput(
+        self, keys: Sequence[bytes], mrs: Sequence[MemoryRegion | Sequence[MemoryRegion]]
+    ) -> Sequence[Status] | Status:
+        """One PUT of every key, sent straight from its memory region: OK per
+        key, or one status when the batch failed."""
         return await self._async(self._mput, list(keys), list(mrs))
 
     def get_batches(
@@ -270,14 +276,14 @@ class KVPlaneConnector(Connector[bytes, torch.Tensor]):
         done = self._run("delete", lambda c: c.delete([self._prefix + key]))
         return done if isinstance(done, Status) else Status.ok()
 
-    def _mget(self, keys: list[bytes], mrs: list[Any]) -> list[Status]:
+    def _mget(self, keys: list[bytes], mrs: list[Any]) -> list[Status] | Status:
         views = [_region_bytes(mr) for mr in mrs]
         refused = next((v for v in views if isinstance(v, Status)), None)
         if refused is not None:
-            return [refused] * len(keys)
+            return refused
         lengths = self._run("get", lambda c: c.get_into([self._prefix + k for k in keys], views))
         if isinstance(lengths, Status):
-            return [lengths] * len(keys)
+            return lengths  # the whole batch failed: one status (see _mput)
         statuses: list[Status] = []
         for key, view, n in zip(keys, views, lengths):
             if n is None:
@@ -293,14 +299,18 @@ class KVPlaneConnector(Connector[bytes, torch.Tensor]):
         self._count("get_missing", len(keys) - found)
         return statuses
 
-    def _mput(self, keys: list[bytes], mrs: list[Any]) -> list[Status]:
+    def _mput(self, keys: list[bytes], mrs: list[Any]) -> list[Status] | Status:
         views = [_region_bytes(mr) for mr in mrs]
         refused = next((v for v in views if isinstance(v, Status)), None)
         if refused is not None:
-            return [refused] * len(keys)
+            return refused
         done = self._run("put", lambda c: c.put_from([self._prefix + k for k in keys], views))
         if isinstance(done, Status):
-            return [done] * len(keys)
+            # The whole batch failed: one status, which AIBrix's L2 cache
+            # takes for the batch. A list holding failures is not an option
+            # with aibrix_kvcache 0.8: its L2Cache._mput_impl then calls
+            # .result() on a Status, which has none, and raises.
+            return done
         self._count("put_stored", len(keys))
         return [Status.ok()] * len(keys)
 
@@ -341,6 +351,10 @@ class KVPlaneConnector(Connector[bytes, torch.Tensor]):
     def _count(self, name: str, n: int) -> None:
         with self._lock:
             self._counters[name] += n
+
+
+def _first(statuses: Sequence[Status] | Status) -> Status:
+    return statuses if isinstance(statuses, Status) else statuses[0]
 
 
 def _region_bytes(mr: Any) -> memoryview | Status:
