@@ -39,14 +39,18 @@ nor ``PYTHONHASHSEED`` makes the keys deterministic. Every call is batched where
 batched form: one PUT for ``batched_put``, one GET into LMCache's buffers
 for ``batched_get`` and ``batched_get_non_blocking``, and one MATCH_PREFIX
 for ``batched_async_contains`` (with ``pin``, a lease keeps the matched
-chunks until the GET that follows). Calls run on worker threads, so
-LMCache's event loop never waits on the network. A node that cannot be
-reached makes lookups misses and puts no-ops, never an error in LMCache.
+chunks until the GET that follows). LMCache's coroutines (``exists``,
+``batched_async_contains``, the gets and puts) await `kvplane.aio.Client`,
+whose calls run on the client's own I/O runtime: LMCache's event loop never
+waits on the network and no thread is spent per call. Its synchronous calls
+(``exists_sync``, ``batched_contains``, ``remove_sync``), made from
+LMCache's own threads, use the synchronous `kvplane.Client`; both are made
+from the same settings. A node that cannot be reached makes lookups misses
+and puts no-ops, never an error in LMCache.
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 
 from lmcache.logging import init_logger
@@ -57,6 +61,7 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from kvplane._reconnecting import ReconnectingClient
 from kvplane._settings import SCHEME, Settings
+from kvplane.aio import ReconnectingClient as AsyncReconnectingClient
 
 logger = init_logger(__name__)
 
@@ -103,7 +108,9 @@ class KVPlaneRemoteConnector(RemoteConnector):
         self._target = target
         self._loop = context.loop
         self._local = context.local_cpu_backend
+        # The synchronous calls' client and the coroutines' one.
         self._node = ReconnectingClient(target, log=logger)
+        self._aio = AsyncReconnectingClient(target, log=logger)
         # How chunks are split (see `_layout`), once a node said its largest block.
         self._parts: _Parts | None = None
         algorithm = getattr(context.config, "pre_caching_hash_algorithm", None) if context.config is not None else None
@@ -120,7 +127,10 @@ class KVPlaneRemoteConnector(RemoteConnector):
     # --- lookups --------------------------------------------------------------------
 
     async def exists(self, key: CacheEngineKey) -> bool:
-        return await asyncio.to_thread(self.exists_sync, key)
+        parts = await self._alayout()
+        if parts is None:
+            return False
+        return all(await self._aio.call("exists", [False] * parts.count, parts.keys(key.to_string())))
 
     def exists_sync(self, key: CacheEngineKey) -> bool:
         parts = self._layout()
@@ -135,16 +145,30 @@ class KVPlaneRemoteConnector(RemoteConnector):
             client = self._node.get()
             if client is None:
                 return None
-            self._parts = _Parts.of(self.full_chunk_size_bytes, client.max_block_bytes)
-            if self._parts.count > 1:
-                logger.info(
-                    "kvplane: chunks of %d bytes are stored in %d parts of at most %d bytes (the node's largest block is %d)",
-                    self.full_chunk_size_bytes,
-                    self._parts.count,
-                    self._parts.size,
-                    client.max_block_bytes,
-                )
+            self._fix_layout(client.max_block_bytes)
         return self._parts
+
+    async def _alayout(self) -> _Parts | None:
+        """`_layout` for the coroutines, asking the async client."""
+        if self._parts is None:
+            client = await self._aio.get()
+            if client is None:
+                return None
+            self._fix_layout(client.max_block_bytes)
+        return self._parts
+
+    def _fix_layout(self, max_block: int | None) -> None:
+        if self._parts is not None:
+            return
+        self._parts = _Parts.of(self.full_chunk_size_bytes, max_block)
+        if self._parts.count > 1:
+            logger.info(
+                "kvplane: chunks of %d bytes are stored in %d parts of at most %d bytes (the node's largest block is %d)",
+                self.full_chunk_size_bytes,
+                self._parts.count,
+                self._parts.size,
+                max_block,
+            )
 
     def support_batched_contains(self) -> bool:
         return True
@@ -156,7 +180,11 @@ class KVPlaneRemoteConnector(RemoteConnector):
         return True
 
     async def batched_async_contains(self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False) -> int:
-        return await asyncio.to_thread(self._prefix, keys, self._target.lease_ms if pin else 0)
+        parts = await self._alayout()
+        if not keys or parts is None:
+            return 0
+        matched, _lease = await self._aio.call("match_prefix", (0, 0), _flat(parts, keys), self._target.lease_ms if pin else 0)
+        return matched // parts.count
 
     def _prefix(self, keys: list[CacheEngineKey], lease_ms: int) -> int:
         """How many leading chunks the node holds (one MATCH_PREFIX),
@@ -164,8 +192,7 @@ class KVPlaneRemoteConnector(RemoteConnector):
         parts = self._layout()
         if not keys or parts is None:
             return 0
-        flat = [p for k in keys for p in parts.keys(k.to_string())]
-        matched, _lease = self._node.call("match_prefix", (0, 0), flat, lease_ms)
+        matched, _lease = self._node.call("match_prefix", (0, 0), _flat(parts, keys), lease_ms)
         # A chunk counts only with every part.
         return matched // parts.count
 
@@ -178,7 +205,7 @@ class KVPlaneRemoteConnector(RemoteConnector):
         return True
 
     async def batched_get(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
-        return await asyncio.to_thread(self._read, keys)
+        return await self._read(keys)
 
     def support_batched_get_non_blocking(self) -> bool:
         return True
@@ -186,7 +213,7 @@ class KVPlaneRemoteConnector(RemoteConnector):
     async def batched_get_non_blocking(self, lookup_id: str, keys: list[CacheEngineKey]) -> list[MemoryObj]:
         """The leading chunks that were read; the chunks after the first miss
         are given back to LMCache's allocator."""
-        objs = await asyncio.to_thread(self._read, keys)
+        objs = await self._read(keys)
         prefix: list[MemoryObj] = []
         missed = False
         for obj in objs:
@@ -198,10 +225,12 @@ class KVPlaneRemoteConnector(RemoteConnector):
                 prefix.append(obj)
         return prefix
 
-    def _read(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+    async def _read(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
         """One GET of `keys` straight into chunks allocated from LMCache's
-        local CPU backend; a chunk not read is given back."""
-        parts = self._layout()
+        local CPU backend; a chunk not read is given back. A cancelled read
+        gives the chunks back only once the client says no byte of them is
+        written any more (kvplane.aio's cancellation)."""
+        parts = await self._alayout()
         if parts is None:  # node down: no chunks to allocate and free
             return [None] * len(keys)
         # One batched allocation; LMCache's is all or nothing, so when it
@@ -222,7 +251,14 @@ class KVPlaneRemoteConnector(RemoteConnector):
             assert obj is not None
             part_keys.extend(parts.keys(keys[i].to_string()))
             part_views.extend(parts.views(_bytes(obj)))
-        part_lengths = self._node.call("get_into", [None] * len(part_keys), part_keys, part_views)
+        try:
+            part_lengths = await self._aio.call("get_into", [None] * len(part_keys), part_keys, part_views)
+        except BaseException:
+            for i in wanted:
+                obj = objs[i]
+                assert obj is not None
+                obj.ref_count_down()
+            raise
         results: list[MemoryObj | None] = [None] * len(keys)
         for w, i in enumerate(wanted):
             obj = objs[i]
@@ -251,10 +287,7 @@ class KVPlaneRemoteConnector(RemoteConnector):
     async def batched_put(self, keys: list[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
         # Sent from the chunks' own memory; a put that fails is a future
         # miss (logged), never an error in LMCache.
-        await asyncio.to_thread(self._write, keys, memory_objs)
-
-    def _write(self, keys: list[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
-        parts = self._layout()
+        parts = await self._alayout()
         if parts is None:
             return
         part_keys: list[str] = []
@@ -262,7 +295,7 @@ class KVPlaneRemoteConnector(RemoteConnector):
         for k, o in zip(keys, memory_objs):
             part_keys.extend(parts.keys(k.to_string()))
             part_views.extend(parts.views(_bytes(o)))
-        self._node.call("put_from", None, part_keys, part_views)
+        await self._aio.call("put_from", None, part_keys, part_views)
 
     def remove_sync(self, key: CacheEngineKey) -> bool:
         parts = self._layout()
@@ -277,7 +310,13 @@ class KVPlaneRemoteConnector(RemoteConnector):
         return []
 
     async def close(self) -> None:
+        self._aio.close()
         self._node.close()
+
+
+def _flat(parts: _Parts, keys: list[CacheEngineKey]) -> list[str]:
+    """The node keys of a chain of chunks, part by part."""
+    return [p for k in keys for p in parts.keys(k.to_string())]
 
 
 def _bytes(obj: MemoryObj) -> memoryview:
