@@ -182,8 +182,8 @@ impl ClientTls {
                 ),
                 CertificateError::Expired => format!("TLS: the certificate of {endpoint} has expired: the node needs a renewed certificate"),
                 CertificateError::ExpiredContext { time, not_after } => format!(
-                    "TLS: the certificate of {endpoint} has expired ({} s ago): the node needs a renewed certificate",
-                    time.as_secs().saturating_sub(not_after.as_secs())
+                    "TLS: the certificate of {endpoint} has expired ({} ago): the node needs a renewed certificate",
+                    ago(time.as_secs().saturating_sub(not_after.as_secs()))
                 ),
                 CertificateError::NotValidYet | CertificateError::NotValidYetContext { .. } => {
                     format!("TLS: the certificate of {endpoint} is not valid yet (check the clocks of both hosts)")
@@ -213,13 +213,21 @@ impl ClientTls {
     }
 }
 
+/// `3 days`, `5 hours`, `12 minutes`, `40 seconds`: how long ago, roughly.
+fn ago(seconds: u64) -> String {
+    let (n, unit) = match seconds {
+        s if s >= 2 * 86_400 => (s / 86_400, "days"),
+        s if s >= 2 * 3600 => (s / 3600, "hours"),
+        s if s >= 120 => (s / 60, "minutes"),
+        s => (s, "seconds"),
+    };
+    format!("{n} {unit}")
+}
+
 /// `elsewhere.example` of webpki's `DnsName("elsewhere.example")` (and an
 /// address of `IpAddress(10.0.0.1)`): the names as a person wrote them.
 fn bare_name(presented: &str) -> &str {
-    presented
-        .split_once('(')
-        .and_then(|(_, rest)| rest.strip_suffix(')'))
-        .map_or(presented, |inner| inner.trim_matches('"'))
+    presented.split_once('(').and_then(|(_, rest)| rest.strip_suffix(')')).map_or(presented, |inner| inner.trim_matches('"'))
 }
 
 /// Alerts a node sends about the client's certificate.
@@ -341,5 +349,8 @@ mod tests {
         assert_eq!(bare_name("DnsName(\"elsewhere.example\")"), "elsewhere.example");
         assert_eq!(bare_name("IpAddress(10.0.0.1)"), "10.0.0.1");
         assert_eq!(bare_name("cache.example"), "cache.example");
+        assert_eq!(ago(186_705_475), "2160 days");
+        assert_eq!(ago(7300), "2 hours");
+        assert_eq!(ago(59), "59 seconds");
     }
 }

@@ -20,7 +20,7 @@ fn bench_node_runs_every_cell_and_prints_its_tables() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "scripts/bench-node failed: {}\n{stdout}\n{stderr}", out.status);
-    for expected in ["node/raw", "spread over 1 run(s)", "64 KiB  get |", "single 4 KiB GET p50"] {
+    for expected in ["node/raw", "spread over 1 run(s)", "64 KiB  get |", "single 4 KiB GET p50", "TLS on the TCP port", "tls/tcp"] {
         assert!(stdout.contains(expected), "no {expected:?} in its output:\n{stdout}");
     }
 }

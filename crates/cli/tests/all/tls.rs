@@ -167,7 +167,7 @@ async fn tls_serves_and_names_each_refusal() {
     // An expired certificate, and one for another name only.
     let expired = tls_node(&ca.issue(dir.path(), "expired", &["127.0.0.1"], Use::Server, true), &[]);
     let e = refusal(&expired, Some(trusting(&ca_file))).await;
-    assert_names(&e, &["TLS: the certificate of", "has expired (", "s ago): the node needs a renewed certificate"]);
+    assert_names(&e, &["TLS: the certificate of", "has expired (", "days ago): the node needs a renewed certificate"]);
     let elsewhere = tls_node(&ca.issue(dir.path(), "elsewhere", &["elsewhere.example"], Use::Server, false), &[]);
     let e = refusal(&elsewhere, Some(trusting(&ca_file))).await;
     assert_names(&e, &["is not valid for the name \"127.0.0.1\"", "(it is for elsewhere.example)"]);
