@@ -2,14 +2,15 @@
 
 import sys
 from collections.abc import Sequence
-from types import TracebackType
-from typing import overload
+from typing import final, overload
 
 if sys.version_info >= (3, 12):
     from collections.abc import Buffer
 else:
     from typing_extensions import Buffer
 
+# The native classes cannot be subclassed (pyo3): @final says so.
+from . import aio as aio
 from ._errors import (
     BadBuffer as BadBuffer,
     BufferTooSmall as BufferTooSmall,
@@ -36,6 +37,7 @@ __version__: str
 Key = str | bytes
 """A key: ``str`` (sent as its UTF-8 bytes) or ``bytes``."""
 
+@final
 class Client:
     """A client of one kvplane node, or of a whole cluster.
 
@@ -52,8 +54,8 @@ class Client:
     endpoint, token or setting).
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         endpoints: str | Sequence[str],
         *,
         cluster: bool = False,
@@ -62,7 +64,7 @@ class Client:
         timeout: float = 30.0,
         write_quorum: int | None = None,
         shared_memory: bool = True,
-    ) -> None:
+    ) -> Client:
         """Connects now, so that a wrong address or token fails here.
 
         ``connections``: per node (default 4 for a node, 2 per member for a
@@ -104,14 +106,15 @@ class Client:
         when a call raises, other buffers may already hold their values.
         """
 
+    # A str is also a Sequence[str]: the first overload wins for it, as at
+    # run time (a str or bytes is one key).
     @overload
-    def get(self, key: Key) -> bytes | None: ...
-    @overload
-    def get(self, key: Sequence[Key]) -> list[bytes | None]: ...
-    def get(self, key: Key | Sequence[Key]) -> bytes | None | list[bytes | None]:
+    def get(self, key: Key) -> bytes | None:  # type: ignore[overload-overlap]
         """The value of one key as new ``bytes`` (``None`` when absent), or of
         a list of keys, in order: a copying convenience; engines use
         ``get_into``."""
+    @overload
+    def get(self, key: Sequence[Key]) -> list[bytes | None]: ...
 
     def put(self, key: Key, value: Buffer) -> None:
         """Stores ``value`` under ``key``: ``put_from`` of one key."""
@@ -127,6 +130,13 @@ class Client:
         lease in ms: with ``lease_ms > 0`` the matched blocks are kept from
         eviction that long (capped by the node), so the ``get_into`` that
         follows finds them. The lease is 0 when nothing matched."""
+
+    def cluster_table(self) -> tuple[int, list[tuple[str, str, str]]]:
+        """The slot table a cluster client routes by: ``(version, members)``,
+        each member ``(id, endpoint, state)`` with state ``"up"``,
+        ``"joining"``, ``"draining"`` or ``"down"``; the client follows it by
+        itself (this is for tools, tests and logs). ``Invalid`` on a node
+        client."""
 
     def close(self) -> None:
         """Closes the connections; later calls raise ``kvplane.Error``."""
@@ -158,17 +168,13 @@ class Client:
         """The longest pin lease the node grants (``kvplane node --max-lease``)."""
 
     def __enter__(self) -> Client: ...
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> bool: ...
+    def __exit__(self, *args: object) -> bool: ...
 
 def gpu_unavailable_reason() -> str | None:
     """Why ``DeviceClient`` cannot work here (built without the ``cuda``
     feature, no NVIDIA driver, no GPU), or ``None`` when it can."""
 
+@final
 class DeviceClient:
     """KV blocks between GPU memory and a kvplane node on the same host.
 
@@ -191,14 +197,14 @@ class DeviceClient:
     not ``unix://``. Calls run one at a time; after ``fork``, make a new one.
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         endpoint: str,
         *,
         device: int = 0,
         token: str | None = None,
         timeout: float = 30.0,
-    ) -> None: ...
+    ) -> DeviceClient: ...
     def put_from_device(
         self,
         keys: Sequence[Key],
@@ -235,11 +241,30 @@ class DeviceClient:
     @property
     def device(self) -> int: ...
     def __enter__(self) -> DeviceClient: ...
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> bool: ...
+    def __exit__(self, *args: object) -> bool: ...
 
-__all__: list[str]
+__all__ = [
+    "Client",
+    "DeviceClient",
+    "Key",
+    "gpu_unavailable_reason",
+    "__version__",
+    "Error",
+    "NotFound",
+    "Timeout",
+    "Unavailable",
+    "Invalid",
+    "Capacity",
+    "Internal",
+    "Unsupported",
+    "Busy",
+    "Denied",
+    "Corrupt",
+    "BadBuffer",
+    "ReadOnlyBuffer",
+    "NonContiguousBuffer",
+    "OverlappingBuffers",
+    "BufferTooSmall",
+    "GpuError",
+    "GpuUnavailable",
+]

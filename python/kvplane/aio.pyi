@@ -10,13 +10,10 @@ if sys.version_info >= (3, 12):
 else:
     from typing_extensions import Buffer
 
-from typing_extensions import disjoint_base
-
 from kvplane import Error, Key
 from kvplane._settings import Settings
 
 @final
-@disjoint_base
 class Client:
     """An asyncio client of one kvplane node, or of a whole cluster: the
     operations of ``kvplane.Client`` as coroutines, each run as one task on
