@@ -4,8 +4,9 @@
         --batch BATCH --blocks BLOCKS --seconds SECONDS
 
 TARGET: `kvplane` (the kvplane package with its defaults: put_from /
-get_into, a pool of 4 connections over which a large batch is split) or
-`redis` (redis-py, a pipeline of SET or GET per batch, no
+get_into, a pool of 4 connections over which a large batch is split),
+`kvplane-aio` (the same calls of kvplane.aio.Client, each awaited in turn
+on one asyncio event loop) or `redis` (redis-py, a pipeline of SET or GET per batch, no
 transaction). OP: put or get (a GET run stores the keys first, untimed).
 BLOCKS distinct keys are moved BATCH at a time, cyclically, for SECONDS;
 every GET's length is checked. Prints one JSON line."""
@@ -13,8 +14,11 @@ every GET's length is checked. Prints one JSON line."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import statistics
 import sys
+import time
 
 from bench_results import timed  # scripts/lib, this file's folder
 
@@ -38,6 +42,10 @@ def main(target: str, endpoint: str, op: str, size: int, batch: int, blocks: int
             got = client.get_into(ks, buffers[: len(ks)])
             if got != [size] * len(ks):
                 sys.exit(f"get_into answered {got[:3]}...")
+    elif target == "kvplane-aio":
+        import kvplane.aio
+
+        return asyncio.run(main_aio(kvplane.aio.Client(endpoint), op, size, buffers, chunks, seconds))
     elif target == "redis":
         import redis
 
@@ -63,7 +71,43 @@ def main(target: str, endpoint: str, op: str, size: int, batch: int, blocks: int
     if op == "get":
         for c in chunks:
             put(c)
-    r = timed(chunks, get if op == "get" else put, seconds)
+    report(target, op, size, batch, timed(chunks, get if op == "get" else put, seconds))
+
+
+async def main_aio(client, op: str, size: int, buffers: list[memoryview], chunks: list[list[str]], seconds: float) -> None:
+    """The kvplane-aio run: bench_results.timed's loop, each call awaited."""
+    async def put(ks: list[str]) -> None:
+        await client.put_from(ks, buffers[: len(ks)])
+
+    async def get(ks: list[str]) -> None:
+        got = await client.get_into(ks, buffers[: len(ks)])
+        if got != [size] * len(ks):
+            sys.exit(f"get_into answered {got[:3]}...")
+
+    if op == "get":
+        for c in chunks:
+            await put(c)
+    run = get if op == "get" else put
+    started = time.perf_counter()
+    end = started + seconds
+    moved, lat, stop = 0, [], False
+    while not stop:
+        for c in chunks:
+            t = time.perf_counter()
+            await run(c)
+            now = time.perf_counter()
+            lat.append(now - t)
+            moved += len(c)
+            if now >= end:
+                stop = True
+                break
+    elapsed = time.perf_counter() - started
+    pct = statistics.quantiles(lat, n=100, method="inclusive") if len(lat) > 1 else lat * 99
+    r = {"blocks": moved, "seconds": elapsed, "p50_us": pct[49] * 1e6, "p99_us": pct[98] * 1e6}
+    report("kvplane-aio", op, size, len(buffers), r)
+
+
+def report(target: str, op: str, size: int, batch: int, r: dict) -> None:
     print(json.dumps({
         "target": target, "op": op, "block_size": size, "batch": batch, "clients": 1, **r,
         "bytes": r["blocks"] * size, "gb_per_s": r["blocks"] * size / r["seconds"] / 1e9,
@@ -73,7 +117,7 @@ def main(target: str, endpoint: str, op: str, size: int, batch: int, blocks: int
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", required=True, choices=["kvplane", "redis"])
+    parser.add_argument("--target", required=True, choices=["kvplane", "kvplane-aio", "redis"])
     parser.add_argument("--endpoint", required=True, help="the node's or redis-server's address")
     parser.add_argument("--op", required=True, choices=["put", "get"])
     parser.add_argument("--size", required=True, type=int, help="bytes per block")
