@@ -110,6 +110,8 @@ class KVPlaneHiCacheStorage(HiCacheStorage):
         self._pool: Any = None
         self._prefix = ""
         self._pages: _Pages | None = None
+        # Page slot (its first host index) -> its blocks' memory (see _views).
+        self._page_views: dict[int, list[memoryview]] = {}
         self._lock = threading.Lock()
         self._counters: Counter[str] = Counter()
         self._logged: dict[str, float] = {}
@@ -163,6 +165,8 @@ class KVPlaneHiCacheStorage(HiCacheStorage):
     def _layout(self, client: kvplane.Client) -> _Pages:
         """How a page maps onto node blocks, fixed once a node said its
         largest block."""
+        if self._pages is not None:
+            return self._pages
         with self._lock:
             if self._pages is None:
                 self._pages = _Pages(self._part_sizes, client.max_block_bytes, "flat" if not self.v1 else None)
@@ -206,7 +210,7 @@ class KVPlaneHiCacheStorage(HiCacheStorage):
         views = self._views(pages, keys, host_indices)
         lengths = client.get_into(pages.keys(self._prefix, keys), views)
         ok = pages.whole(lengths)
-        short = [keys[i] for i, (w, n) in enumerate(zip(ok, pages.partial(lengths))) if not w and n]
+        short = [] if all(ok) else [keys[i] for i, (w, n) in enumerate(zip(ok, pages.partial(lengths))) if not w and n]
         if short:
             # Some parts of a page there and not others, or a part of
             # another length: evicted in part, or not this layout's bytes.
@@ -245,18 +249,30 @@ class KVPlaneHiCacheStorage(HiCacheStorage):
         return [True] * len(keys)
 
     def _views(self, pages: _Pages, keys: List[str], host_indices: torch.Tensor) -> list[memoryview]:
-        """The pool's memory of each page part, in key order: slices of the
-        pool's own buffer (no copy)."""
+        """The pool's memory of each page block, in key order: slices of the
+        pool's own buffer (no copy). A page slot's slices are made once from
+        SGLang's ``get_page_buffer_meta`` and kept (the pool's memory never
+        moves; at most one entry per page slot of the pool)."""
         page_size = self._pool.page_size
         if host_indices.numel() != len(keys) * page_size:
             raise _Refused(
                 "indices",
                 f"{host_indices.numel()} host indices for {len(keys)} pages of {page_size} tokens",
             )
-        ptrs, sizes = _page_meta(self._pool, host_indices)
-        if len(ptrs) != len(keys) * len(self._part_sizes):
-            raise _Refused("indices", f"the pool described {len(ptrs)} parts for {len(keys)} pages")
-        return pages.pieces([self._regions.view(p, n) for p, n in zip(ptrs, sizes)])
+        starts = host_indices[::page_size].tolist()
+        cache = self._page_views
+        missing = [i for i, start in enumerate(starts) if start not in cache]
+        if missing:
+            indices = torch.cat([host_indices[i * page_size : (i + 1) * page_size] for i in missing])
+            ptrs, sizes = _page_meta(self._pool, indices)
+            parts = len(self._part_sizes)
+            if len(ptrs) != len(missing) * parts:
+                raise _Refused("indices", f"the pool described {len(ptrs)} parts for {len(missing)} pages")
+            for j, i in enumerate(missing):
+                cache[starts[i]] = pages.pieces(
+                    [self._regions.view(p, n) for p, n in zip(ptrs[j * parts : (j + 1) * parts], sizes[j * parts : (j + 1) * parts])]
+                )
+        return [v for start in starts for v in cache[start]]
 
     # --- the flat-page interface (without interface_v1) ------------------------------
 
@@ -427,7 +443,7 @@ class _Pages:
     def whole(self, lengths: list[int | None]) -> list[bool]:
         """Per page: every block read at its full length."""
         k, sizes = self.per_page, self.sizes
-        return [all(lengths[i + j] == sizes[j] for j in range(k)) for i in range(0, len(lengths), k)]
+        return [lengths[i : i + k] == sizes for i in range(0, len(lengths), k)]
 
     def partial(self, lengths: list[int | None]) -> list[bool]:
         """Per page: some block read at all."""
