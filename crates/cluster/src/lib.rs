@@ -27,6 +27,12 @@
 //! etcd. So the keeper that declared the lapse keeps asking etcd for a new
 //! lease, with a bounded backoff, and puts the record again under it.
 //!
+//! Why a member may start before etcd answers ([`Membership::start`]): a
+//! node restarted during an etcd outage that refused to start would
+//! crash-loop on Kubernetes and lose its chance to serve what clients ask
+//! it directly; it starts [`Registration::Pending`] instead, and the same
+//! keeper registers it once etcd answers.
+//!
 //! Why the JSON gateway: the gRPC clients of etcd generate their code with
 //! `protoc` at build time; etcd's own HTTP/JSON gateway offers the same few
 //! calls (lease grant/keep-alive/revoke, put, range, watch) with the HTTP
@@ -41,7 +47,7 @@ mod record;
 mod routing;
 mod watch;
 
-pub use membership::{Membership, Registration, RegistrationCounters};
+pub use membership::{Membership, MembershipWatcher, Registration, RegistrationCounters};
 pub use record::{decode_member, encode_member, member_key, members_prefix};
 pub use routing::{Router, Routing};
 pub use watch::{MemberView, MembershipWatch};

@@ -28,6 +28,11 @@ pub enum Registration {
     /// keys have moved. The member asks etcd for a new lease until one is
     /// granted, then puts its record again and is `Registered` once more.
     Lost { reason: String },
+    /// Not registered yet: started by [`Membership::start`] while etcd did
+    /// not take the first registration (unreachable, no leader). The member
+    /// keeps asking, with the same backoff as after a lapse, and is
+    /// `Registered` once etcd takes it; `reason` is the last attempt's error.
+    Pending { reason: String },
 }
 
 /// How often a member's registration lapsed and came back; shared with the
@@ -51,7 +56,9 @@ impl RegistrationCounters {
         self.reregistrations.load(Ordering::Relaxed)
     }
 
-    /// Attempts to register again that etcd did not answer or refused.
+    /// Attempts to register (the first registration of a member started by
+    /// [`Membership::start`], or again after a lapse) that etcd did not
+    /// answer or refused.
     pub fn failed_attempts(&self) -> u64 {
         self.failed_attempts.load(Ordering::Relaxed)
     }
@@ -111,12 +118,53 @@ impl Membership {
         let key = member_key(cluster, &member.id);
         let (lease, clock) = register_once(&etcd, &key, &member, lease_ttl, &options).await?;
         tracing::info!(key, member = member.id, lease = format!("{lease:x}"), ttl = ?clock.ttl(), "registered in etcd");
-        let (tx, status) = watch::channel(Registration::Registered);
+        Ok(Membership::spawn(etcd, cluster, key, member, lease_ttl, options, Some((lease, clock))))
+    }
+
+    /// As [`Membership::register_with`], without waiting for etcd: the
+    /// member starts [`Registration::Pending`] and a background task
+    /// registers it (100 ms doubling up to `options.retry_max` between
+    /// failed attempts, each counted in
+    /// [`RegistrationCounters::failed_attempts`]) and keeps it registered
+    /// from then on. For a node that must come up while etcd is down (a
+    /// pod restarted during an etcd outage would otherwise crash-loop), and
+    /// register by itself once etcd answers. `Err` only for what no attempt
+    /// could fix: a bad name or endpoint. Needs a Tokio runtime.
+    pub fn start<S: AsRef<str>>(
+        endpoints: &[S],
+        cluster: &str,
+        member: Member,
+        lease_ttl: Duration,
+        options: Options,
+    ) -> Result<Membership, Error> {
+        check_name("cluster name", cluster)?;
+        check_name("member id", &member.id)?;
+        let etcd = Arc::new(Etcd::new(endpoints, options.connect_timeout)?);
+        let key = member_key(cluster, &member.id);
+        Ok(Membership::spawn(etcd, cluster, key, member, lease_ttl, options, None))
+    }
+
+    /// The member and its keeper, registered under `first` or, without it,
+    /// [`Registration::Pending`] until the keeper registers it.
+    fn spawn(
+        etcd: Arc<Etcd>,
+        cluster: &str,
+        key: String,
+        member: Member,
+        lease_ttl: Duration,
+        options: Options,
+        first: Option<(i64, LeaseClock)>,
+    ) -> Membership {
+        let status = match first {
+            Some(_) => Registration::Registered,
+            None => Registration::Pending { reason: format!("{key}: registering in etcd") },
+        };
+        let (tx, status) = watch::channel(status);
         let id = member.id.clone();
         let shared = Arc::new(Shared {
-            lease: AtomicI64::new(lease),
+            lease: AtomicI64::new(first.as_ref().map_or(0, |(lease, _)| *lease)),
             record: Mutex::new(member),
-            until: std::sync::Mutex::new(clock.expires()),
+            until: std::sync::Mutex::new(first.as_ref().map_or_else(Instant::now, |(_, clock)| clock.expires())),
             counters: Arc::default(),
         });
         let keeper = Keeper {
@@ -128,8 +176,8 @@ impl Membership {
             status: tx,
             options: options.clone(),
         };
-        let keeper = tokio::spawn(keeper.run(lease, clock));
-        Ok(Membership { etcd, cluster: cluster.to_owned(), key, shared, status, keeper, options })
+        let keeper = tokio::spawn(keeper.run(first));
+        Membership { etcd, cluster: cluster.to_owned(), key, shared, status, keeper, options }
     }
 
     /// The etcd key of this member's record.
@@ -138,7 +186,8 @@ impl Membership {
     }
 
     /// The etcd lease the record is attached to: a new one after every
-    /// registration that followed a lapse.
+    /// registration that followed a lapse; 0 before the first registration
+    /// of a member started by [`Membership::start`].
     pub fn lease_id(&self) -> i64 {
         self.shared.lease.load(Ordering::Acquire)
     }
@@ -190,7 +239,7 @@ impl Membership {
         // Held across the put: the keeper reads the record to register
         // again only between updates, so it never puts an older one.
         let mut record = self.shared.record.lock().await;
-        if let Registration::Lost { reason } = self.registration() {
+        if let Registration::Lost { reason } | Registration::Pending { reason } = self.registration() {
             return Err(Error::Lost { key: self.key.clone(), reason });
         }
         let mut next = record.clone();
@@ -211,11 +260,30 @@ impl Membership {
         MembershipWatch::start_on(Arc::clone(&self.etcd), &self.cluster, self.options.clone()).await
     }
 
+    /// What starts [`Membership::watch`] through the same etcd client, and
+    /// borrows nothing of the member: for a task that starts following the
+    /// membership once the member registered, and again if etcd did not
+    /// answer the first list.
+    pub fn watcher(&self) -> MembershipWatcher {
+        MembershipWatcher { etcd: Arc::clone(&self.etcd), cluster: self.cluster.clone(), options: self.options.clone() }
+    }
+
+    /// The timing of its calls to etcd (the backoff bound of registering).
+    pub fn options(&self) -> &Options {
+        &self.options
+    }
+
     /// Leave the cluster now: revoke the lease, which deletes the record.
     /// A lease etcd no longer has (it lapsed) counts as revoked.
     pub async fn leave(self) -> Result<(), Error> {
         self.keeper.abort();
         let lease = self.lease_id();
+        if lease == 0 {
+            // Never registered (started while etcd was unreachable): no
+            // record to remove.
+            tracing::info!(key = self.key, "left the cluster before it ever registered");
+            return Ok(());
+        }
         match self.etcd.revoke(lease, self.options.request_timeout).await {
             Ok(()) => {}
             Err(Error::Etcd { code: GRPC_NOT_FOUND, .. }) => {}
@@ -223,6 +291,22 @@ impl Membership {
         }
         tracing::info!(key = self.key, "left the cluster");
         Ok(())
+    }
+}
+
+/// Starts watches of a member's cluster (see [`Membership::watcher`]).
+#[derive(Clone)]
+pub struct MembershipWatcher {
+    etcd: Arc<Etcd>,
+    cluster: String,
+    options: Options,
+}
+
+impl MembershipWatcher {
+    /// List the cluster's members and follow them; `Err` if no endpoint
+    /// answers the first list.
+    pub async fn start(&self) -> Result<MembershipWatch, Error> {
+        MembershipWatch::start_on(Arc::clone(&self.etcd), &self.cluster, self.options.clone()).await
     }
 }
 
@@ -275,14 +359,26 @@ struct Keeper {
 }
 
 impl Keeper {
-    async fn run(self, mut lease: i64, mut clock: LeaseClock) {
+    async fn run(self, first: Option<(i64, LeaseClock)>) {
+        let (mut lease, mut clock) = match first {
+            Some(registered) => registered,
+            None => {
+                let (lease, clock) = self.register_until_taken(None).await;
+                self.shared.lease.store(lease, Ordering::Release);
+                self.shared.set_until(clock.expires());
+                let member = &self.member;
+                tracing::info!(key = self.key, member, lease = format!("{lease:x}"), ttl = ?clock.ttl(), "registered in etcd");
+                self.status.send_replace(Registration::Registered);
+                (lease, clock)
+            }
+        };
         loop {
             let reason = self.keep_alive(lease, clock).await;
             self.shared.counters.lapses.fetch_add(1, Ordering::Relaxed);
             let member = &self.member;
             tracing::error!(key = self.key, member, "lost the registration, registering again once etcd answers: {reason}");
             self.status.send_replace(Registration::Lost { reason: format!("{}: {reason}", self.key) });
-            (lease, clock) = self.register_again(lease).await;
+            (lease, clock) = self.register_until_taken(Some(lease)).await;
             self.shared.lease.store(lease, Ordering::Release);
             self.shared.set_until(clock.expires());
             self.shared.counters.reregistrations.fetch_add(1, Ordering::Relaxed);
@@ -322,15 +418,17 @@ impl Keeper {
         }
     }
 
-    /// Revoke the lapsed lease, then register the current record under a
-    /// new lease, pausing between failed attempts (100 ms doubling up to
-    /// `retry_max`) until etcd takes it. The revoke comes first: should
-    /// etcd still hold the old lease (a restarted etcd grants every lease a
-    /// fresh TTL), the record must not outlive the member's belief that it
-    /// is gone, nor a put of [`Membership::update`] under it succeed.
-    async fn register_again(&self, lapsed: i64) -> (i64, LeaseClock) {
+    /// Revoke the lapsed lease (if any: none before the first
+    /// registration), then register the current record under a new lease,
+    /// pausing between failed attempts (100 ms doubling up to `retry_max`)
+    /// until etcd takes it. The revoke comes first: should etcd still hold
+    /// the old lease (a restarted etcd grants every lease a fresh TTL), the
+    /// record must not outlive the member's belief that it is gone, nor a
+    /// put of [`Membership::update`] under it succeed.
+    async fn register_until_taken(&self, lapsed: Option<i64>) -> (i64, LeaseClock) {
         let mut backoff = Backoff::new(self.options.retry_max);
-        let mut revoked = false;
+        let mut revoked = lapsed.is_none();
+        let lapsed = lapsed.unwrap_or_default();
         for attempt in 1u64.. {
             let result = async {
                 if !revoked {
@@ -350,7 +448,14 @@ impl Keeper {
                 Ok(registered) => return registered,
                 Err(e) => {
                     self.shared.counters.failed_attempts.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(key = self.key, attempt, "registering again failed, trying again: {e}");
+                    if matches!(*self.status.borrow(), Registration::Pending { .. }) {
+                        // The first registration: the reason readiness
+                        // and STATS give is the latest error.
+                        tracing::warn!(key = self.key, attempt, "registering failed, trying again: {e}");
+                        self.status.send_replace(Registration::Pending { reason: format!("{}: {e}", self.key) });
+                    } else {
+                        tracing::warn!(key = self.key, attempt, "registering again failed, trying again: {e}");
+                    }
                     backoff.wait().await;
                 }
             }

@@ -26,6 +26,16 @@
 //! (see [`kvplane_cluster::Membership`]); until then it hands out no table
 //! and its readiness probe fails, so neither clients nor Kubernetes route to
 //! a member the others no longer count.
+//!
+//! A node that starts while etcd is unreachable does not refuse to start (on
+//! Kubernetes that would crash-loop through the outage): it waits up to one
+//! lease TTL for its first registration, then serves unregistered — what a
+//! client asks it directly is answered from its memory tier, a client asking
+//! for the table is told why there is none, and `/readyz` is 503 — while its
+//! keeper keeps registering in the background (100 ms doubling up to
+//! [`kvplane_cluster::Options::retry_max`], 2 s; failed attempts counted in
+//! `cluster_registration_attempts_failed`). Once etcd takes the record, the
+//! node reads the membership, computes its table and is ready by itself.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -35,13 +45,14 @@ use std::time::Duration;
 use anyhow::Context as _;
 use bytes::Bytes;
 use kvplane_client::{Client, ClientConfig, Endpoint};
-use kvplane_cluster::{Membership, Registration, RegistrationCounters, Router, Routing};
+use kvplane_cluster::{Membership, MembershipWatcher, Registration, RegistrationCounters, Router, Routing};
 use kvplane_runtime::KeyPlacement;
 use kvplane_slots::{Member, MemberState, SlotTable, SLOTS};
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use tokio::sync::{watch, Mutex};
+use tokio::task::JoinHandle;
 
 use crate::cache::BlockCache;
 use crate::memory::Block;
@@ -117,10 +128,86 @@ pub(crate) struct ClusterNode {
     membership: Mutex<Option<Membership>>,
     registration: watch::Receiver<Registration>,
     counters: Arc<RegistrationCounters>,
-    routing: Routing,
+    /// The slot table, followed from the first registration on (set once by
+    /// `follower`); empty while the node never registered.
+    routing: Arc<std::sync::OnceLock<Routing>>,
+    /// `true` once `routing` is set, for whoever waits for it.
+    routed: watch::Receiver<bool>,
+    /// Starts following the membership once registered (see `follow`).
+    follower: JoinHandle<()>,
+    /// The bound of the pause between registration attempts.
+    retry_max: Duration,
     token: Option<String>,
     repair_rate: u64,
     repair: RepairCounters,
+}
+
+impl Drop for ClusterNode {
+    fn drop(&mut self) {
+        self.follower.abort();
+    }
+}
+
+/// How the slot table is computed from a membership: with the key-placement
+/// plugin when one is declared, else natively with the same ring.
+#[derive(Clone)]
+struct TableRecipe {
+    placement: Option<Arc<KeyPlacement>>,
+    replicas: u32,
+    write_quorum: Option<u32>,
+}
+
+impl TableRecipe {
+    async fn compute(self, version: u64, members: Vec<Member>) -> Result<SlotTable, String> {
+        let table = match self.placement {
+            Some(p) => p.compute(version, members, SLOTS, self.replicas).await.map_err(|e| e.to_string()),
+            None => kvplane_runtime::worlds::native_slot_table(version, members, SLOTS, self.replicas).map_err(|e| e.to_string()),
+        };
+        // The placement computes owners; the quorum is the node's setting,
+        // the same on every node of a cluster.
+        table.map(|t| t.with_write_quorum(self.write_quorum))
+    }
+}
+
+/// Waits for the member's (first) registration, then starts following the
+/// membership and computing tables, retrying with the registration's
+/// backoff bound while etcd does not answer the first list (or the first
+/// table cannot be computed). Sets `routing` once and says so on `routed`.
+async fn follow(
+    id: String,
+    mut registration: watch::Receiver<Registration>,
+    watcher: MembershipWatcher,
+    recipe: TableRecipe,
+    retry_max: Duration,
+    routing: Arc<std::sync::OnceLock<Routing>>,
+    routed: watch::Sender<bool>,
+) {
+    let mut pause = Duration::from_millis(100);
+    loop {
+        if registration.wait_for(|r| *r == Registration::Registered).await.is_err() {
+            return;
+        }
+        let followed = match watcher.start().await {
+            Ok(members) => {
+                let recipe = recipe.clone();
+                Routing::follow(members, move |version, members| recipe.clone().compute(version, members)).await
+            }
+            Err(e) => Err(format!("following the cluster's membership: {e}")),
+        };
+        match followed {
+            Ok(r) => {
+                tracing::info!(id, version = r.current().version(), "joined the cluster");
+                let _ = routing.set(r);
+                routed.send_replace(true);
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(id, "no slot table yet, trying again in {pause:?}: {e}");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(retry_max);
+            }
+        }
+    }
 }
 
 /// Repair's progress, for STATS and `/metrics`.
@@ -166,10 +253,22 @@ impl Pacer {
 /// module's doc) until shutdown or the node is gone. Rounds run one after
 /// another: a table that arrives during a round is repaired to next.
 pub(crate) async fn repair(state: Weak<NodeState>, mut shutdown: watch::Receiver<bool>) {
-    let (mut tables, mut done) = match state.upgrade() {
+    // The first table: once the node registered and computed one.
+    let mut routed = match state.upgrade() {
         Some(s) => match &s.cluster {
-            Some(c) => {
-                let mut tables = c.routing.subscribe();
+            Some(c) => c.routed.clone(),
+            None => return,
+        },
+        None => return,
+    };
+    tokio::select! {
+        r = routed.wait_for(|r| *r) => if r.is_err() { return },
+        _ = shutdown.changed() => return,
+    }
+    let (mut tables, mut done) = match state.upgrade() {
+        Some(s) => match s.cluster.as_ref().and_then(|c| c.routing.get()) {
+            Some(routing) => {
+                let mut tables = routing.subscribe();
                 let first = Arc::clone(&tables.borrow_and_update());
                 (tables, first)
             }
@@ -205,7 +304,10 @@ pub(crate) async fn repair(state: Weak<NodeState>, mut shutdown: watch::Receiver
 
 impl ClusterNode {
     /// Registers `setup.member` (its endpoint defaulting to `bound`) and
-    /// computes the first table.
+    /// computes the first table, waiting up to one lease TTL for etcd;
+    /// past that the node goes on unregistered and registers in the
+    /// background (see the module's doc). `Err` only for what no retry
+    /// fixes: no address to advertise, a bad name or etcd endpoint.
     pub(crate) async fn join(mut setup: ClusterSetup, bound: Option<std::net::SocketAddr>) -> anyhow::Result<ClusterNode> {
         if setup.member.endpoint.is_empty() {
             let addr = bound.context("cluster mode needs a TCP listener (or cluster.advertise) for peers and clients to reach")?;
@@ -219,43 +321,46 @@ impl ClusterNode {
             };
         }
         let id = setup.member.id.clone();
-        let membership = Membership::register(&setup.etcd, &setup.name, setup.member, setup.lease_ttl)
-            .await
+        let options = kvplane_cluster::Options::default();
+        let retry_max = options.retry_max;
+        let membership = Membership::start(&setup.etcd, &setup.name, setup.member, setup.lease_ttl, options)
             .with_context(|| format!("registering member {id} of cluster {} in etcd {:?}", setup.name, setup.etcd))?;
-        let members = membership.watch().await.context("following the cluster's membership")?;
-        let (placement, replicas, write_quorum) = (setup.placement, setup.replicas, setup.write_quorum);
-        let routing = Routing::follow(members, move |version, members| {
-            let placement = placement.clone();
-            async move {
-                let table = match placement {
-                    Some(p) => p.compute(version, members, SLOTS, replicas).await.map_err(|e| e.to_string()),
-                    None => kvplane_runtime::worlds::native_slot_table(version, members, SLOTS, replicas).map_err(|e| e.to_string()),
-                };
-                // The placement computes owners; the quorum is the node's
-                // setting, the same on every node of a cluster.
-                table.map(|t| t.with_write_quorum(write_quorum))
-            }
-        })
-        .await
-        .map_err(|e| anyhow::anyhow!(e))?;
-        tracing::info!(id, version = routing.current().version(), "joined the cluster");
         let registration = membership.subscribe();
         let counters = membership.counters();
-        Ok(ClusterNode {
+        let routing = Arc::new(std::sync::OnceLock::new());
+        let (routed_tx, mut routed) = watch::channel(false);
+        let recipe = TableRecipe { placement: setup.placement, replicas: setup.replicas, write_quorum: setup.write_quorum };
+        let watcher = membership.watcher();
+        let follower = tokio::spawn(follow(id.clone(), registration.clone(), watcher, recipe, retry_max, Arc::clone(&routing), routed_tx));
+        let node = ClusterNode {
             id,
             cluster: setup.name,
             membership: Mutex::new(Some(membership)),
             registration,
             counters,
             routing,
+            routed: routed.clone(),
+            follower,
+            retry_max,
             token: setup.token,
             repair_rate: setup.repair_bytes_per_second,
             repair: RepairCounters::default(),
-        })
+        };
+        // etcd answers within milliseconds when it is up: wait for it, so
+        // that a node is ready when it says it serves. Not past one lease:
+        // an outage must not keep the node from serving its memory tier.
+        let wait = setup.lease_ttl.max(Duration::from_secs(1));
+        if tokio::time::timeout(wait, routed.wait_for(|r| *r)).await.is_err() {
+            let why = node.registered().err().unwrap_or_default();
+            tracing::warn!(id = node.id, ?wait, "serving unregistered, registering in the background: {why}");
+        }
+        Ok(node)
     }
 
-    pub(crate) fn table(&self) -> Arc<Router> {
-        self.routing.current()
+    /// The table this node serves; `None` until it first registered and
+    /// read the membership.
+    pub(crate) fn table(&self) -> Option<Arc<Router>> {
+        self.routing.get().map(Routing::current)
     }
 
     /// The table once it is newer than `after`, or when `wait` passed (or
@@ -263,9 +368,15 @@ impl ClusterNode {
     /// registration: its table no longer follows the cluster (it may be cut
     /// off from etcd), so a client must ask another member.
     pub(crate) async fn table_after(&self, after: u64, wait: Duration, stop: &mut watch::Receiver<bool>) -> Result<Arc<Router>, String> {
-        let mut tables = self.routing.subscribe();
+        let Some(routing) = self.routing.get() else {
+            return Err(match &*self.registration.borrow() {
+                Registration::Pending { reason } => format!("member {} is not registered in the cluster yet: {reason}", self.id),
+                _ => format!("member {} has not read the cluster's membership yet", self.id),
+            });
+        };
+        let mut tables = routing.subscribe();
         let mut registration = self.registration.clone();
-        let lost = |r: &Registration| matches!(r, Registration::Lost { .. });
+        let lost = |r: &Registration| *r != Registration::Registered;
         let newer = tables.wait_for(|r| r.version() > after);
         tokio::select! {
             _ = newer => {}
@@ -275,7 +386,8 @@ impl ClusterNode {
         }
         match &*self.registration.borrow() {
             Registration::Lost { reason } => Err(format!("member {} is no longer registered in the cluster: {reason}", self.id)),
-            Registration::Registered => Ok(self.table()),
+            Registration::Pending { reason } => Err(format!("member {} is not registered in the cluster yet: {reason}", self.id)),
+            Registration::Registered => Ok(routing.current()),
         }
     }
 
@@ -284,17 +396,29 @@ impl ClusterNode {
     /// what the readiness probe answers.
     pub(crate) fn registered(&self) -> Result<(), String> {
         match &*self.registration.borrow() {
+            Registration::Registered if self.routing.get().is_none() => {
+                Err(format!("member {} of cluster {} is registered and has not read the membership yet", self.id, self.cluster))
+            }
             Registration::Registered => Ok(()),
             Registration::Lost { reason } => {
                 Err(format!("member {} is not registered in cluster {} (registering again): {reason}", self.id, self.cluster))
             }
+            Registration::Pending { reason } => Err(format!(
+                "member {} is not registered in cluster {} yet (registering in the background): {reason}",
+                self.id, self.cluster
+            )),
         }
+    }
+
+    /// The table's version and member count, 0 and 0 before the first.
+    fn table_summary(&self) -> (u64, u64) {
+        self.table().map_or((0, 0), |r| (r.version(), r.table().members().len() as u64))
     }
 
     /// The cluster's series on `/metrics` (read at scrape time, by the
     /// node's collector).
     pub(crate) fn encode_metrics(&self, e: &mut DescriptorEncoder) -> std::fmt::Result {
-        let router = self.table();
+        let (version, members) = self.table_summary();
         let gauge = |e: &mut DescriptorEncoder, name: &str, help: &str, value: u64| {
             let metric = ConstGauge::<i64>::new(i64::try_from(value).unwrap_or(i64::MAX));
             metric.encode(e.encode_descriptor(name, help, None, metric.metric_type())?)
@@ -313,11 +437,13 @@ impl ClusterNode {
         counter(
             e,
             "kvplane_cluster_registration_attempts_failed",
-            "Attempts to register again that etcd did not answer or refused",
+            "Attempts to register (at start, or again after a lapse) that etcd did not answer or refused",
             failed,
         )?;
-        gauge(e, "kvplane_cluster_table_version", "Version of the slot table this node serves", router.version())?;
-        gauge(e, "kvplane_cluster_members", "Members in that table", router.table().members().len() as u64)?;
+        let retry_ms = self.retry_max.as_millis() as u64;
+        gauge(e, "kvplane_cluster_registration_retry_max_ms", "Longest pause between attempts to register", retry_ms)?;
+        gauge(e, "kvplane_cluster_table_version", "Version of the slot table this node serves (0: none yet)", version)?;
+        gauge(e, "kvplane_cluster_members", "Members in that table", members)?;
         let r = &self.repair;
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
         gauge(e, "kvplane_cluster_repair_bytes_per_second", "cluster.repairBytesPerSecond: the bound on repair's sends", self.repair_rate)?;
@@ -332,14 +458,15 @@ impl ClusterNode {
 
     /// The cluster's counters, as a STATS answer lists them.
     pub(crate) fn stats(&self) -> Vec<(String, u64)> {
-        let router = self.table();
+        let (version, members) = self.table_summary();
         vec![
             ("cluster_registered".to_string(), u64::from(self.registered().is_ok())),
             ("cluster_registration_lapses".into(), self.counters.lapses()),
             ("cluster_reregistrations".into(), self.counters.reregistrations()),
             ("cluster_registration_attempts_failed".into(), self.counters.failed_attempts()),
-            ("cluster_table_version".into(), router.version()),
-            ("cluster_members".into(), router.table().members().len() as u64),
+            ("cluster_registration_retry_max_ms".into(), self.retry_max.as_millis() as u64),
+            ("cluster_table_version".into(), version),
+            ("cluster_members".into(), members),
             ("cluster_repair_bytes_per_second".into(), self.repair_rate),
             ("cluster_repair_rounds".into(), self.repair.rounds.load(Ordering::Relaxed)),
             ("cluster_repair_blocks_copied".into(), self.repair.copied.load(Ordering::Relaxed)),
@@ -492,10 +619,11 @@ impl ClusterNode {
     /// every block of `cache` to the key's owners there, and leaves.
     pub(crate) async fn hand_off(&self, cache: &BlockCache, deadline: Duration) -> anyhow::Result<HandOff> {
         let started = tokio::time::Instant::now();
-        let others = self.table().table().members().iter().any(|m| m.id != self.id && m.state.may_own());
+        let others = self.table().is_some_and(|t| t.table().members().iter().any(|m| m.id != self.id && m.state.may_own()));
         if !others {
-            // The last member: no table can exist without it, and there is
-            // nobody to hand blocks to (a second tier keeps what it took).
+            // The last member (or one that never registered): no table can
+            // exist without it, and there is nobody to hand blocks to (a
+            // second tier keeps what it took).
             tracing::info!("no other member to hand blocks to");
             if let Some(m) = self.membership.lock().await.take() {
                 m.leave().await.context("leaving the cluster")?;
@@ -507,7 +635,7 @@ impl ClusterNode {
             let m = membership.as_ref().context("this node already left the cluster")?;
             m.set_state(MemberState::Draining).await.context("announcing that this node drains")?;
         }
-        let mut tables = self.routing.subscribe();
+        let mut tables = self.routing.get().context("no slot table")?.subscribe();
         let id = self.id.clone();
         let drained = tables.wait_for(move |r| r.table().members().iter().any(|m| m.id == id && m.state != MemberState::Up));
         let router = match tokio::time::timeout(deadline, drained).await {

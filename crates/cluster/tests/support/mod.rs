@@ -86,6 +86,19 @@ impl EtcdCluster {
         unreachable!("the last attempt returns or panics")
     }
 
+    /// A cluster whose ports and data folders are chosen but none of whose
+    /// members runs yet: for a test that starts its clients first (they
+    /// find the ports refused); [`EtcdCluster::restart`] starts it.
+    pub fn unstarted() -> EtcdCluster {
+        let ports = free_ports(6);
+        EtcdCluster {
+            members: (0..3)
+                .map(|i| EtcdMember { name: format!("etcd{i}"), client: ports[2 * i], peer: ports[2 * i + 1], child: None })
+                .collect(),
+            dir: tempfile::Builder::new().prefix("kvplane-etcd-").tempdir().expect("creating a temporary folder"),
+        }
+    }
+
     fn spawn_all(&mut self, bin: &PathBuf) -> Result<(), String> {
         let initial = self.members.iter().map(|m| format!("{}=http://127.0.0.1:{}", m.name, m.peer)).collect::<Vec<_>>().join(",");
         let token = format!("kvplane-test-{}", self.dir.path().file_name().unwrap().to_string_lossy());
@@ -143,7 +156,8 @@ impl EtcdCluster {
 
     /// Start every stopped member again on its own data folder and ports
     /// (the data folder already names the cluster, so the initial-cluster
-    /// flags are ignored), and wait until each answers with a leader.
+    /// flags are ignored; an [`EtcdCluster::unstarted`] one starts new), and
+    /// wait until each answers with a leader.
     /// Panics with the logs if they do not.
     pub fn restart(&mut self) {
         let bin = etcd_binary();
