@@ -551,10 +551,11 @@ where
 /// table gives it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_kill_and_a_join_every_key_has_r_copies_again() {
-    /// Repair of these 3 MiB must finish well within this (it takes ms).
+    /// Repair of these 64 MiB (256 KiB blocks, as engines' blocks are)
+    /// must finish well within this (it takes well under a second).
     const REPAIR: Duration = Duration::from_secs(30);
-    const KEYS: usize = 200;
-    const BLOCK: usize = 16 << 10;
+    const KEYS: usize = 256;
+    const BLOCK: usize = 256 << 10;
     let etcd = EtcdCluster::start();
     let dir = tempfile::tempdir().unwrap();
     let mut nodes: Vec<NodeProcess> = ["n0", "n1", "n2"].iter().map(|id| node(dir.path(), id, &etcd.endpoints(), 2)).collect();

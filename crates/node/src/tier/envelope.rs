@@ -17,9 +17,25 @@
 //! A read-through asks for both in one call and verifies before the block
 //! enters the memory tier or reaches a client: the trailer's magic, version
 //! and own checksum, the key it names equal to the one asked for, the
-//! block's length and CRC-32C. Any failure is [`Opened::Corrupt`]. A block
-//! without a trailer is [`Opened::Unsealed`]: written before this format
-//! (or by another writer), read as a miss and counted.
+//! block's length and CRC-32C. A damaged trailer, or one naming another
+//! key, is [`Opened::Corrupt`]; a sound trailer of this key that disagrees
+//! with the block is [`Opened::Mismatch`], which the reader reads once more
+//! before it answers corrupt (see below). A block without a trailer is
+//! [`Opened::Unsealed`]: written before this format (or by another writer),
+//! read as a miss and counted.
+//!
+//! Why once more: block and trailer are two keys, and a store need not
+//! write two keys atomically (the resp plugin pipelines two SETs). A read
+//! that falls between an overwrite's block and its trailer sees the new
+//! block with the old trailer; read again, it finds the pair the writer
+//! finished a moment later. What a second read cannot mend is two writers
+//! of different bytes under one key interleaving their pairs (A's block,
+//! B's block, B's trailer, A's trailer): the store then keeps one's block
+//! with the other's trailer, and that key reads as `corrupt` — never the
+//! wrong bytes — until it is written again. Engines' keys name their
+//! content (a prefix hash), so writers of one key write the same bytes and
+//! their pairs agree whatever the order; docs/architecture.md states the
+//! rule beside the guarantees table.
 //!
 //! Why a key of its own rather than bytes appended to the block: a block
 //! read from the store lands in a pool block of its own size class, and
@@ -86,8 +102,14 @@ pub enum Opened {
     /// No trailer: a block written before this format, or by another
     /// writer. A miss.
     Unsealed,
-    /// A trailer or block that does not check out, and why.
+    /// A trailer that does not check out (damaged, another key's, another
+    /// version), and why.
     Corrupt(String),
+    /// A sound trailer of this key that the block disagrees with (its
+    /// length or CRC-32C), and how: a changed byte, a length the store
+    /// claimed but did not write, or a read between an overwrite's block
+    /// and its trailer. Corrupt if a second read says the same.
+    Mismatch(String),
 }
 
 /// Checks `block` (what the store answered for `key`) against `trailer`
@@ -113,11 +135,11 @@ pub fn open(key: &[u8], block: &[u8], trailer: Option<&[u8]>) -> Opened {
     }
     let len = u64::from_le_bytes(t[0..8].try_into().expect("8 bytes"));
     if len != block.len() as u64 {
-        return Opened::Corrupt(format!("{} bytes read, sealed as {len}", block.len()));
+        return Opened::Mismatch(format!("{} bytes read, sealed as {len}", block.len()));
     }
     let crc = checksum(block);
     if crc != u32_at(8) {
-        return Opened::Corrupt(format!("its CRC-32C is {crc:#010x}, sealed as {:#010x}", u32_at(8)));
+        return Opened::Mismatch(format!("its CRC-32C is {crc:#010x}, sealed as {:#010x}", u32_at(8)));
     }
     Opened::Block { crc }
 }
@@ -142,7 +164,7 @@ mod tests {
         for i in 0..block.len() {
             let mut bad = block;
             bad[i] ^= 0x40;
-            assert!(matches!(open(key, &bad, Some(&t)), Opened::Corrupt(_)), "block byte {i}");
+            assert!(matches!(open(key, &bad, Some(&t)), Opened::Mismatch(_)), "block byte {i}");
         }
         for i in 0..t.len() {
             let mut bad = t.to_vec();
@@ -155,9 +177,9 @@ mod tests {
     fn another_keys_block_a_claimed_length_and_zeros_are_corrupt() {
         let t = trailer(b"tenant-a/block0", 64, checksum(&[1u8; 64]));
         assert!(matches!(open(b"tenant-b/never-written", &[1u8; 64], Some(&t)), Opened::Corrupt(m) if m.contains("another key")));
-        assert!(matches!(open(b"tenant-a/block0", &[1u8; 65], Some(&t)), Opened::Corrupt(m) if m.contains("sealed as 64")));
+        assert!(matches!(open(b"tenant-a/block0", &[1u8; 65], Some(&t)), Opened::Mismatch(m) if m.contains("sealed as 64")));
         // A plugin that claims the whole destination and writes nothing.
-        assert!(matches!(open(b"tenant-a/block0", &[0u8; 64], Some(&t)), Opened::Corrupt(m) if m.contains("CRC-32C")));
+        assert!(matches!(open(b"tenant-a/block0", &[0u8; 64], Some(&t)), Opened::Mismatch(m) if m.contains("CRC-32C")));
         assert!(matches!(open(b"k", b"x", Some(&[0u8; 40])), Opened::Corrupt(_)));
     }
 

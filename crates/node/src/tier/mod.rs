@@ -81,6 +81,10 @@ pub(crate) struct TierMetrics {
     pub(crate) failed_open: AtomicU64,
     /// Blocks read back that failed their trailer's check (never served).
     pub(crate) corrupt: AtomicU64,
+    /// Blocks read a second time because they disagreed with their sound
+    /// trailer (a read between an overwrite's block and its trailer looks
+    /// so); those that disagree again count in `corrupt` too.
+    pub(crate) corrupt_rereads: AtomicU64,
     /// Blocks read back without a trailer (written before it): misses.
     pub(crate) unsealed: AtomicU64,
     /// Whether the store answered its last call (or probe): a call that
@@ -310,6 +314,7 @@ impl SecondTier {
             ("backend_failed_open".into(), load(&m.failed_open)),
             ("backend_reachable".into(), u64::from(m.reachable.load(Ordering::Relaxed))),
             ("backend_corrupt".into(), load(&m.corrupt)),
+            ("backend_corrupt_rereads".into(), load(&m.corrupt_rereads)),
             ("backend_unsealed".into(), load(&m.unsealed)),
             ("tier_ingest_stored".into(), load(&m.ingest_stored)),
             ("tier_ingest_failed".into(), load(&m.ingest_failed)),
@@ -456,6 +461,8 @@ impl SecondTier {
             }
         }
         let mut attempts = Attempts::new();
+        // Keys read again because block and trailer disagreed (once each).
+        let mut reread: Vec<usize> = Vec::new();
         while !pending.is_empty() {
             // Two entries per key: its block into a pool block, then its
             // trailer (see `envelope`).
@@ -513,7 +520,14 @@ impl SecondTier {
                                 self.shared.metrics.misses.fetch_add(1, Ordering::Relaxed);
                                 tracing::debug!(key = %String::from_utf8_lossy(keys[i]), "second tier: a block without a trailer (written before it); a miss");
                             }
-                            envelope::Opened::Corrupt(why) => {
+                            envelope::Opened::Mismatch(_) if !reread.contains(&i) => {
+                                // Perhaps read between an overwrite's block
+                                // and its trailer (see `envelope`): once more.
+                                reread.push(i);
+                                self.shared.metrics.corrupt_rereads.fetch_add(1, Ordering::Relaxed);
+                                pending.push((i, size));
+                            }
+                            envelope::Opened::Corrupt(why) | envelope::Opened::Mismatch(why) => {
                                 self.shared.metrics.corrupt.fetch_add(1, Ordering::Relaxed);
                                 let key = String::from_utf8_lossy(keys[i]);
                                 tracing::warn!(%key, bytes = len, reason = %why, "second tier: a block failed its check; not served, not cached");

@@ -51,6 +51,12 @@ impl SecondTier {
             u64::from(m.reachable.load(Ordering::Relaxed)),
         )?;
         counter(e, "kvplane_backend_corrupt", "Second-tier blocks that failed their trailer's check (never served)", load(&m.corrupt))?;
+        counter(
+            e,
+            "kvplane_backend_corrupt_rereads",
+            "Second-tier blocks read again because they disagreed with their trailer (a read racing an overwrite looks so)",
+            load(&m.corrupt_rereads),
+        )?;
         counter(e, "kvplane_backend_unsealed", "Second-tier blocks without a trailer, answered as misses", load(&m.unsealed))?;
         let errors: Vec<(ErrorLabel, u64)> = m
             .errors
