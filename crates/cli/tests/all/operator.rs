@@ -445,3 +445,39 @@ fn a_kvcache_with_no_auth_fields_gets_a_token_secret_its_nodes_require() {
     assert_eq!(err.status, 404, "{err}");
     drop(op);
 }
+
+/// Issue 19: `spec.tiering` as the API server stores it (the CRD's defaults
+/// filled in) reaches the node config in the ConfigMap, which the node reads
+/// strictly; a setting the node would refuse at start (write through with
+/// mode hot) is refused by the operator, naming `spec.tiering.write`, and no
+/// pods are rendered for it.
+#[test]
+fn a_kvcaches_tiering_reaches_its_node_config_and_one_the_node_would_refuse_is_refused() {
+    let cp = ControlPlane::start(Options { version: "1.34", scheduling: false });
+    let ns = "tiering";
+    cp.create_namespace(ns);
+    let op = Operator::start(&cp, "op-a", "none");
+    wait_crd(&cp, &op);
+    let kvcaches = format!("/apis/kvplane.io/v1alpha1/namespaces/{ns}/kvcaches");
+    let pool = |name: &str, tiering: Value| {
+        json!({"apiVersion": "kvplane.io/v1alpha1", "kind": "KVCache", "metadata": {"name": name, "namespace": ns},
+            "spec": {"backend": {"type": "redis", "endpoints": ["redis.cache.svc:6379"]}, "tiering": tiering}})
+    };
+    cp.create(&kvcaches, &pool("through", json!({"write": "through", "maxInFlight": "32Mi"})));
+    let config_path = format!("/api/v1/namespaces/{ns}/configmaps/through-config");
+    let config = cp.wait_for("the ConfigMap of through", WAIT, || cp.request("GET", &config_path, None).ok());
+    let text = config["data"]["node.json"].as_str().unwrap_or_else(|| panic!("no node.json: {config}"));
+    let file: kvplane_config::NodeConfigFile = kvplane_config::from_json_strict(text).unwrap_or_else(|e| panic!("{e}: {text}"));
+    let t = file.tiering.clone().unwrap_or_else(|| panic!("no tiering in {text}"));
+    assert_eq!((t.write, t.mode, t.max_in_flight.bytes()), (kvplane_config::WriteMode::Through, kvplane_config::IngestMode::All, 32 << 20));
+    file.validate().unwrap_or_else(|e| panic!("the node would refuse its config: {e}"));
+
+    cp.create(&kvcaches, &pool("hot", json!({"write": "through", "mode": "hot"})));
+    let kv = wait_condition(&cp, ns, "hot", "Ready", "False", &op);
+    let (_, reason, message) = condition(&kv, "Ready").unwrap();
+    assert_eq!(reason, "InvalidSpec", "{message}");
+    assert!(message.starts_with("spec.tiering.write: through applies to mode all"), "{message}");
+    let err = cp.request("GET", &format!("/api/v1/namespaces/{ns}/configmaps/hot-config"), None).expect_err("no config rendered");
+    assert_eq!(err.status, 404, "{err}");
+    drop(op);
+}
