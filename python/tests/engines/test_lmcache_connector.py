@@ -226,7 +226,7 @@ def test_the_url_sets_every_client_option(node: Node, tmp_path: Path) -> None:
     lm = Lmcache(f"kvplane://{node.endpoint}?connections=1&timeout_s=2&shared_memory=false&retry_after_s=0", tmp_path)
     try:
         connector = lm.remote.connection._connector
-        options = {
+        expected = {
             "cluster": False,
             "connections": 1,
             "token": None,
@@ -234,9 +234,12 @@ def test_the_url_sets_every_client_option(node: Node, tmp_path: Path) -> None:
             "write_quorum": None,
             "shared_memory": False,
         }
-        # The coroutines' client (kvplane.aio) and the synchronous calls' one.
+        # That the settings hold every option of kvplane.Client is
+        # test_settings.py's to check; here, that the URL reaches both the
+        # coroutines' client (kvplane.aio) and the synchronous calls' one.
+        options = connector._node._options
+        assert {k: options.get(k) for k in expected} == expected
         assert connector._aio._options == options
-        assert connector._node._options == options
         key = lm.key(time.monotonic_ns())
         chunk = lm.chunk(5)
         expected = bytes(chunk.byte_array)
