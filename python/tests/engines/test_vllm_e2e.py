@@ -11,13 +11,13 @@ process. Each engine is a process of its own (vllm_engine.py). The phases:
    vLLM's own prefix cache, the reference for a load.
 2. Engine B, fresh, runs them: every block it can skip comes from the node
    (the node's GET key count equals the blocks vLLM says it did not
-   compute), and its tokens and logprobs are identical to A's
-   prefix-cache answer, its tokens to A's first answer.
+   compute), and its tokens and logprobs are identical to both of A's
+   answers.
 3. One block is altered in the node (another block's bytes, same length),
    B's prefix cache is reset, and the answer changes: the comparison above
    can fail.
 4. The node is stopped (by its PID), B's prefix cache reset: B computes the
-   whole prompts itself and answers A's tokens.
+   whole prompts itself and answers A's tokens and logprobs.
 
 Skipped, saying so, where the engines environment has no CPU build of vLLM
 (scripts/prereqs engines installs it).
@@ -186,6 +186,19 @@ def logprobs(outputs: list[dict[str, Any]]) -> list[Any]:
     return [o["logprobs"] for o in outputs]
 
 
+def max_logprob_gap(x: list[dict[str, Any]], y: list[dict[str, Any]]) -> float:
+    """The largest difference between the logprobs of the same token at the
+    same step (for the log: a load is compared bit for bit with vLLM's own
+    prefix-cache hit, whose attention runs the same kernels; a full
+    computation runs others, so its last bits may differ)."""
+    gap = 0.0
+    for a, b in zip(x, y):
+        for sa, sb in zip(a["logprobs"], b["logprobs"]):
+            db = dict((t, lp) for t, lp in sb)
+            gap = max([gap, *(abs(lp - db[t]) for t, lp in sa if t in db)])
+    return gap
+
+
 def test_vllm_serves_through_kvplane_end_to_end(tmp_path: Path) -> None:
     from tiny_model import write_model
 
@@ -230,6 +243,11 @@ def test_vllm_serves_through_kvplane_end_to_end(tmp_path: Path) -> None:
         assert got == sum(loadable), f"node GET keys {got} != blocks loaded {sum(loadable)}"
         assert tokens(loaded) == tokens(computed), "B's tokens differ from A's"
         assert logprobs(loaded) == logprobs(hit), "B's logprobs differ from A's prefix-cache hit"
+        # Also bit for bit what A computed from scratch (vLLM's CPU attention
+        # gives a query after a cached prefix the same sums as a full
+        # prefill); the gap is printed first should that ever change.
+        print(f"B's loaded logprobs vs A's full computation: largest difference {max_logprob_gap(loaded, computed)}")
+        assert logprobs(loaded) == logprobs(computed), "B's logprobs differ from A's computation"
 
         # 3. One block altered in the node: the answer must change.
         victim = keys[0][1]
@@ -254,6 +272,8 @@ def test_vllm_serves_through_kvplane_end_to_end(tmp_path: Path) -> None:
         recomputed = b.generate(ps)
         assert [o["cached"] for o in recomputed] == [0] * len(ps), "B computed every prompt token"
         assert tokens(recomputed) == tokens(computed), "B's recomputed tokens differ from A's"
+        print(f"B's recomputed logprobs vs A's: largest difference {max_logprob_gap(recomputed, computed)}")
+        assert logprobs(recomputed) == logprobs(computed), "B's recomputed logprobs differ from A's"
         print(
             f"end to end: engine starts {a.start_s:.1f} s and {b.start_s:.1f} s, "
             f"{sum(loadable)} blocks of {bs} tokens loaded, {time.monotonic() - wall:.1f} s in all"
