@@ -432,6 +432,12 @@ fn quorum_node(dir: &std::path::Path, name: &str, id: &str, etcd: &[String], wri
     NodeProcess::start_with_env(&["--config", path.to_str().unwrap(), "--memory", "64MiB"], &[("KVPLANE_CACHE_DIR", dir.join("cache"))])
 }
 
+/// Sends `SIG<name>` to `node` by its PID (`kill -NAME PID`).
+fn signal(node: &NodeProcess, name: &str) {
+    let status = std::process::Command::new("kill").arg(format!("-{name}")).arg(node.child.id().to_string()).status().unwrap();
+    assert!(status.success(), "kill -{name} {}", node.child.id());
+}
+
 /// PUTs `n` fresh keys under `prefix` through `c`: how many were acknowledged,
 /// and the first error.
 async fn put_fresh(c: &ClusterClient, prefix: &str, n: usize) -> (usize, Option<KvError>) {
@@ -452,7 +458,9 @@ async fn the_clusters_write_quorum_reaches_clients_that_set_none() {
     // Clients configured with a seed and nothing else about writes.
     let connect = |seed: &NodeProcess, write_quorum: Option<usize>| {
         let mut config = ClusterClientConfig::new(vec![Endpoint::Tcp(seed.endpoint.clone())]);
-        config.timeout = Duration::from_secs(5);
+        // What a frozen owner costs a PUT (the client waits for every owner
+        // it asked, up to this, before it counts the quorum).
+        config.timeout = Duration::from_secs(2);
         config.write_quorum = write_quorum;
         ClusterClient::connect(config)
     };
@@ -462,6 +470,27 @@ async fn the_clusters_write_quorum_reaches_clients_that_set_none() {
     wait_for_members(&c2, &["n0", "n1"]).await;
     assert_eq!(put_fresh(&c1, "both-up", 32).await.0, 32);
     assert_eq!(put_fresh(&c2, "both-up", 32).await.0, 32);
+
+    // One owner of every key frozen (SIGSTOP by PID): it takes connections
+    // and answers nothing. writeQuorum 1: acknowledged by the other owner;
+    // writeQuorum 2: refused with a typed timeout, nothing acknowledged.
+    for n in [&one[1], &two[1]] {
+        signal(n, "STOP");
+    }
+    let frozen = tokio::time::Instant::now();
+    let (acked, error) = put_fresh(&c1, "one-frozen", 32).await;
+    assert_eq!(acked, 32, "writeQuorum 1 with one owner of two frozen: {error:?}");
+    let took_w1 = frozen.elapsed();
+    let got = c1.get((0..32).map(|i| Bytes::from(format!("one-frozen/k{i}"))).collect()).await.unwrap();
+    let read = got.iter().enumerate().filter(|(i, r)| r.as_ref().ok() == Some(&value(&format!("one-frozen/k{i}"), 7, 4 << 10))).count();
+    assert_eq!(read, 32, "every block acknowledged with one owner frozen reads back");
+    let (acked, error) = put_fresh(&c2, "one-frozen", 32).await;
+    assert_eq!(acked, 0, "writeQuorum 2 acknowledged {acked} keys stored on one owner");
+    assert!(matches!(error, Some(KvError::Timeout(_))), "a typed timeout naming the frozen owner: {error:?}");
+    for n in [&one[1], &two[1]] {
+        signal(n, "CONT");
+    }
+    println!("one owner of two frozen: writeQuorum 1 acknowledged 32 of 32 (in {took_w1:?}), writeQuorum 2 0 of 32: {error:?}");
 
     // One owner of every key killed by PID; the lease keeps it in the tables.
     sigkill(&mut one[1]);
@@ -480,7 +509,7 @@ async fn the_clusters_write_quorum_reaches_clients_that_set_none() {
     // writeQuorum 2: nothing acknowledged with one copy.
     let (acked, error) = put_fresh(&c2, "one-down", 32).await;
     assert_eq!(acked, 0, "writeQuorum 2 acknowledged {acked} keys stored on one owner");
-    assert!(error.is_some());
+    assert!(matches!(error, Some(KvError::Unavailable(_))), "a typed unavailable naming the dead owner: {error:?}");
     // A client told otherwise keeps its own setting, either way.
     let strict = connect(&one[0], Some(2)).await.expect("a strict client of w1 connects");
     assert_eq!(put_fresh(&strict, "strict", 8).await.0, 0, "a client's own write_quorum 2 overrides the table's 1");
