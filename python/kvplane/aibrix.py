@@ -37,8 +37,8 @@ The connector declares ``mput_mget``: AIBrix's L2 cache then sends a batch
 of blocks as one ``put_from`` and reads one as one ``get_into``, straight
 between AIBrix's memory regions (CPU slabs) and the node (no copy in
 Python; through the memory a node on the same host shares over its Unix
-socket). Calls run on the executor AIBrix hands its connectors, as its own
-connectors do. A node that cannot be reached, or an error from it, answers
+socket). Calls are coroutines of `kvplane.aio` awaited on AIBrix's own
+event loop: no thread of AIBrix's executor is taken for I/O. A node that cannot be reached, or an error from it, answers
 a status that is not OK (NOT_FOUND for an absent block, ERROR with the
 reason otherwise), logged and counted (`KVPlaneConnector.stats`); it never
 raises into AIBrix. GPU-direct (``gdr_put``/``gdr_get``), RDMA slab
@@ -47,8 +47,6 @@ registration and AIBrix's zero-copy allocate/acquire are not offered.
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import logging
 import os
 import threading
@@ -56,7 +54,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import Executor
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import torch
 from aibrix_kvcache.l2.connectors.connector import Connector, ConnectorConfig, ConnectorFeature
@@ -64,8 +62,9 @@ from aibrix_kvcache.memory import MemoryRegion
 from aibrix_kvcache.status import Status, StatusCodes
 
 import kvplane
-from kvplane._reconnecting import ReconnectingClient
 from kvplane._settings import _SETTINGS, Settings, _check, _Source
+from kvplane.aio import Client as AsyncClient
+from kvplane.aio import ReconnectingClient
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +159,8 @@ class KVPlaneConnector(Connector[bytes, torch.Tensor]):
     def __init__(self, settings: Settings, conn_id: str, executor: Executor) -> None:
         self.settings = settings
         self.conn_id = conn_id
+        # AIBrix hands every connector an executor; this one awaits
+        # kvplane.aio instead and needs none.
         self._executor = executor
         self._prefix = f"{settings.namespace}@aibrix@{conn_id}@".encode()
         self._node: ReconnectingClient | None = None
@@ -190,12 +191,14 @@ class KVPlaneConnector(Connector[bytes, torch.Tensor]):
     # --- life ------------------------------------------------------------------------
 
     def open(self) -> Status:
-        """Connects once, so that a wrong token or endpoint fails here
-        (INVALID / DENIED); a node that is down is not an error (every call
-        a miss until it answers)."""
+        """Checks the settings and connects once, so that a wrong token or
+        endpoint fails here (INVALID / DENIED); a node that is down is not an
+        error (every call a miss until it answers). AIBrix calls this
+        outside its event loop."""
         if self._node is None:
             self._node = ReconnectingClient(self.settings, log=logger)
         try:
+            AsyncClient(self.settings.endpoint, **self.settings.client_options()).close()
             kvplane.Client(self.settings.endpoint, **self.settings.client_options()).close()
         except (kvplane.Unavailable, kvplane.Timeout) as e:
             logger.warning("kvplane: %s does not answer yet (%s); AIBrix's L2 lookups are misses until it does", self.settings.endpoint, e)
@@ -223,7 +226,11 @@ class KVPlaneConnector(Connector[bytes, torch.Tensor]):
     # --- the L2 interface ------------------------------------------------------------
 
     async def exists(self, key: bytes) -> Status:
-        return await self._async(self._exists, key)
+        found = await self._run("exists", lambda c: c.exists([self._prefix + key]))
+        if isinstance(found, Status):
+            return found
+        self._count("exists_found" if found[0] else "exists_missing", 1)
+        return Status.ok() if found[0] else Status(StatusCodes.NOT_FOUND)
 
     async def get(self, key: bytes, mr: MemoryRegion | Sequence[MemoryRegion]) -> Status:
         return _first(await self.mget([key], [mr]))
@@ -232,7 +239,8 @@ class KVPlaneConnector(Connector[bytes, torch.Tensor]):
         return _first(await self.mput([key], [mr]))
 
     async def delete(self, key: bytes) -> Status:
-        return await self._async(self._delete, key)
+        done = await self._run("delete", lambda c: c.delete([self._prefix + key]))
+        return done if isinstance(done, Status) else Status.ok()
 
     async def mget(
         self, keys: Sequence[bytes], mrs: Sequence[MemoryRegion | Sequence[MemoryRegion]]
@@ -240,14 +248,14 @@ class KVPlaneConnector(Connector[bytes, torch.Tensor]):
         """One GET of every key, each value read straight into its memory
         region: per key OK or NOT_FOUND, or one status (ERROR, TIMEOUT,
         with the reason) when the batch failed as a whole."""
-        return await self._async(self._mget, list(keys), list(mrs))
+        return await self._mget(list(keys), list(mrs))
 
     async def mput(
         self, keys: Sequence[bytes], mrs: Sequence[MemoryRegion | Sequence[MemoryRegion]]
     ) -> Sequence[Status] | Status:
         """One PUT of every key, sent straight from its memory region: OK per
         key, or one status when the batch failed."""
-        return await self._async(self._mput, list(keys), list(mrs))
+        return await self._mput(list(keys), list(mrs))
 
     def get_batches(
         self, keys: Sequence[Any], mrs: Sequence[MemoryRegion | Sequence[MemoryRegion]], batch_size: int
@@ -259,29 +267,14 @@ class KVPlaneConnector(Connector[bytes, torch.Tensor]):
         step = max(1, batch_size)
         return [pairs[i : i + step] for i in range(0, len(pairs), step)]
 
-    # --- the calls, on AIBrix's executor ---------------------------------------------
+    # --- the calls --------------------------------------------------------------------
 
-    async def _async(self, fn: Callable[..., Any], *args: Any) -> Any:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, functools.partial(fn, *args))
-
-    def _exists(self, key: bytes) -> Status:
-        found = self._run("exists", lambda c: c.exists([self._prefix + key])[0])
-        if isinstance(found, Status):
-            return found
-        self._count("exists_found" if found else "exists_missing", 1)
-        return Status.ok() if found else Status(StatusCodes.NOT_FOUND)
-
-    def _delete(self, key: bytes) -> Status:
-        done = self._run("delete", lambda c: c.delete([self._prefix + key]))
-        return done if isinstance(done, Status) else Status.ok()
-
-    def _mget(self, keys: list[bytes], mrs: list[Any]) -> list[Status] | Status:
+    async def _mget(self, keys: list[bytes], mrs: list[Any]) -> list[Status] | Status:
         views = [_region_bytes(mr) for mr in mrs]
         refused = next((v for v in views if isinstance(v, Status)), None)
         if refused is not None:
             return refused
-        lengths = self._run("get", lambda c: c.get_into([self._prefix + k for k in keys], views))
+        lengths = await self._run("get", lambda c: c.get_into([self._prefix + k for k in keys], views))
         if isinstance(lengths, Status):
             return lengths  # the whole batch failed: one status (see _mput)
         statuses: list[Status] = []
@@ -299,12 +292,12 @@ class KVPlaneConnector(Connector[bytes, torch.Tensor]):
         self._count("get_missing", len(keys) - found)
         return statuses
 
-    def _mput(self, keys: list[bytes], mrs: list[Any]) -> list[Status] | Status:
+    async def _mput(self, keys: list[bytes], mrs: list[Any]) -> list[Status] | Status:
         views = [_region_bytes(mr) for mr in mrs]
         refused = next((v for v in views if isinstance(v, Status)), None)
         if refused is not None:
             return refused
-        done = self._run("put", lambda c: c.put_from([self._prefix + k for k in keys], views))
+        done = await self._run("put", lambda c: c.put_from([self._prefix + k for k in keys], views))
         if isinstance(done, Status):
             # The whole batch failed: one status, which AIBrix's L2 cache
             # takes for the batch. A list holding failures is not an option
@@ -314,18 +307,19 @@ class KVPlaneConnector(Connector[bytes, torch.Tensor]):
         self._count("put_stored", len(keys))
         return [Status.ok()] * len(keys)
 
-    def _run(self, op: str, call: Callable[[kvplane.Client], Any]) -> Any:
-        """`call(client)`, or an ERROR status naming the reason when the
-        node is down or the call fails (logged and counted, never raised)."""
+    async def _run(self, op: str, call: Callable[[AsyncClient], Awaitable[Any]]) -> Any:
+        """`await call(client)`, or an ERROR status naming the reason when
+        the node is down or the call fails (logged and counted, never
+        raised)."""
         if self._node is None:
             self._failure(op, "not-open", "the connector was not opened")
             return Status(StatusCodes.ERROR, "kvplane: the connector was not opened")
-        client = self._node.get()
+        client = await self._node.get()
         if client is None:
             self._failure(op, "node-down", f"{self.settings.endpoint} is taken to be down", log=False)
             return Status(StatusCodes.ERROR, f"kvplane: {self.settings.endpoint} is taken to be down")
         try:
-            return call(client)
+            return await call(client)
         except kvplane.Error as e:
             if isinstance(e, (kvplane.Unavailable, kvplane.Timeout)):
                 self._node.failed(client, e)

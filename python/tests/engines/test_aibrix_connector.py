@@ -158,7 +158,13 @@ def test_the_connector_interface_as_aibrix_defines_it(node: Node) -> None:
         from aibrix_kvcache.status import StatusCodes
         kvplane.aibrix.install()
         kvplane.aibrix.install()  # twice is once
-        ex = ThreadPoolExecutor(2)
+
+        class NoThreads(ThreadPoolExecutor):
+            # The connector awaits kvplane.aio: AIBrix's executor stays idle.
+            def submit(self, *args, **kwargs):
+                raise AssertionError("the kvplane connector used AIBrix's executor")
+
+        ex = NoThreads(1)
         config = ConnectorConfig(backend_name="KVPLANE", namespace="ns", partition_id="p0", executor=ex, block_spec_signature="sig")
         conn = Connector.create(config)
         mock = Connector.create(ConnectorConfig(backend_name="MOCK", namespace="ns", partition_id="p0", executor=ex))
