@@ -188,6 +188,47 @@ async fn a_member_partitioned_from_etcd_lapses_and_knows_it() {
     assert_eq!(other.registration(), Registration::Registered);
 }
 
+/// A member started (`Membership::start`) while etcd's ports refuse: it is
+/// `Pending` with the etcd error, refuses updates, and registers by itself
+/// once etcd starts, within two leases; a member that never registered
+/// leaves without error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_started_before_etcd_registers_once_etcd_answers() {
+    support::log_to_test_output();
+    let mut etcd = EtcdCluster::unstarted();
+    let endpoints = etcd.endpoints();
+    let options = Options { request_timeout: Duration::from_millis(500), ..Options::default() };
+    let m = Membership::start(&endpoints, "late", member(0), SHORT_TTL, options.clone()).unwrap();
+    let never = Membership::start(&endpoints, "late", member(1), SHORT_TTL, options).unwrap();
+    let mut status = m.subscribe();
+    let pending =
+        tokio::time::timeout(PATIENCE, status.wait_for(|r| matches!(r, Registration::Pending { reason } if reason.contains("refused"))))
+            .await
+            .expect("Pending with the etcd error")
+            .unwrap()
+            .clone();
+    assert!(matches!(&pending, Registration::Pending { reason } if reason.contains(m.key())), "{pending:?}");
+    assert_eq!(m.lease_id(), 0);
+    assert!(m.set_state(MemberState::Draining).await.is_err(), "an update before the registration");
+    never.leave().await.expect("leaving before ever registering");
+
+    etcd.restart();
+    let answering = tokio::time::Instant::now();
+    tokio::time::timeout(2 * SHORT_TTL, status.wait_for(|r| *r == Registration::Registered))
+        .await
+        .expect("registered within two leases of etcd answering")
+        .unwrap();
+    let took = answering.elapsed();
+    let in_etcd = tokio::task::block_in_place(|| support::lease_of_key(&etcd, m.key()));
+    assert_eq!(in_etcd, Ok(Some(m.lease_id())));
+    assert!(m.counters().failed_attempts() > 0);
+    assert_eq!((m.counters().lapses(), m.counters().reregistrations()), (0, 0));
+    eprintln!("registered {took:?} after etcd answered, after {} failed attempts", m.counters().failed_attempts());
+    let mut watch = m.watcher().start().await.unwrap();
+    wait_view(&mut watch, "n0 in the membership", |v| ids(v) == ["n0"]).await;
+    m.leave().await.unwrap();
+}
+
 /// An outage of all of etcd for three leases: the member knows it lapsed,
 /// and once etcd answers again it registers again by itself, under a new
 /// lease, within two leases, and its record can be changed again.
