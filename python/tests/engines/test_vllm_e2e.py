@@ -101,7 +101,10 @@ class Engine:
                 start_new_session=True,
             )
         os.close(write)
-        self.replies = os.fdopen(read, "r")
+        # Read with os.read into a buffer of our own, so that select() on
+        # the descriptor is never fooled by lines a file object buffered.
+        self.replies = read
+        self.pending = b""
         ready = self._reply(START_DEADLINE_S)
         self.start_s = time.monotonic() - started
         assert ready.get("ready"), ready
@@ -115,14 +118,18 @@ class Engine:
             if left <= 0:
                 self.stop()
                 pytest.fail(f"engine {self.name} did not answer within {deadline_s} s; its log:\n{self.tail()}")
+            if b"\n" in self.pending:
+                line, self.pending = self.pending.split(b"\n", 1)
+                return json.loads(line)
             ready, _, _ = select.select([self.replies], [], [], min(left, 1.0))
             if ready:
-                line = self.replies.readline()
-                if not line:
-                    self.proc.wait(timeout=30)
+                chunk = os.read(self.replies, 1 << 20)
+                if not chunk:
+                    self.stop()
                     pytest.fail(f"engine {self.name} exited ({self.proc.returncode}); its log:\n{self.tail()}")
-                return json.loads(line)
-            if self.proc.poll() is not None:
+                self.pending += chunk
+            elif self.proc.poll() is not None:
+                self.stop()
                 pytest.fail(f"engine {self.name} exited ({self.proc.returncode}); its log:\n{self.tail()}")
 
     def tail(self, lines: int = 80) -> str:
@@ -151,7 +158,7 @@ class Engine:
                 self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
                 self.proc.stdin.close()
                 self.proc.wait(timeout=60)
-            except (OSError, subprocess.TimeoutExpired):
+            except (OSError, ValueError, subprocess.TimeoutExpired):
                 pass
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -162,7 +169,9 @@ class Engine:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        self.replies.close()
+        if self.replies >= 0:
+            os.close(self.replies)
+            self.replies = -1
 
 
 def prompts() -> list[list[int]]:
