@@ -76,21 +76,37 @@ def write_tokenizer(directory: Path) -> None:
     fast.save_pretrained(str(directory))
 
 
-def write_model(directory: Path, *, sigma: float = SIGMA, seed: int = SEED) -> Path:
-    """Writes the checkpoint into `directory` (made if missing) and answers it."""
+def write_model(
+    directory: Path,
+    *,
+    sigma: float = SIGMA,
+    seed: int = SEED,
+    hidden: int = HIDDEN,
+    intermediate: int = INTERMEDIATE,
+    layers: int = LAYERS,
+    heads: int = HEADS,
+    kv_heads: int = KV_HEADS,
+    max_positions: int = MAX_POSITIONS,
+) -> Path:
+    """Writes the checkpoint into `directory` (made if missing) and answers it.
+
+    The sizes default to the end-to-end test's model; scripts/bench-serving
+    asks for a larger one (more layers, longer positions) whose long
+    prefills take seconds. head_dim is hidden // heads."""
     directory.mkdir(parents=True, exist_ok=True)
     write_tokenizer(directory)
+    head_dim = hidden // heads
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "hidden_size": HIDDEN,
-        "intermediate_size": INTERMEDIATE,
-        "num_hidden_layers": LAYERS,
-        "num_attention_heads": HEADS,
-        "num_key_value_heads": KV_HEADS,
-        "head_dim": HEAD_DIM,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
         "vocab_size": VOCAB,
-        "max_position_embeddings": MAX_POSITIONS,
+        "max_position_embeddings": max_positions,
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
         "hidden_act": "silu",
@@ -108,20 +124,20 @@ def write_model(directory: Path, *, sigma: float = SIGMA, seed: int = SEED) -> P
     def ones(n: int) -> torch.Tensor:
         return torch.ones(n, dtype=torch.bfloat16)
 
-    tensors = {"model.embed_tokens.weight": normal(VOCAB, HIDDEN)}
-    for i in range(LAYERS):
+    tensors = {"model.embed_tokens.weight": normal(VOCAB, hidden)}
+    for i in range(layers):
         p = f"model.layers.{i}."
-        tensors[p + "self_attn.q_proj.weight"] = normal(HEADS * HEAD_DIM, HIDDEN)
-        tensors[p + "self_attn.k_proj.weight"] = normal(KV_HEADS * HEAD_DIM, HIDDEN)
-        tensors[p + "self_attn.v_proj.weight"] = normal(KV_HEADS * HEAD_DIM, HIDDEN)
-        tensors[p + "self_attn.o_proj.weight"] = normal(HIDDEN, HEADS * HEAD_DIM)
-        tensors[p + "mlp.gate_proj.weight"] = normal(INTERMEDIATE, HIDDEN)
-        tensors[p + "mlp.up_proj.weight"] = normal(INTERMEDIATE, HIDDEN)
-        tensors[p + "mlp.down_proj.weight"] = normal(HIDDEN, INTERMEDIATE)
-        tensors[p + "input_layernorm.weight"] = ones(HIDDEN)
-        tensors[p + "post_attention_layernorm.weight"] = ones(HIDDEN)
-    tensors["model.norm.weight"] = ones(HIDDEN)
-    tensors["lm_head.weight"] = normal(VOCAB, HIDDEN)
+        tensors[p + "self_attn.q_proj.weight"] = normal(heads * head_dim, hidden)
+        tensors[p + "self_attn.k_proj.weight"] = normal(kv_heads * head_dim, hidden)
+        tensors[p + "self_attn.v_proj.weight"] = normal(kv_heads * head_dim, hidden)
+        tensors[p + "self_attn.o_proj.weight"] = normal(hidden, heads * head_dim)
+        tensors[p + "mlp.gate_proj.weight"] = normal(intermediate, hidden)
+        tensors[p + "mlp.up_proj.weight"] = normal(intermediate, hidden)
+        tensors[p + "mlp.down_proj.weight"] = normal(hidden, intermediate)
+        tensors[p + "input_layernorm.weight"] = ones(hidden)
+        tensors[p + "post_attention_layernorm.weight"] = ones(hidden)
+    tensors["model.norm.weight"] = ones(hidden)
+    tensors["lm_head.weight"] = normal(VOCAB, hidden)
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return directory
 
