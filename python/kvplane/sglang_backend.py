@@ -187,8 +187,7 @@ class KVPlaneHiCacheStorage(HiCacheStorage):
         if not keys:
             return 0
         found = self._run("exists", 0, lambda c, pages: pages.match(c, self._prefix, keys, self.settings.lease_ms))
-        self._count("exists_pages", len(keys))
-        self._count("exists_pages_found", found)
+        self._count("exists_pages", len(keys), "exists_pages_found", found)
         return found
 
     def batch_get_v1(
@@ -200,8 +199,7 @@ class KVPlaneHiCacheStorage(HiCacheStorage):
             return []
         start = time.perf_counter()
         got = self._run("get", [False] * len(keys), lambda c, pages: self._get_pages(c, pages, keys, host_indices))
-        self._count("get_pages", len(keys))
-        self._count("get_pages_read", sum(got))
+        self._count("get_pages", len(keys), "get_pages_read", sum(got))
         if self._metrics and any(got):
             self._prefetch.append((sum(got), time.perf_counter() - start))
         return got
@@ -244,8 +242,7 @@ class KVPlaneHiCacheStorage(HiCacheStorage):
                 send_views.extend(views[i * k : (i + 1) * k])
         if send_keys:
             client.put_from(send_keys, send_views)
-        self._count("set_pages", len(keys))
-        self._count("set_pages_present", sum(present))
+        self._count("set_pages", len(keys), "set_pages_present", sum(present))
         return [True] * len(keys)
 
     def _views(self, pages: _Pages, keys: List[str], host_indices: torch.Tensor) -> list[memoryview]:
@@ -261,6 +258,10 @@ class KVPlaneHiCacheStorage(HiCacheStorage):
             )
         starts = host_indices[::page_size].tolist()
         cache = self._page_views
+        try:
+            return [v for start in starts for v in cache[start]]
+        except KeyError:
+            pass
         missing = [i for i, start in enumerate(starts) if start not in cache]
         if missing:
             indices = torch.cat([host_indices[i * page_size : (i + 1) * page_size] for i in missing])
@@ -393,9 +394,10 @@ class KVPlaneHiCacheStorage(HiCacheStorage):
             "kvplane: %s answered as a miss (%s, %d so far): %s", op, reason, count, detail
         )
 
-    def _count(self, name: str, n: int) -> None:
+    def _count(self, name: str, n: int, name2: str, n2: int) -> None:
         with self._lock:
             self._counters[name] += n
+            self._counters[name2] += n2
 
 
 class _Refused(Exception):
