@@ -346,6 +346,29 @@ def test_a_node_killed_mid_batch_gives_misses_and_nothing_raises(pool) -> None:
     b.close()
 
 
+def test_after_a_node_restarts_the_backend_stores_and_loads_again(tmp_path, pool) -> None:
+    sock = tmp_path / "node.sock"
+    n = Node("--unix", str(sock))
+    b = backend(f"unix://{sock}", pool)  # retry_after_s 0.2
+    keys = hashes("restart", 3)
+    idx = fill(pool, 3, seed=11)
+    assert b.batch_set_v1(keys, idx) == [True] * 3
+    n.stop()
+    assert b.batch_exists(keys) == 0  # down: a miss, SGLang recomputes
+    n = Node("--unix", str(sock))  # a new node on the same socket, empty
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        while b.batch_set_v1(keys, idx) != [True] * 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert b.batch_exists(keys) == 3
+        into = pool.alloc(3 * PAGE)
+        assert b.batch_get_v1(keys, into) == [True] * 3
+        assert all(page_bytes(pool, into, i) == page_bytes(pool, idx, i) for i in range(3))
+    finally:
+        b.close()
+        n.stop()
+
+
 def test_a_node_that_cannot_be_reached_is_a_miss_from_the_start(pool) -> None:
     n = Node()
     endpoint = n.endpoint
