@@ -37,8 +37,9 @@ try:
         HiCacheStorageExtraInfo,
         HiCacheStorageFailureInjector,
     )
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
     from kvplane.sglang_backend import KVPlaneHiCacheStorage
@@ -84,7 +85,26 @@ def host_pool(layout: str = "page_first", page: int = PAGE, dtype: torch.dtype =
     )
 
 
-def storage_config(extra: dict, *, tp_rank: int = 0, tp_size: int = 1, model: str = "org/tiny-model") -> HiCacheStorageConfig:
+def mla_host_pool() -> MLATokenToKVPoolHost:
+    """SGLang's MLA host pool on the CPU (latent 64 + rope 16), 32 pages."""
+    device = MLATokenToKVPool(16 * PAGE, PAGE, torch.bfloat16, 64, 16, LAYERS, "cpu", False)
+    return MLATokenToKVPoolHost(
+        device.get_device_pool_infos()[0].buffer_info,
+        2,
+        0,
+        PAGE,
+        "page_first",
+        pin_memory=False,
+        device_capacity_tokens=device.size,
+        start_layer=device.start_layer,
+        end_layer=device.end_layer,
+        target_layer_num=LAYERS,
+    )
+
+
+def storage_config(
+    extra: dict, *, tp_rank: int = 0, tp_size: int = 1, model: str = "org/tiny-model", mla: bool = False
+) -> HiCacheStorageConfig:
     return HiCacheStorageConfig(
         tp_rank=tp_rank,
         tp_size=tp_size,
@@ -92,7 +112,7 @@ def storage_config(extra: dict, *, tp_rank: int = 0, tp_size: int = 1, model: st
         pp_size=1,
         attn_cp_rank=0,
         attn_cp_size=1,
-        is_mla_model=False,
+        is_mla_model=mla,
         enable_storage_metrics=True,
         is_page_first_layout=True,
         model_name=model,
@@ -215,6 +235,29 @@ def test_two_deployments_never_read_each_others_pages(node: Node) -> None:
         assert b.batch_exists(keys) == 0, f"a deployment differing in {what} found our pages"
         b.close()
     ours.close()
+
+
+def test_mla_pages_are_one_copy_for_all_tp_ranks_written_by_one(node: Node, client) -> None:
+    rank0_pool, rank1_pool = mla_host_pool(), mla_host_pool()
+    rank0 = backend(node.endpoint, rank0_pool, tp_rank=0, tp_size=2, mla=True)
+    rank1 = backend(node.endpoint, rank1_pool, tp_rank=1, tp_size=2, mla=True)
+    keys = hashes("mla", 3)
+    before = client.stats()["keys_put"]
+    # The rank that is not SGLang's storage writer sends nothing.
+    assert rank1.batch_set_v1(keys, fill(rank1_pool, 3, seed=12)) == [True] * 3
+    assert client.stats()["keys_put"] == before and rank1.batch_exists(keys) == 0
+    idx = fill(rank0_pool, 3, seed=13)
+    assert rank0.batch_set_v1(keys, idx) == [True] * 3
+    assert client.stats()["keys_put"] == before + 3, "one block per MLA page"
+    # Rank 1 reads what rank 0 stored: the same latent pages.
+    assert rank1.batch_exists(keys) == 3
+    into = rank1_pool.alloc(3 * PAGE)
+    assert rank1.batch_get_v1(keys, into) == [True] * 3
+    for i in range(3):
+        mine = rank1_pool.get_data_page(into[i * PAGE].item()).view(torch.int16).numpy().tobytes()
+        assert mine == rank0_pool.get_data_page(idx[i * PAGE].item()).view(torch.int16).numpy().tobytes()
+    rank0.close()
+    rank1.close()
 
 
 def test_a_part_larger_than_the_nodes_largest_block_is_stored_in_pieces(tmp_path) -> None:
