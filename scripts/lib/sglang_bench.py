@@ -22,7 +22,9 @@ called in turn, batch by batch (so both meet the same load):
            the client alone
 
 Every answer is checked (all pages read, all lengths full). Prints one
-JSON line: per run the GB/s of each, their medians and the ratio."""
+JSON line: per run the GB/s of each, their medians, the ratio of the
+medians and the median of the runs' own ratios (median_run_ratio: each run
+meets one load, so that is the figure to judge by on a noisy machine)."""
 
 from __future__ import annotations
 
@@ -140,6 +142,8 @@ def main(a: argparse.Namespace) -> None:
                 "median_v1_gbps": med_v1,
                 "median_get_into_gbps": med_client,
                 "ratio": med_v1 / med_client,
+                # Each run pairs the two on the same load: the figure to judge by.
+                "median_run_ratio": statistics.median(r["v1"] / r["get_into"] for r in runs),
                 "failures": {k: v for k, v in backend.stats().items() if k.startswith("failed_")},
             }
         )
