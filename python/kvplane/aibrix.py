@@ -217,6 +217,11 @@ class KVPlaneConnector(Connector[bytes, torch.Tensor]):
 
     _ok = staticmethod(Status.ok)
 
+    def _key(self, key: bytes | str) -> bytes:
+        """The node key of one of AIBrix's keys (bytes from its key
+        builders; a str, as block hashes, as its UTF-8)."""
+        return self._prefix + (key if isinstance(key, (bytes, bytearray)) else str(key).encode())
+
     def stats(self) -> dict[str, int]:
         """Blocks asked for and found or stored, and ``failed_{op}_{reason}``
         for every call answered with a failure."""
@@ -226,7 +231,7 @@ class KVPlaneConnector(Connector[bytes, torch.Tensor]):
     # --- the L2 interface ------------------------------------------------------------
 
     async def exists(self, key: bytes) -> Status:
-        found = await self._run("exists", lambda c: c.exists([self._prefix + key]))
+        found = await self._run("exists", lambda c: c.exists([self._key(key)]))
         if isinstance(found, Status):
             return found
         self._count("exists_found" if found[0] else "exists_missing", 1)
@@ -239,7 +244,7 @@ class KVPlaneConnector(Connector[bytes, torch.Tensor]):
         return _first(await self.mput([key], [mr]))
 
     async def delete(self, key: bytes) -> Status:
-        done = await self._run("delete", lambda c: c.delete([self._prefix + key]))
+        done = await self._run("delete", lambda c: c.delete([self._key(key)]))
         return done if isinstance(done, Status) else Status.ok()
 
     async def mget(
@@ -274,7 +279,7 @@ class KVPlaneConnector(Connector[bytes, torch.Tensor]):
         refused = next((v for v in views if isinstance(v, Status)), None)
         if refused is not None:
             return refused
-        lengths = await self._run("get", lambda c: c.get_into([self._prefix + k for k in keys], views))
+        lengths = await self._run("get", lambda c: c.get_into([self._key(k) for k in keys], views))
         if isinstance(lengths, Status):
             return lengths  # the whole batch failed: one status (see _mput)
         statuses: list[Status] = []
@@ -283,7 +288,7 @@ class KVPlaneConnector(Connector[bytes, torch.Tensor]):
                 statuses.append(Status(StatusCodes.NOT_FOUND))
             elif n != len(view):
                 # A value of another length is not a block of this spec.
-                self._failure("get", "length", f"{self._prefix + key!r}: stored {n} bytes, the block is {len(view)}")
+                self._failure("get", "length", f"{self._key(key)!r}: stored {n} bytes, the block is {len(view)}")
                 statuses.append(Status(StatusCodes.NOT_FOUND, f"kvplane: stored value is {n} bytes, the block {len(view)}"))
             else:
                 statuses.append(Status.ok())
@@ -297,7 +302,7 @@ class KVPlaneConnector(Connector[bytes, torch.Tensor]):
         refused = next((v for v in views if isinstance(v, Status)), None)
         if refused is not None:
             return refused
-        done = await self._run("put", lambda c: c.put_from([self._prefix + k for k in keys], views))
+        done = await self._run("put", lambda c: c.put_from([self._key(k) for k in keys], views))
         if isinstance(done, Status):
             # The whole batch failed: one status, which AIBrix's L2 cache
             # takes for the batch. A list holding failures is not an option

@@ -198,6 +198,8 @@ def test_the_connector_interface_as_aibrix_defines_it(node: Node) -> None:
                 "mget": [s.error_code.name for s in await conn.mget(keys + [b"nope"], blocks(4))],
                 "batches": [len(b) for b in conn.get_batches(keys, src, 2)],
                 "put_one": (await conn.put(b"k9", src[0])).is_ok(),
+                # L2Cache passes block hashes (BlockHashes queries) as str.
+                "str_key": (await conn.put("h9", src[0])).is_ok() and (await conn.exists("h9")).is_ok(),
                 "delete": (await conn.delete(b"k1")).is_ok(),
                 "after_delete": (await conn.exists(b"k1")).error_code.name,
             }
@@ -222,7 +224,7 @@ def test_the_connector_interface_as_aibrix_defines_it(node: Node) -> None:
     assert out["mput"] == [True] * 3 and out["exists"] is True
     assert out["mget"] == ["OK", "OK", "OK", "NOT_FOUND"]
     assert out["batches"] == [2, 1]
-    assert out["put_one"] and out["delete"] and out["after_delete"] == "NOT_FOUND"
+    assert out["put_one"] and out["str_key"] and out["delete"] and out["after_delete"] == "NOT_FOUND"
     assert out["get_one"] is True
     assert out["after_uninstall"] == "Unknown connector type: KVPLANE"
     assert out["closed"]
