@@ -72,6 +72,27 @@ impl Ca {
     }
 }
 
+/// `kvplane ARGS` expected to exit, as a node that refuses to start does,
+/// within [`PATIENCE`]; one that serves instead is killed by PID and the
+/// test fails saying so.
+fn refused(args: &[&str]) -> std::process::Output {
+    let mut child = crate::support::kvplane()
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("starting kvplane");
+    let started = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if started.elapsed() > PATIENCE {
+            let _ = child.kill();
+            panic!("kvplane {args:?} started instead of refusing: {}", text(&child.wait_with_output().unwrap()));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
+}
+
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
@@ -320,16 +341,7 @@ fn tls_alone_is_not_credentials_for_a_port_others_reach_a_client_ca_is() {
     let cert = ca.issue(dir.path(), "node", &["127.0.0.1"], Use::Server, false);
     let base =
         ["node", "--listen", "0.0.0.0:0", "--admin", "none", "--memory", "16MiB", "--tls-cert", s(&cert.cert), "--tls-key", s(&cert.key)];
-    let mut refused = crate::support::kvplane().args(base).stderr(std::process::Stdio::piped()).spawn().unwrap();
-    let started = Instant::now();
-    while refused.try_wait().unwrap().is_none() {
-        if started.elapsed() > PATIENCE {
-            let _ = refused.kill();
-            panic!("kvplane node served 0.0.0.0 with TLS and no credentials: {}", text(&refused.wait_with_output().unwrap()));
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let out = refused.wait_with_output().unwrap();
+    let out = refused(&base);
     assert!(!out.status.success(), "{}", text(&out));
     assert_names(&text(&out), &["--listen 0.0.0.0:0", "--tls-client-ca", "TLS alone is not credentials", "--allow-unauthenticated"]);
 
@@ -340,4 +352,33 @@ fn tls_alone_is_not_credentials_for_a_port_others_reach_a_client_ca_is() {
     let _ = node.kill();
     let _ = node.wait();
     assert!(line.contains("tcp 0.0.0.0:") && line.contains("(TLS, client certificates required)"), "{line}");
+}
+
+/// Cluster members copy blocks to each other without TLS (hand-off,
+/// repair): a cluster node with TLS refuses to start, saying so, rather
+/// than leave keys unreplicated.
+#[test]
+fn a_cluster_node_with_tls_refuses_to_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new("kvplane-test-ca");
+    let cert = ca.issue(dir.path(), "node", &["127.0.0.1"], Use::Server, false);
+    let config = dir.path().join("node.json");
+    std::fs::write(&config, r#"{"backend":"kvplane","metadata":{"etcd":["http://127.0.0.1:9"]},"cluster":{"nodeId":"n0"}}"#).unwrap();
+    let out = refused(&[
+        "node",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin",
+        "none",
+        "--memory",
+        "16MiB",
+        "--config",
+        s(&config),
+        "--tls-cert",
+        s(&cert.cert),
+        "--tls-key",
+        s(&cert.key),
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert_names(&text(&out), &["--tls-cert with cluster mode", "not supported yet", "hand-off, repair"]);
 }

@@ -185,6 +185,15 @@ impl NodeConfig {
                 kvplane_protocol::MAX_CLUSTER_WAIT_MS
             );
         }
+        if self.cluster.is_some() && self.tls.is_some() {
+            // Members hand blocks off and repair through plain clients
+            // (cluster.rs, peer_client): a member's TLS port would refuse
+            // them, and keys would go unreplicated without a word.
+            anyhow::bail!(
+                "--tls-cert with cluster mode (cluster in --config) is not supported yet: members copy blocks to each other \
+                 (hand-off, repair) without TLS, and a TLS port would refuse them"
+            );
+        }
         if self.min_receive_rate == 0 || self.idle_timeout.is_zero() {
             anyhow::bail!("--min-receive-rate and --idle-timeout must be above 0");
         }
