@@ -1,5 +1,6 @@
 """Type stubs of the kvplane package (the native clients and the exceptions)."""
 
+import os
 import sys
 from collections.abc import Sequence
 from typing import final, overload
@@ -64,6 +65,10 @@ class Client:
         timeout: float = 30.0,
         write_quorum: int | None = None,
         shared_memory: bool = True,
+        tls_ca: str | os.PathLike[str] | None = None,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
+        tls_server_name: str | None = None,
     ) -> Client:
         """Connects now, so that a wrong address or token fails here.
 
@@ -78,6 +83,12 @@ class Client:
         ``shared_memory``: over a Unix socket (``unix:///path``), move block
         bytes through memory the node shares, when it offers some; False
         keeps every byte on the socket.
+        ``tls_ca``: speak TLS to TCP endpoints (nodes started with
+        ``--tls-cert``), trusting certificates this PEM CA file signed;
+        ``tls_cert`` and ``tls_key``: a client certificate for nodes started
+        with ``--tls-client-ca``; ``tls_server_name``: the name their
+        certificates must carry (default: the endpoint's host). Each TLS
+        refusal is an ``Invalid`` saying which (docs/security.md).
         """
 
     def put_from(self, keys: Sequence[Key], buffers: Sequence[Buffer]) -> None:

@@ -23,6 +23,12 @@ The settings (the vLLM key, the URL parameter; the default):
   cluster only): owners that must store a block before a save succeeds.
 - ``shared_memory`` (true): over a Unix socket, move block bytes through
   the memory the node shares; false keeps every byte on the socket.
+- ``tls_ca`` (none): a PEM CA file; given, TCP endpoints are reached over
+  TLS (nodes started with ``--tls-cert``) and their certificates must be
+  signed by it. ``tls_cert`` and ``tls_key`` (none, together): a client
+  certificate for nodes started with ``--tls-client-ca``.
+  ``tls_server_name`` (the endpoint's host): the name the nodes'
+  certificates must carry.
 - ``lease_ms`` (10000, the node's default ``--max-lease``): how long a
   lookup pins the blocks it matched, for the load that follows. The node
   grants at most its ``--max-lease``; a longer setting is reported at the
@@ -32,8 +38,8 @@ The settings (the vLLM key, the URL parameter; the default):
 - ``namespace`` (""; vLLM only): the first part of every key, so that
   deployments sharing a node do not share blocks.
 
-The first six are `kvplane.Client`'s options (`client_options`); the
-others are the connectors' own.
+From ``cluster`` to ``tls_server_name`` they are `kvplane.Client`'s options
+(`client_options`); the others are the connectors' own.
 """
 
 from __future__ import annotations
@@ -72,6 +78,10 @@ class Settings:
     timeout_s: float = 5.0
     write_quorum: int | None = None
     shared_memory: bool = True
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_server_name: str | None = None
     lease_ms: int = 10_000
     retry_after_s: float = 1.0
     namespace: str = ""
@@ -86,6 +96,10 @@ class Settings:
             "timeout": self.timeout_s,
             "write_quorum": self.write_quorum,
             "shared_memory": self.shared_memory,
+            "tls_ca": self.tls_ca,
+            "tls_cert": self.tls_cert,
+            "tls_key": self.tls_key,
+            "tls_server_name": self.tls_server_name,
         }
 
     @staticmethod
@@ -138,6 +152,10 @@ _SETTINGS = frozenset(
         "timeout_s",
         "write_quorum",
         "shared_memory",
+        "tls_ca",
+        "tls_cert",
+        "tls_key",
+        "tls_server_name",
         "lease_ms",
         "retry_after_s",
         "namespace",
@@ -258,11 +276,22 @@ def _check(values: Mapping[str, Any], source: _Source, *, endpoint: Any = None, 
         timeout_s=setting("timeout_s", lambda raw: _number(raw, text=text, whole=False, least=0), 5.0),
         write_quorum=setting("write_quorum", optional(lambda raw: _number(raw, text=text, whole=True, least=1)), None),
         shared_memory=setting("shared_memory", lambda raw: _flag(raw, text=text), True),
+        tls_ca=setting("tls_ca", optional(token), None),
+        tls_cert=setting("tls_cert", optional(token), None),
+        tls_key=setting("tls_key", optional(token), None),
+        tls_server_name=setting("tls_server_name", optional(token), None),
         lease_ms=setting("lease_ms", lambda raw: _number(raw, text=text, whole=True, least=0), 10_000),
         retry_after_s=setting("retry_after_s", lambda raw: _number(raw, text=text, whole=False, least=0), 1.0),
         # Any JSON value, as its text (as it always was).
         namespace=setting("namespace", str, ""),
     )
+    if (settings.tls_cert is None) != (settings.tls_key is None):
+        which = "tls_key" if settings.tls_key is None else "tls_cert"
+        raise SettingsError(f"{source.name(which)}: tls_cert and tls_key go together (a client certificate and its key)", which)
+    if settings.tls_ca is None:
+        for other in ("tls_cert", "tls_server_name"):
+            if getattr(settings, other) is not None:
+                raise SettingsError(f"{source.name(other)}: needs tls_ca (the CA the nodes' certificates are signed by)", other)
     if settings.write_quorum is not None and not settings.cluster:
         raise SettingsError(
             f"{source.name('write_quorum')}: applies to a cluster only ({source.spell('cluster', 'true')})", "write_quorum"

@@ -1,6 +1,7 @@
 """Type stubs of kvplane.aio (the asyncio client)."""
 
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any, final, overload
@@ -35,6 +36,10 @@ class Client:
         timeout: float = 30.0,
         write_quorum: int | None = None,
         shared_memory: bool = True,
+        tls_ca: str | os.PathLike[str] | None = None,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
+        tls_server_name: str | None = None,
     ) -> Client:
         """Checks the options (``Invalid`` naming the one at fault) and
         connects nothing yet. The options are ``kvplane.Client``'s:

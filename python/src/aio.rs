@@ -52,6 +52,7 @@ struct Spec {
     cluster: bool,
     connections: Option<usize>,
     token: Option<String>,
+    tls: Option<kvplane_client::ClientTls>,
     timeout: Duration,
     write_quorum: Option<usize>,
     shared_memory: bool,
@@ -62,6 +63,7 @@ impl Spec {
         if self.cluster {
             let mut config = ClusterClientConfig::new(self.endpoints.clone());
             config.token = self.token.clone();
+            config.tls = self.tls.clone();
             config.timeout = self.timeout;
             config.write_quorum = self.write_quorum;
             if let Some(n) = self.connections {
@@ -71,6 +73,7 @@ impl Spec {
         }
         let mut config = ClientConfig::new(self.endpoints[0].clone());
         config.token = self.token.clone();
+        config.tls = self.tls.clone();
         config.timeout = self.timeout;
         config.shared_memory = self.shared_memory;
         if let Some(n) = self.connections {
@@ -257,7 +260,7 @@ impl AsyncClient {
     #[new]
     // One argument per keyword of the Python constructor.
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (endpoints, *, cluster = false, connections = None, token = None, timeout = 30.0, write_quorum = None, shared_memory = true))]
+    #[pyo3(signature = (endpoints, *, cluster = false, connections = None, token = None, timeout = 30.0, write_quorum = None, shared_memory = true, tls_ca = None, tls_cert = None, tls_key = None, tls_server_name = None))]
     fn new(
         endpoints: &Bound<'_, PyAny>,
         cluster: bool,
@@ -266,7 +269,12 @@ impl AsyncClient {
         timeout: f64,
         write_quorum: Option<usize>,
         shared_memory: bool,
+        tls_ca: Option<std::path::PathBuf>,
+        tls_cert: Option<std::path::PathBuf>,
+        tls_key: Option<std::path::PathBuf>,
+        tls_server_name: Option<String>,
     ) -> PyResult<AsyncClient> {
+        let tls = crate::tls_of("aio.Client", tls_ca, tls_cert, tls_key, tls_server_name)?;
         let endpoints: Vec<String> =
             if let Ok(s) = endpoints.cast::<PyString>() { vec![s.to_str()?.to_owned()] } else { endpoints.extract()? };
         let parsed = endpoints
@@ -297,8 +305,16 @@ impl AsyncClient {
         if write_quorum == Some(0) {
             return Err(raise("Invalid", "aio.Client: write_quorum must be at least 1 (or None for the cluster's own)".into(), None, None));
         }
-        let spec =
-            Spec { endpoints: parsed, cluster, connections, token, timeout: Duration::from_secs_f64(timeout), write_quorum, shared_memory };
+        let spec = Spec {
+            endpoints: parsed,
+            cluster,
+            connections,
+            token,
+            tls,
+            timeout: Duration::from_secs_f64(timeout),
+            write_quorum,
+            shared_memory,
+        };
         let shared = Shared {
             rt: std::mem::ManuallyDrop::new(runtime()?),
             target: std::mem::ManuallyDrop::new(tokio::sync::OnceCell::new()),

@@ -33,7 +33,9 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use bytes::Bytes;
-use kvplane_client::{Client as NodeClient, ClientConfig, ClusterClient, ClusterClientConfig, Endpoint, ErrorKind, KvError, PrefixMatch};
+use kvplane_client::{
+    Client as NodeClient, ClientConfig, ClientTls, ClusterClient, ClusterClientConfig, Endpoint, ErrorKind, KvError, PrefixMatch,
+};
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
@@ -423,12 +425,37 @@ impl Client {
     }
 }
 
+/// TLS to TCP endpoints from the constructor's `tls_*` options: a CA file
+/// (required for TLS), an optional client certificate and key (for nodes
+/// started with --tls-client-ca), a server name to check instead of the
+/// endpoint's host. Refusals name the option and the file.
+pub(crate) fn tls_of(
+    who: &str,
+    ca: Option<std::path::PathBuf>,
+    cert: Option<std::path::PathBuf>,
+    key: Option<std::path::PathBuf>,
+    server_name: Option<String>,
+) -> PyResult<Option<ClientTls>> {
+    let Some(ca) = ca else {
+        if cert.is_some() || key.is_some() || server_name.is_some() {
+            return Err(raise("Invalid", format!("{who}: tls_cert, tls_key and tls_server_name need tls_ca"), None, None));
+        }
+        return Ok(None);
+    };
+    let client = match (&cert, &key) {
+        (Some(c), Some(k)) => Some((c.as_path(), k.as_path())),
+        (None, None) => None,
+        _ => return Err(raise("Invalid", format!("{who}: tls_cert and tls_key go together"), None, None)),
+    };
+    ClientTls::new(&ca, client, server_name.as_deref()).map(Some).map_err(|e| kv_error(&e, format!("{who}: tls_ca"), None, None))
+}
+
 #[pymethods]
 impl Client {
     #[new]
     // One argument per keyword of the Python constructor.
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (endpoints, *, cluster = false, connections = None, token = None, timeout = 30.0, write_quorum = None, shared_memory = true))]
+    #[pyo3(signature = (endpoints, *, cluster = false, connections = None, token = None, timeout = 30.0, write_quorum = None, shared_memory = true, tls_ca = None, tls_cert = None, tls_key = None, tls_server_name = None))]
     fn new(
         py: Python<'_>,
         endpoints: &Bound<'_, PyAny>,
@@ -438,7 +465,12 @@ impl Client {
         timeout: f64,
         write_quorum: Option<usize>,
         shared_memory: bool,
+        tls_ca: Option<std::path::PathBuf>,
+        tls_cert: Option<std::path::PathBuf>,
+        tls_key: Option<std::path::PathBuf>,
+        tls_server_name: Option<String>,
     ) -> PyResult<Client> {
+        let tls = tls_of("Client", tls_ca, tls_cert, tls_key, tls_server_name)?;
         let endpoints: Vec<String> =
             if let Ok(s) = endpoints.cast::<PyString>() { vec![s.to_str()?.to_owned()] } else { endpoints.extract()? };
         let parsed = endpoints
@@ -472,6 +504,7 @@ impl Client {
         let target = if cluster {
             let mut config = ClusterClientConfig::new(parsed);
             config.token = token;
+            config.tls = tls;
             config.timeout = timeout;
             config.write_quorum = write_quorum;
             if let Some(n) = connections {
@@ -485,6 +518,7 @@ impl Client {
         } else {
             let mut config = ClientConfig::new(parsed.into_iter().next().expect("one endpoint"));
             config.token = token;
+            config.tls = tls;
             config.timeout = timeout;
             config.shared_memory = shared_memory;
             if let Some(n) = connections {

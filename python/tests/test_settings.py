@@ -162,6 +162,8 @@ def test_vllm_without_an_endpoint_is_refused() -> None:
         ("kvplane://h:1?write_quorum=2", "write_quorum: applies to a cluster only (cluster=true)"),
         ("kvplane://a:1,b:2?write_quorum=0", "write_quorum: expected a whole number >= 1, got '0'"),
         ("kvplane://a:1,b:2?cluster=false", "cluster: several hosts are a cluster's seeds"),
+        ("kvplane://h:1?tls_ca=/ca.pem&tls_cert=/me.crt", "tls_key: tls_cert and tls_key go together"),
+        ("kvplane://h:1?tls_server_name=cache.example", "tls_server_name: needs tls_ca"),
     ],
 )
 def test_url_refusals_name_the_url_and_the_parameter(url: str, message: str) -> None:
@@ -178,7 +180,7 @@ def client_keywords() -> set[str]:
     the native class itself where it tells its signature)."""
     tree = ast.parse(STUB.read_text())
     (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Client"]
-    (init,) = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"]
+    (init,) = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name in ("__init__", "__new__")]
     stub = {a.arg for a in init.args.kwonlyargs}
     try:
         native = {p.name for p in inspect.signature(kvplane.Client).parameters.values() if p.kind == p.KEYWORD_ONLY}
@@ -204,11 +206,16 @@ EVERY_OPTION = {
             "timeout_s": 2,
             "write_quorum": 1,
             "shared_memory": False,
+            "tls_ca": "/ca.pem",
+            "tls_cert": "/me.crt",
+            "tls_key": "/me.key",
+            "tls_server_name": "cache.example",
             "retry_after_s": 0,
         }
     ),
     "lmcache": lambda: Settings.from_url(
         "kvplane://a:1,b:2?token=t&connections=3&timeout_s=2&write_quorum=1&shared_memory=false&retry_after_s=0"
+        "&tls_ca=/ca.pem&tls_cert=/me.crt&tls_key=/me.key&tls_server_name=cache.example"
     ),
 }
 
@@ -241,6 +248,10 @@ def test_reconnecting_client_passes_every_option_unchanged(front: str, monkeypat
                 "timeout": 2.0,
                 "write_quorum": 1,
                 "shared_memory": False,
+                "tls_ca": "/ca.pem",
+                "tls_cert": "/me.crt",
+                "tls_key": "/me.key",
+                "tls_server_name": "cache.example",
             },
         )
     ]
