@@ -267,17 +267,23 @@ fn plaintext_answer(seen: &[u8]) -> Option<Option<(ErrorCode, String)>> {
 /// failed handshake: a kvplane error frame fits many times over.
 const RECORDED_BYTES: usize = 16 << 10;
 
-/// The TCP stream under a TLS session, keeping the first bytes the node
-/// sent until the handshake is done ([`Recording::stop`]).
+/// Read buffer under the TLS session: rustls reads a record 4 KiB at a
+/// time, several system calls per 16 KiB record on a bare socket; from
+/// this buffer one system call serves many records.
+const TLS_READ_BUFFER_BYTES: usize = 256 << 10;
+
+/// The TCP stream under a TLS session, its reads buffered, keeping the
+/// first bytes the node sent until the handshake is done
+/// ([`Recording::stop`]).
 pub(crate) struct Recording {
-    inner: TcpStream,
+    inner: tokio::io::BufReader<TcpStream>,
     seen: Vec<u8>,
     on: bool,
 }
 
 impl Recording {
     fn new(inner: TcpStream) -> Recording {
-        Recording { inner, seen: Vec::new(), on: true }
+        Recording { inner: tokio::io::BufReader::with_capacity(TLS_READ_BUFFER_BYTES, inner), seen: Vec::new(), on: true }
     }
 
     fn stop(&mut self) {
@@ -312,7 +318,7 @@ impl AsyncWrite for Recording {
     }
 
     fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
+        self.inner.get_ref().is_write_vectored()
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
