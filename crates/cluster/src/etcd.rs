@@ -11,11 +11,16 @@ use base64::Engine;
 use serde_json::{json, Value};
 use tokio::time::Instant;
 
-use crate::Error;
+use crate::security::{EtcdAuth, EtcdTls};
+use crate::{Error, Options};
 
 /// gRPC status `UNAVAILABLE`: this etcd member cannot serve now (no leader,
 /// stopping), another may.
 const GRPC_UNAVAILABLE: i64 = 14;
+
+/// gRPC status `UNAUTHENTICATED`: the token sent is not (or no longer)
+/// one this member issued.
+const GRPC_UNAUTHENTICATED: i64 = 16;
 
 /// The least time one attempt of a call gets, however many endpoints share
 /// the call's timeout.
@@ -54,35 +59,120 @@ pub(crate) enum WatchMessage {
 
 pub(crate) struct Etcd {
     http: reqwest::Client,
-    /// Base URLs, `http://host:port`.
+    /// Base URLs, `http://host:port` or `https://host:port`.
     endpoints: Vec<String>,
     /// The endpoint that answered last: tried first next time.
     preferred: AtomicUsize,
+    tls: Option<EtcdTls>,
+    auth: Option<EtcdAuth>,
+    /// etcd's token for `auth`, per endpoint: a simple token is known only
+    /// to the member that issued it (see `crate::security`).
+    tokens: std::sync::Mutex<Vec<Option<String>>>,
+}
+
+/// Why a token could not be had from one endpoint.
+enum TokenFailure {
+    /// Another endpoint, or a later attempt, may give one.
+    Retry(String),
+    /// etcd refused the user (a wrong password, auth not enabled).
+    Final(Error),
 }
 
 impl Etcd {
-    /// A client of the etcd members at `endpoints` (`host:port` or
-    /// `http://host:port`).
-    pub(crate) fn new<S: AsRef<str>>(endpoints: &[S], connect_timeout: Duration) -> Result<Etcd, Error> {
+    /// A client of the etcd members at `endpoints` (`host:port`,
+    /// `http://host:port`, or `https://host:port` with `options.tls`).
+    pub(crate) fn new<S: AsRef<str>>(endpoints: &[S], options: &Options) -> Result<Etcd, Error> {
         if endpoints.is_empty() {
             return Err(Error::NoEndpoints);
         }
-        let endpoints = endpoints.iter().map(|e| normalize(e.as_ref())).collect::<Result<Vec<_>, _>>()?;
-        // etcd is spoken over plain HTTP, but in a build where another crate
-        // turns on reqwest's rustls (the runtime's OCI client does) building
-        // a client needs a process-wide crypto provider: the same one the
+        let tls = options.tls.is_some();
+        let endpoints = endpoints.iter().map(|e| normalize(e.as_ref(), tls)).collect::<Result<Vec<_>, _>>()?;
+        // Plain HTTP needs no crypto provider, but in a build where another
+        // crate turns on reqwest's rustls (the runtime's OCI client does)
+        // building a client needs a process-wide one: the same one the
         // kvplane binary installs. Already installed is fine.
         let _ = rustls::crypto::ring::default_provider().install_default();
-        let http = reqwest::Client::builder()
-            .connect_timeout(connect_timeout)
+        let mut builder = reqwest::Client::builder()
+            .connect_timeout(options.connect_timeout)
             // A watch is quiet while membership is; TCP keep-alive is what
             // notices that its etcd member went away without closing it.
             .tcp_keepalive(Some(Duration::from_secs(10)))
             .tcp_keepalive_interval(Some(Duration::from_secs(5)))
-            .tcp_keepalive_retries(Some(3))
-            .build()
-            .map_err(|e| Error::Transport { endpoint: endpoints.join(","), path: String::new(), reason: chain(&e) })?;
-        Ok(Etcd { http, endpoints, preferred: AtomicUsize::new(0) })
+            .tcp_keepalive_retries(Some(3));
+        if let Some(tls) = &options.tls {
+            builder = builder.tls_backend_preconfigured(tls.client_config()?);
+        }
+        let http =
+            builder.build().map_err(|e| Error::Transport { endpoint: endpoints.join(","), path: String::new(), reason: chain(&e) })?;
+        let tokens = std::sync::Mutex::new(vec![None; endpoints.len()]);
+        Ok(Etcd { http, endpoints, preferred: AtomicUsize::new(0), tls: options.tls.clone(), auth: options.auth.clone(), tokens })
+    }
+
+    /// A transport error's text, with what it means for TLS when it is a
+    /// TLS failure.
+    fn describe(&self, e: &reqwest::Error) -> String {
+        let text = chain(e);
+        match &self.tls {
+            Some(tls) => match tls.explain(e) {
+                Some(meaning) => format!("{meaning} ({text})"),
+                None => text,
+            },
+            // etcd's client port with TLS closes a plain HTTP request
+            // without an answer.
+            None if text.contains("connection closed before message completed") => {
+                format!("{text} (an etcd serving TLS on this port closes plain HTTP connections so: give its CA, cluster.etcd.tls, and use https://)")
+            }
+            None => text,
+        }
+    }
+
+    /// One POST to endpoint `index`: its status and body, or the reason it
+    /// got none.
+    async fn send(&self, index: usize, path: &str, body: String, timeout: Duration, token: Option<&str>) -> Result<(u16, Vec<u8>), String> {
+        let mut request = self.http.post(format!("{}{path}", self.endpoints[index])).timeout(timeout).body(body);
+        if let Some(token) = token {
+            request = request.header("Authorization", token);
+        }
+        let response = request.send().await.map_err(|e| self.describe(&e))?;
+        let status = response.status().as_u16();
+        let bytes = response.bytes().await.map_err(|e| self.describe(&e))?;
+        Ok((status, bytes.to_vec()))
+    }
+
+    /// The token to send to endpoint `index`: `None` without a user; the
+    /// one it gave before, or a new one from `/v3/auth/authenticate`.
+    async fn token(&self, index: usize, timeout: Duration) -> Result<Option<String>, TokenFailure> {
+        let Some(auth) = &self.auth else { return Ok(None) };
+        if let Some(token) = self.tokens.lock().unwrap_or_else(|e| e.into_inner())[index].clone() {
+            return Ok(Some(token));
+        }
+        let path = "/v3/auth/authenticate";
+        let endpoint = &self.endpoints[index];
+        let body = json!({"name": auth.username, "password": auth.password}).to_string();
+        let (status, bytes) = self.send(index, path, body, timeout, None).await.map_err(TokenFailure::Retry)?;
+        let value: Value =
+            serde_json::from_slice(&bytes).map_err(|e| TokenFailure::Final(protocol(endpoint, path, not_json(status, &e, &bytes))))?;
+        if !(200..300).contains(&status) {
+            let (code, message) = grpc_error(&value);
+            if code == GRPC_UNAVAILABLE {
+                return Err(TokenFailure::Retry(message));
+            }
+            let message = format!("{message}: etcd refused user {:?}", auth.username);
+            return Err(TokenFailure::Final(Error::Etcd { endpoint: endpoint.clone(), path: path.to_owned(), code, message }));
+        }
+        let token = value
+            .get("token")
+            .and_then(Value::as_str)
+            .filter(|t| !t.is_empty())
+            .ok_or_else(|| TokenFailure::Final(protocol(endpoint, path, format!("no token in {value}"))))?
+            .to_owned();
+        self.tokens.lock().unwrap_or_else(|e| e.into_inner())[index] = Some(token.clone());
+        Ok(Some(token))
+    }
+
+    /// Forget endpoint `index`'s token (the member no longer knows it).
+    fn drop_token(&self, index: usize) {
+        self.tokens.lock().unwrap_or_else(|e| e.into_inner())[index] = None;
     }
 
     /// POST `body` to `path`, trying the endpoints in turn (the last good
@@ -110,30 +200,31 @@ impl Etcd {
             }
             let index = (first + attempt) % count;
             let endpoint = &self.endpoints[index];
-            let request = self.http.post(format!("{endpoint}{path}")).timeout(share.min(left)).body(body.to_string());
-            let sent = Instant::now();
-            let result = async {
-                let response = request.send().await.map_err(|e| chain(&e))?;
-                let status = response.status();
-                let bytes = response.bytes().await.map_err(|e| chain(&e))?;
-                Ok::<_, String>((status, bytes))
-            }
-            .await;
-            let (status, bytes) = match result {
-                Ok(answer) => answer,
-                Err(reason) => {
-                    failures[index] = Some(reason);
+            let token = match self.token(index, share.min(left)).await {
+                Ok(token) => token,
+                Err(TokenFailure::Retry(reason)) => {
+                    remember(&mut failures[index], reason);
                     continue;
                 }
+                Err(TokenFailure::Final(e)) => return Err(e),
             };
+            let left = deadline.saturating_duration_since(Instant::now());
+            let sent = Instant::now();
+            let (status, bytes) =
+                match self.send(index, path, body.to_string(), share.min(left).max(Duration::from_millis(1)), token.as_deref()).await {
+                    Ok(answer) => answer,
+                    Err(reason) => {
+                        remember(&mut failures[index], reason);
+                        continue;
+                    }
+                };
             let value: Value = match serde_json::from_slice(&bytes) {
                 Ok(v) => v,
                 Err(e) => {
-                    let text = String::from_utf8_lossy(&bytes[..bytes.len().min(200)]).into_owned();
-                    return Err(protocol(endpoint, path, format!("HTTP {status}, not JSON ({e}): {text:?}")));
+                    return Err(protocol(endpoint, path, not_json(status, &e, &bytes)));
                 }
             };
-            if status.is_success() {
+            if (200..300).contains(&status) {
                 self.preferred.store(index, Ordering::Relaxed);
                 return Ok((value, sent));
             }
@@ -142,6 +233,14 @@ impl Etcd {
                 failures[index] = Some(message);
                 continue;
             }
+            if code == GRPC_UNAUTHENTICATED && token.is_some() {
+                // The member forgot the token (restarted, or the token's
+                // TTL passed unused): a new one, and the call again.
+                self.drop_token(index);
+                failures[index] = Some(message);
+                continue;
+            }
+            let message = explain_refusal(&message, self.auth.is_some());
             return Err(Error::Etcd { endpoint: endpoint.clone(), path: path.to_owned(), code, message });
         }
         let failures = self
@@ -215,20 +314,37 @@ impl Etcd {
         for i in 0..self.endpoints.len() {
             let index = (first + i) % self.endpoints.len();
             let endpoint = &self.endpoints[index];
-            let request = self
+            let mut request = self
                 .http
                 .post(format!("{endpoint}{path}"))
                 // etcd ends the watch when this member loses its leader,
                 // instead of keeping a watch that no change will reach.
                 .header("Grpc-Metadata-hasleader", "true")
                 .body(body.clone());
+            match self.token(index, timeout).await {
+                Ok(Some(token)) => request = request.header("Authorization", token),
+                Ok(None) => {}
+                Err(TokenFailure::Retry(reason)) => {
+                    failures.push(format!("{endpoint}: {reason}"));
+                    continue;
+                }
+                Err(TokenFailure::Final(e)) => return Err(e),
+            }
             match tokio::time::timeout(timeout, request.send()).await {
                 Ok(Ok(response)) if response.status().is_success() => {
                     self.preferred.store(index, Ordering::Relaxed);
                     return Ok(WatchStream { endpoint: endpoint.clone(), response, buffer: Vec::new(), pending: VecDeque::new() });
                 }
-                Ok(Ok(response)) => failures.push(format!("{endpoint}: HTTP {}", response.status())),
-                Ok(Err(e)) => failures.push(format!("{endpoint}: {}", chain(&e))),
+                Ok(Ok(response)) => {
+                    let status = response.status();
+                    let text = response.text().await.unwrap_or_default();
+                    let (code, message) = serde_json::from_str::<Value>(&text).map(|v| grpc_error(&v)).unwrap_or((0, text));
+                    if code == GRPC_UNAUTHENTICATED {
+                        self.drop_token(index);
+                    }
+                    failures.push(format!("{endpoint}: HTTP {status}: {}", explain_refusal(&message, self.auth.is_some())));
+                }
+                Ok(Err(e)) => failures.push(format!("{endpoint}: {}", self.describe(&e))),
                 Err(_) => failures.push(format!("{endpoint}: no answer within {timeout:?}")),
             }
         }
@@ -339,20 +455,70 @@ fn decode_kv(kv: &Value) -> Result<Kv, String> {
     Ok(Kv { key, value: field("value")?, mod_revision: int(kv, "mod_revision") })
 }
 
-/// `host:port` or `http://host:port` as a base URL.
-fn normalize(endpoint: &str) -> Result<String, Error> {
+/// `host:port`, `http://host:port` or `https://host:port` as a base URL:
+/// `https` exactly when TLS is configured (a bare `host:port` takes the
+/// scheme TLS implies), so a scheme that contradicts the TLS settings is
+/// refused rather than one of them silently ignored.
+fn normalize(endpoint: &str, tls: bool) -> Result<String, Error> {
     let bad = |reason: &str| Error::BadEndpoint { endpoint: endpoint.to_owned(), reason: reason.to_owned() };
+    let scheme = if tls { "https" } else { "http" };
     let rest = match endpoint.split_once("://") {
         None => endpoint,
-        Some(("http", rest)) => rest,
-        Some(("https", _)) => return Err(bad("TLS to etcd is not supported yet; use http://")),
-        Some(_) => return Err(bad("the scheme must be http")),
+        Some(("http", _)) if tls => return Err(bad("http:// with TLS configured: use https:// (or host:port)")),
+        Some(("https", _)) if !tls => {
+            return Err(bad("https:// needs TLS settings: the CA that signed etcd's certificate (cluster.etcd.tls.caFile)"))
+        }
+        Some(("http" | "https", rest)) => rest,
+        Some(_) => return Err(bad("the scheme must be http or https")),
     };
     let rest = rest.trim_end_matches('/');
     if rest.is_empty() || rest.contains('/') || !rest.contains(':') {
         return Err(bad("expected host:port"));
     }
-    Ok(format!("http://{rest}"))
+    Ok(format!("{scheme}://{rest}"))
+}
+
+/// An answer that is not JSON, shown (its start) with what it means when
+/// etcd is known to say it.
+fn not_json(status: u16, e: &serde_json::Error, bytes: &[u8]) -> String {
+    let text = String::from_utf8_lossy(&bytes[..bytes.len().min(200)]).into_owned();
+    let hint = if text.contains("CommonName of client") {
+        // etcd with auth enabled and --client-cert-auth refuses a gateway
+        // client whose certificate has a CN rather than ignore the
+        // identity it claims.
+        " (etcd has authentication enabled: its JSON gateway refuses client certificates with a Common Name; issue this client's certificate without one, its user is cluster.etcd.auth)"
+    } else {
+        ""
+    };
+    format!("HTTP {status}, not JSON ({e}): {text:?}{hint}")
+}
+
+/// Keep an endpoint's last failure, except that a vaguer one does not hide
+/// what came before: an attempt cut short by the call's deadline (the last
+/// one usually is) says less than the TLS alert of the attempt before, and
+/// so does a pooled connection that the same refusal closed ("connection
+/// was not ready").
+fn remember(slot: &mut Option<String>, reason: String) {
+    match slot {
+        Some(before) if before.starts_with("TLS:") && !reason.starts_with("TLS:") => {}
+        Some(before) if reason.contains("timed out") => {
+            if !before.ends_with("; then timed out") {
+                before.push_str("; then timed out");
+            }
+        }
+        _ => *slot = Some(reason),
+    }
+}
+
+/// etcd's refusal, with what to change when it is about users.
+fn explain_refusal(message: &str, have_user: bool) -> String {
+    if message.contains("user name is empty") && !have_user {
+        format!("{message} (etcd has authentication enabled: give an etcd user and password, cluster.etcd.auth)")
+    } else if message.contains("permission denied") {
+        format!("{message} (the etcd user's role must read and write the cluster's prefix /kvplane/<cluster>/)")
+    } else {
+        message.to_owned()
+    }
 }
 
 /// The end of the range of keys starting with `prefix`.
@@ -407,11 +573,15 @@ mod tests {
 
     #[test]
     fn endpoints_become_base_urls() {
-        assert_eq!(normalize("127.0.0.1:2379").unwrap(), "http://127.0.0.1:2379");
-        assert_eq!(normalize("http://etcd-0:2379/").unwrap(), "http://etcd-0:2379");
+        assert_eq!(normalize("127.0.0.1:2379", false).unwrap(), "http://127.0.0.1:2379");
+        assert_eq!(normalize("http://etcd-0:2379/", false).unwrap(), "http://etcd-0:2379");
+        assert_eq!(normalize("127.0.0.1:2379", true).unwrap(), "https://127.0.0.1:2379");
+        assert_eq!(normalize("https://etcd-0:2379/", true).unwrap(), "https://etcd-0:2379");
         for bad in ["https://etcd:2379", "etcd", "unix:///x", "http://h:1/v3"] {
-            assert!(normalize(bad).unwrap_err().to_string().contains(bad), "{bad}");
+            assert!(normalize(bad, false).unwrap_err().to_string().contains(bad), "{bad}");
         }
+        assert!(normalize("https://etcd:2379", false).unwrap_err().to_string().contains("cluster.etcd.tls.caFile"));
+        assert!(normalize("http://etcd:2379", true).unwrap_err().to_string().contains("use https://"));
     }
 
     #[test]

@@ -33,6 +33,12 @@
 //! it directly; it starts [`Registration::Pending`] instead, and the same
 //! keeper registers it once etcd answers.
 //!
+//! Why TLS and users ([`EtcdTls`], [`EtcdAuth`]): whoever can write the
+//! members' records decides where clients send their prompts' KV blocks,
+//! so an etcd reachable beyond one host wants client certificates
+//! (`--client-cert-auth`) and, to keep one etcd's tenants apart, users
+//! whose roles reach only their cluster's prefix.
+//!
 //! Why the JSON gateway: the gRPC clients of etcd generate their code with
 //! `protoc` at build time; etcd's own HTTP/JSON gateway offers the same few
 //! calls (lease grant/keep-alive/revoke, put, range, watch) with the HTTP
@@ -45,14 +51,16 @@ mod lease;
 mod membership;
 mod record;
 mod routing;
+mod security;
 mod watch;
 
 pub use membership::{Membership, MembershipWatcher, Registration, RegistrationCounters};
 pub use record::{decode_member, encode_member, member_key, members_prefix};
 pub use routing::{Router, Routing};
+pub use security::{EtcdAuth, EtcdTls};
 pub use watch::{MemberView, MembershipWatch};
 
-/// Timing of the calls to etcd.
+/// Timing of the calls to etcd, and how to reach it securely.
 #[derive(Debug, Clone)]
 pub struct Options {
     /// Longest wait for one call (all endpoints together); a keep-alive also
@@ -64,11 +72,22 @@ pub struct Options {
     /// attempts to register again after a lapse (counted by
     /// [`RegistrationCounters::failed_attempts`]).
     pub retry_max: Duration,
+    /// TLS to etcd (its endpoints are then `https://`, or `host:port`
+    /// meaning `https://host:port`). `None`: plain HTTP.
+    pub tls: Option<EtcdTls>,
+    /// An etcd user to authenticate as, for an etcd with `auth enable`.
+    pub auth: Option<EtcdAuth>,
 }
 
 impl Default for Options {
     fn default() -> Options {
-        Options { request_timeout: Duration::from_secs(5), connect_timeout: Duration::from_secs(2), retry_max: Duration::from_secs(2) }
+        Options {
+            request_timeout: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(2),
+            retry_max: Duration::from_secs(2),
+            tls: None,
+            auth: None,
+        }
     }
 }
 
@@ -87,6 +106,9 @@ pub enum Error {
     Unreachable { path: String, timeout: Duration, failures: String },
     #[error("etcd {endpoint}{path}: {message} (gRPC code {code})")]
     Etcd { endpoint: String, path: String, code: i64, message: String },
+    /// A TLS file for etcd that cannot be used.
+    #[error("etcd TLS file {file}: {reason}")]
+    Tls { file: String, reason: String },
     #[error("etcd {endpoint}{path}: unexpected answer: {reason}")]
     Protocol { endpoint: String, path: String, reason: String },
     #[error("member record {key}: {reason}")]

@@ -114,7 +114,7 @@ impl Membership {
     ) -> Result<Membership, Error> {
         check_name("cluster name", cluster)?;
         check_name("member id", &member.id)?;
-        let etcd = Arc::new(Etcd::new(endpoints, options.connect_timeout)?);
+        let etcd = Arc::new(Etcd::new(endpoints, &options)?);
         let key = member_key(cluster, &member.id);
         let (lease, clock) = register_once(&etcd, &key, &member, lease_ttl, &options).await?;
         tracing::info!(key, member = member.id, lease = format!("{lease:x}"), ttl = ?clock.ttl(), "registered in etcd");
@@ -139,7 +139,7 @@ impl Membership {
     ) -> Result<Membership, Error> {
         check_name("cluster name", cluster)?;
         check_name("member id", &member.id)?;
-        let etcd = Arc::new(Etcd::new(endpoints, options.connect_timeout)?);
+        let etcd = Arc::new(Etcd::new(endpoints, &options)?);
         let key = member_key(cluster, &member.id);
         Ok(Membership::spawn(etcd, cluster, key, member, lease_ttl, options, None))
     }

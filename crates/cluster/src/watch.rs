@@ -39,7 +39,7 @@ impl MembershipWatch {
     }
 
     pub async fn start_with<S: AsRef<str>>(endpoints: &[S], cluster: &str, options: Options) -> Result<MembershipWatch, Error> {
-        let etcd = Arc::new(Etcd::new(endpoints, options.connect_timeout)?);
+        let etcd = Arc::new(Etcd::new(endpoints, &options)?);
         MembershipWatch::start_on(etcd, cluster, options).await
     }
 

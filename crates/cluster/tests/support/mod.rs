@@ -357,3 +357,89 @@ pub fn log_to_test_output() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "kvplane_cluster=info".into());
     let _ = tracing_subscriber::fmt().with_env_filter(filter).with_test_writer().try_init();
 }
+
+/// One etcd member serving its client port over TLS on loopback
+/// (`--cert-file`, `--key-file`, `--trusted-ca-file`, and with
+/// `client_cert_auth` `--client-cert-auth`), in its own data folder;
+/// stopped by PID when dropped, restartable on the same port and data.
+pub struct TlsEtcd {
+    args: Vec<String>,
+    client: u16,
+    child: Option<Child>,
+    dir: tempfile::TempDir,
+}
+
+impl TlsEtcd {
+    /// Start it with the PEM files given, and wait until its client port
+    /// accepts connections (the caller's first call waits for the leader,
+    /// which a single member elects at once).
+    pub fn start(cert: &std::path::Path, key: &std::path::Path, ca: &std::path::Path, client_cert_auth: bool) -> TlsEtcd {
+        let dir = tempfile::Builder::new().prefix("kvplane-etcd-tls-").tempdir().expect("creating a temporary folder");
+        let ports = free_ports(2);
+        let (client, peer) = (ports[0], ports[1]);
+        let mut args = vec![
+            "--name=tls0".to_string(),
+            format!("--data-dir={}", dir.path().join("data").display()),
+            format!("--listen-client-urls=https://127.0.0.1:{client}"),
+            format!("--advertise-client-urls=https://127.0.0.1:{client}"),
+            format!("--listen-peer-urls=http://127.0.0.1:{peer}"),
+            format!("--initial-advertise-peer-urls=http://127.0.0.1:{peer}"),
+            format!("--initial-cluster=tls0=http://127.0.0.1:{peer}"),
+            format!("--cert-file={}", cert.display()),
+            format!("--key-file={}", key.display()),
+            format!("--trusted-ca-file={}", ca.display()),
+            "--unsafe-no-fsync".to_string(),
+            "--log-level=warn".to_string(),
+        ];
+        if client_cert_auth {
+            args.push("--client-cert-auth".to_string());
+        }
+        let mut etcd = TlsEtcd { args, client, child: None, dir };
+        etcd.spawn();
+        etcd
+    }
+
+    fn spawn(&mut self) {
+        let log = fs::OpenOptions::new().create(true).append(true).open(self.dir.path().join("etcd.log")).expect("an etcd log file");
+        let mut cmd = Command::new(etcd_binary());
+        cmd.args(&self.args).stdin(Stdio::null()).stdout(log.try_clone().expect("an etcd log file")).stderr(log);
+        dies_with_parent(&mut cmd);
+        self.child = Some(cmd.spawn().expect("starting etcd"));
+        let started = Instant::now();
+        while TcpStream::connect_timeout(&SocketAddr::from(([127, 0, 0, 1], self.client)), Duration::from_millis(200)).is_err() {
+            if let Some(status) = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
+                panic!("etcd exited ({status}); log:\n{}", self.log());
+            }
+            assert!(started.elapsed() < START_TIMEOUT, "etcd's client port did not open within {START_TIMEOUT:?}; log:\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// `https://127.0.0.1:PORT`.
+    pub fn endpoint(&self) -> String {
+        format!("https://127.0.0.1:{}", self.client)
+    }
+
+    /// SIGKILL (by PID) and start again on the same port and data folder:
+    /// every token the member issued is gone, leases and keys are not.
+    pub fn restart(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        self.spawn();
+    }
+
+    pub fn log(&self) -> String {
+        fs::read_to_string(self.dir.path().join("etcd.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for TlsEtcd {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
