@@ -12,7 +12,8 @@ pub mod plugin;
 pub mod size;
 
 pub use node::{
-    AtBound, BackendType, ClusterConfig, IngestMode, InvalidField, MetadataEndpoints, NodeConfigFile, TieringConfig, TlsConfig, WriteMode,
+    AtBound, BackendType, ClusterConfig, EtcdAuthConfig, EtcdClientConfig, EtcdTlsConfig, IngestMode, InvalidField, MetadataEndpoints,
+    NodeConfigFile, TieringConfig, TlsConfig, WriteMode,
 };
 pub use plugin::{DriverRef, FailurePolicy, PluginKind, PluginLimits, PluginSourceSpec, PluginSpec};
 pub use size::{parse_bytes, ByteSize, SizeError};

@@ -216,6 +216,51 @@ pub struct ClusterConfig {
     /// keys to their new owners after a membership change (repair), so
     /// that healing a cluster does not starve the clients it serves.
     pub repair_bytes_per_second: ByteSize,
+    /// How the node reaches `metadata.etcd`: TLS and an etcd user. Absent:
+    /// plain HTTP, no user (an etcd on a network only the pool reaches).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub etcd: Option<EtcdClientConfig>,
+}
+
+/// The node's etcd client: `cluster.etcd`.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct EtcdClientConfig {
+    /// TLS to etcd's client port (`metadata.etcd` endpoints are then
+    /// `https://` or `host:port`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<EtcdTlsConfig>,
+    /// An etcd user, for an etcd with authentication enabled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auth: Option<EtcdAuthConfig>,
+}
+
+/// `cluster.etcd.tls`: PEM files, read when the node starts.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct EtcdTlsConfig {
+    /// CA certificates etcd's certificate must chain to.
+    pub ca_file: std::path::PathBuf,
+    /// The client certificate an etcd with `--client-cert-auth` checks
+    /// (with `keyFile`). With etcd's authentication enabled it must carry
+    /// no Common Name: etcd's JSON gateway, which kvplane speaks, refuses
+    /// one rather than ignore the identity it names.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cert_file: Option<std::path::PathBuf>,
+    /// The private key of `certFile`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_file: Option<std::path::PathBuf>,
+}
+
+/// `cluster.etcd.auth`: an etcd user whose role reads and writes
+/// `/kvplane/<cluster.name>/`.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct EtcdAuthConfig {
+    pub username: String,
+    /// A file holding the password (one line; a trailing newline is not
+    /// part of it), so that the password is never in the configuration.
+    pub password_file: std::path::PathBuf,
 }
 
 impl Default for ClusterConfig {
@@ -231,6 +276,7 @@ impl Default for ClusterConfig {
             lease_ttl_seconds: 10,
             placement: None,
             repair_bytes_per_second: ByteSize(256 << 20),
+            etcd: None,
         }
     }
 }
@@ -368,6 +414,48 @@ impl NodeConfigFile {
                 return Err(invalid("cluster.repairBytesPerSecond", "must be above 0 (a repair that may send nothing never ends)"));
             }
             named("cluster.placement", &c.placement, PluginKind::KeyPlacement)?;
+            self.validate_etcd_client(c.etcd.as_ref())?;
+        }
+        Ok(())
+    }
+
+    /// `cluster.etcd` against itself and the endpoints' schemes: `https://`
+    /// exactly with TLS, so neither setting is silently ignored.
+    fn validate_etcd_client(&self, etcd: Option<&EtcdClientConfig>) -> Result<(), InvalidField> {
+        let tls = etcd.and_then(|e| e.tls.as_ref());
+        if let Some(t) = tls {
+            if t.ca_file.as_os_str().is_empty() {
+                return Err(invalid("cluster.etcd.tls.caFile", "names no file"));
+            }
+            match (&t.cert_file, &t.key_file) {
+                (Some(_), None) => return Err(invalid("cluster.etcd.tls.keyFile", "certFile needs the key that goes with it")),
+                (None, Some(_)) => return Err(invalid("cluster.etcd.tls.certFile", "keyFile needs the certificate that goes with it")),
+                _ => {}
+            }
+        }
+        if let Some(a) = etcd.and_then(|e| e.auth.as_ref()) {
+            if a.username.trim().is_empty() {
+                return Err(invalid("cluster.etcd.auth.username", "names no user"));
+            }
+            if a.password_file.as_os_str().is_empty() {
+                return Err(invalid("cluster.etcd.auth.passwordFile", "names no file"));
+            }
+        }
+        if let Some(MetadataEndpoints::Etcd(endpoints)) = &self.metadata {
+            for (i, e) in endpoints.iter().enumerate() {
+                if tls.is_some() && e.starts_with("http://") {
+                    return Err(invalid(
+                        &format!("metadata.etcd[{i}]"),
+                        format!("{e:?} is plain HTTP, and cluster.etcd.tls is set: use https://"),
+                    ));
+                }
+                if tls.is_none() && e.starts_with("https://") {
+                    return Err(invalid(
+                        "cluster.etcd.tls.caFile",
+                        format!("metadata.etcd[{i}] {e:?} is https://: give the CA that signed etcd's certificate"),
+                    ));
+                }
+            }
         }
         Ok(())
     }
@@ -467,6 +555,27 @@ mod tests {
         let e =
             invalid_field(r#"{"backend":"kvplane","metadata":{"etcd":["http://127.0.0.1:2379"]},"cluster":{"repairBytesPerSecond":0}}"#);
         assert!(e.starts_with("cluster.repairBytesPerSecond: must be above 0"), "{e}");
+        let etcd = |endpoint: &str, section: &str| {
+            format!(r#"{{"backend":"kvplane","metadata":{{"etcd":["{endpoint}"]}},"cluster":{{"etcd":{section}}}}}"#)
+        };
+        let tls =
+            r#"{"tls":{"caFile":"/ca.pem","certFile":"/c.crt","keyFile":"/c.key"},"auth":{"username":"kvplane","passwordFile":"/pw"}}"#;
+        let file = crate::from_json_strict::<NodeConfigFile>(&etcd("https://etcd:2379", tls)).unwrap();
+        file.validate().unwrap();
+        let etcd_client = file.cluster.as_ref().and_then(|c| c.etcd.clone()).unwrap();
+        assert_eq!(etcd_client.tls.unwrap().cert_file.as_deref(), Some(std::path::Path::new("/c.crt")));
+        assert_eq!(etcd_client.auth.unwrap().username, "kvplane");
+        for (endpoint, section, field) in [
+            ("http://etcd:2379", tls, "metadata.etcd[0]: \"http://etcd:2379\" is plain HTTP"),
+            ("https://etcd:2379", "{}", "cluster.etcd.tls.caFile: metadata.etcd[0]"),
+            ("etcd:2379", r#"{"tls":{"caFile":"/ca.pem","certFile":"/c.crt"}}"#, "cluster.etcd.tls.keyFile: certFile needs"),
+            ("etcd:2379", r#"{"auth":{"username":" ","passwordFile":"/pw"}}"#, "cluster.etcd.auth.username: names no user"),
+        ] {
+            let e = invalid_field(&etcd(endpoint, section));
+            assert!(e.starts_with(field), "{e}");
+        }
+        let e = crate::from_json_strict::<NodeConfigFile>(&etcd("etcd:2379", r#"{"tls":{"caFile":"/c","keyfile":"/k"}}"#)).unwrap_err();
+        assert!(e.to_string().contains("cluster.etcd.tls.keyfile"), "{e}");
         let ok = r#"{"backend":"kvplane","metadata":{"etcd":["http://127.0.0.1:2379"]},"cluster":{"repairBytesPerSecond":"64Mi"}}"#;
         let file = crate::from_json_strict::<NodeConfigFile>(ok).unwrap();
         assert_eq!(file.cluster.as_ref().map(|c| c.repair_bytes_per_second), Some(ByteSize(64 << 20)));

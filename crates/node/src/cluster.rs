@@ -94,6 +94,58 @@ pub struct ClusterSetup {
     /// `cluster.repairBytesPerSecond`: what repair may send per second, so
     /// that healing after a membership change leaves room for clients.
     pub repair_bytes_per_second: u64,
+    /// `cluster.etcd`: TLS to etcd and the etcd user, as [`etcd_security`]
+    /// read them.
+    pub etcd_security: EtcdSecurity,
+}
+
+/// How the node reaches etcd (`cluster.etcd`), with the password read.
+#[derive(Clone, Default)]
+pub struct EtcdSecurity {
+    pub tls: Option<kvplane_cluster::EtcdTls>,
+    pub auth: Option<kvplane_cluster::EtcdAuth>,
+}
+
+impl std::fmt::Debug for EtcdSecurity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // EtcdAuth's own Debug redacts the password.
+        f.debug_struct("EtcdSecurity").field("tls", &self.tls).field("auth", &self.auth).finish()
+    }
+}
+
+/// `cluster.etcd` as the cluster client takes it: the TLS files named (they
+/// are read when the client is built, each error naming its file) and the
+/// password read from `passwordFile`, whose trailing newline is not part of
+/// it. A password file others can read draws a warning, as the token file
+/// does: whoever reads it can rewrite the membership that routes clients.
+pub fn etcd_security(etcd: Option<&kvplane_config::EtcdClientConfig>) -> anyhow::Result<EtcdSecurity> {
+    let Some(etcd) = etcd else { return Ok(EtcdSecurity::default()) };
+    let tls = etcd.tls.as_ref().map(|t| kvplane_cluster::EtcdTls {
+        ca_file: t.ca_file.clone(),
+        cert_file: t.cert_file.clone(),
+        key_file: t.key_file.clone(),
+    });
+    let auth = match &etcd.auth {
+        None => None,
+        Some(a) => {
+            use std::os::unix::fs::MetadataExt as _;
+            let path = &a.password_file;
+            let what = || format!("cluster.etcd.auth.passwordFile {}", path.display());
+            let mode = std::fs::metadata(path).with_context(what)?.mode() & 0o777;
+            if mode & 0o007 != 0 {
+                tracing::warn!(file = %path.display(), mode = format!("{mode:04o}"), "the etcd password file is readable by others: chmod 600 it");
+            }
+            let password = std::fs::read_to_string(path).with_context(what)?.trim_end_matches(['\n', '\r']).to_string();
+            if password.is_empty() {
+                anyhow::bail!("{} is empty", what());
+            }
+            if tls.is_none() {
+                tracing::warn!(user = a.username, "the etcd password is sent over plain HTTP: set cluster.etcd.tls");
+            }
+            Some(kvplane_cluster::EtcdAuth { username: a.username.clone(), password })
+        }
+    };
+    Ok(EtcdSecurity { tls, auth })
 }
 
 impl std::fmt::Debug for ClusterSetup {
@@ -107,6 +159,7 @@ impl std::fmt::Debug for ClusterSetup {
             .field("write_quorum", &self.write_quorum)
             .field("placement", &self.placement.as_ref().map(|p| p.plugin.decl().name.clone()))
             .field("repair_bytes_per_second", &self.repair_bytes_per_second)
+            .field("etcd_security", &self.etcd_security)
             .finish()
     }
 }
@@ -321,7 +374,11 @@ impl ClusterNode {
             };
         }
         let id = setup.member.id.clone();
-        let options = kvplane_cluster::Options::default();
+        let options = kvplane_cluster::Options {
+            tls: setup.etcd_security.tls.clone(),
+            auth: setup.etcd_security.auth.clone(),
+            ..kvplane_cluster::Options::default()
+        };
         let retry_max = options.retry_max;
         let membership = Membership::start(&setup.etcd, &setup.name, setup.member, setup.lease_ttl, options)
             .with_context(|| format!("registering member {id} of cluster {} in etcd {:?}", setup.name, setup.etcd))?;
@@ -725,5 +782,31 @@ mod tests {
         }
         let took = started.elapsed();
         assert!(took >= Duration::from_millis(400) && took < Duration::from_secs(2), "{took:?}");
+    }
+
+    #[test]
+    fn the_etcd_section_becomes_the_cluster_clients_tls_and_user() {
+        let dir = tempfile::tempdir().unwrap();
+        let password = dir.path().join("password");
+        std::fs::write(&password, "s3cret\n").unwrap();
+        let tls =
+            kvplane_config::EtcdTlsConfig { ca_file: "/ca.pem".into(), cert_file: Some("/c.crt".into()), key_file: Some("/c.key".into()) };
+        let auth = kvplane_config::EtcdAuthConfig { username: "kvplane".into(), password_file: password.clone() };
+        let config = kvplane_config::EtcdClientConfig { tls: Some(tls), auth: Some(auth) };
+        let security = etcd_security(Some(&config)).unwrap();
+        let t = security.tls.as_ref().unwrap();
+        assert_eq!(
+            (t.ca_file.to_str(), t.cert_file.as_deref(), t.key_file.as_deref()),
+            (Some("/ca.pem"), Some("/c.crt".as_ref()), Some("/c.key".as_ref()))
+        );
+        assert_eq!(security.auth.as_ref().map(|a| (a.username.as_str(), a.password.as_str())), Some(("kvplane", "s3cret")));
+        assert!(!format!("{security:?}").contains("s3cret"));
+        std::fs::write(&password, "\n").unwrap();
+        let e = etcd_security(Some(&config)).unwrap_err().to_string();
+        assert!(e.contains("cluster.etcd.auth.passwordFile") && e.contains("is empty"), "{e}");
+        std::fs::remove_file(&password).unwrap();
+        let e = format!("{:#}", etcd_security(Some(&config)).unwrap_err());
+        assert!(e.contains("cluster.etcd.auth.passwordFile") && e.contains("No such file"), "{e}");
+        assert!(etcd_security(None).unwrap().tls.is_none());
     }
 }

@@ -99,6 +99,7 @@ pub fn cluster_setup(file: &NodeConfigFile, plugins: &[VerifiedPlugin], token: O
         placement,
         token,
         repair_bytes_per_second: c.repair_bytes_per_second.bytes(),
+        etcd_security: crate::cluster::etcd_security(c.etcd.as_ref())?,
     }))
 }
 
