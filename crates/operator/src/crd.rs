@@ -110,6 +110,47 @@ pub struct KVCacheSpec {
     /// deployed open.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub auth: Option<AuthSpec>,
+
+    /// TLS on the cache pods' client port, from a `kubernetes.io/tls`
+    /// Secret (what a cert-manager Certificate writes). The token of
+    /// `auth` is still required: TLS keeps the wire private, the token (or
+    /// a client certificate, `clientCA`) says who may use the cache.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<TlsSpec>,
+}
+
+/// The cache pods' certificate, and optionally the CA of their clients'.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TlsSpec {
+    /// A Secret of type `kubernetes.io/tls` in the KVCache's namespace:
+    /// `tls.crt` (the chain, leaf first) and `tls.key`. cert-manager's
+    /// `Certificate.spec.secretName`. Its names must include the ones
+    /// clients connect by (`NAME-rpc.NAMESPACE.svc`); a renewed
+    /// certificate reaches new connections without a restart.
+    pub secret_name: String,
+    /// Mutual TLS: clients must present a certificate signed by this CA.
+    #[serde(default, rename = "clientCA", skip_serializing_if = "Option::is_none")]
+    pub client_ca: Option<ClientCaSpec>,
+}
+
+/// Where the CA of client certificates is: a Secret key (cert-manager's
+/// `ca.crt`, beside `tls.crt`, when one issuer signs servers and clients)
+/// or a ConfigMap key (a trust-manager Bundle's target). Exactly one.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ClientCaSpec {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret_name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config_map_name: Option<String>,
+    /// The key holding the PEM CA certificates.
+    #[serde(default = "default_ca_key")]
+    pub key: String,
+}
+
+fn default_ca_key() -> String {
+    "ca.crt".into()
 }
 
 /// How clients authenticate to a kvplane pool.
@@ -175,9 +216,36 @@ pub struct ExternalConnection {
     #[schemars(length(min = 1))]
     pub address: String,
     /// Name of a Secret in the KVCache's namespace holding the password
-    /// under the key `password`.
+    /// under the key `password`. For an etcd, the password of `username`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub password_secret_ref: Option<String>,
+    /// etcd only: the etcd user (`etcdctl user add`) the cache pods
+    /// authenticate as; its role must read and write
+    /// `/kvplane/NAMESPACE.NAME/`. Needs `passwordSecretRef`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub username: Option<String>,
+    /// etcd only: TLS to the external etcd.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<EtcdTlsSpec>,
+}
+
+/// TLS to an external etcd, from one Secret: `ca.crt` (the CA of etcd's
+/// certificate) and, for an etcd with `--client-cert-auth`, `tls.crt` and
+/// `tls.key` (a client certificate; with etcd's authentication enabled it
+/// must have no Common Name, which etcd's JSON gateway refuses).
+/// cert-manager's Certificate Secret has exactly these keys.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct EtcdTlsSpec {
+    pub secret_name: String,
+    /// Present `tls.crt`/`tls.key` as a client certificate (default true);
+    /// false: the Secret needs only `ca.crt`.
+    #[serde(default = "default_true")]
+    pub client_certificate: bool,
+}
+
+fn default_true() -> bool {
+    true
 }
 
 /// A container the operator runs (AIBrix's `RuntimeSpec` / `CacheSpec`).

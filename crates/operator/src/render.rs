@@ -6,17 +6,17 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::apps::v1::{StatefulSet, StatefulSetSpec};
 use k8s_openapi::api::core::v1::{
-    Affinity, ConfigMap, ConfigMapProjection, Container, ContainerPort, EmptyDirVolumeSource, EnvVar, EnvVarSource, HTTPGetAction,
-    KeyToPath, ObjectFieldSelector, PersistentVolumeClaim, PersistentVolumeClaimSpec, PodSecurityContext, PodSpec, PodTemplateSpec, Probe,
-    ProjectedVolumeSource, Secret, SecretKeySelector, SecretVolumeSource, Service, ServicePort, ServiceSpec, TCPSocketAction, Toleration,
-    TopologySpreadConstraint, Volume, VolumeMount, VolumeProjection, VolumeResourceRequirements,
+    Affinity, ConfigMap, ConfigMapProjection, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource, EnvVar, EnvVarSource,
+    HTTPGetAction, KeyToPath, ObjectFieldSelector, PersistentVolumeClaim, PersistentVolumeClaimSpec, PodSecurityContext, PodSpec,
+    PodTemplateSpec, Probe, ProjectedVolumeSource, Secret, SecretKeySelector, SecretVolumeSource, Service, ServicePort, ServiceSpec,
+    TCPSocketAction, Toleration, TopologySpreadConstraint, Volume, VolumeMount, VolumeProjection, VolumeResourceRequirements,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use sha2::{Digest, Sha256};
 
-use super::resolve::{EtcdPlan, Metadata, Resolved, TokenSecret, ADMIN_PORT, DEFAULT_PORT, TOKEN_KEY};
+use super::resolve::{ClientCa, EtcdPlan, Metadata, Resolved, TokenSecret, ADMIN_PORT, DEFAULT_PORT, TOKEN_KEY};
 use kvplane_config::ClusterConfig;
 use kvplane_config::{BackendType, ByteSize, MetadataEndpoints, NodeConfigFile};
 
@@ -138,6 +138,17 @@ impl Names {
 
 /// Where cache pods find the token Secret's files.
 pub(crate) const TOKEN_DIR: &str = "/var/run/secrets/kvplane.io/auth";
+/// Where cache pods find `spec.tls`'s Secret (`tls.crt`, `tls.key`).
+pub(crate) const TLS_DIR: &str = "/var/run/secrets/kvplane.io/tls";
+/// Where cache pods find the CA of client certificates (`spec.tls.clientCA`).
+pub(crate) const CLIENT_CA_DIR: &str = "/var/run/secrets/kvplane.io/tls-client-ca";
+/// Where cache pods find the external etcd's TLS Secret.
+pub(crate) const ETCD_TLS_DIR: &str = "/var/run/secrets/kvplane.io/etcd-tls";
+/// Where cache pods find the external etcd user's password.
+pub(crate) const ETCD_AUTH_DIR: &str = "/var/run/secrets/kvplane.io/etcd-auth";
+/// The file name of a client-CA bundle in [`CLIENT_CA_DIR`], whatever its key.
+const CA_FILE: &str = "ca.crt";
+
 /// The group the node image runs as (deploy/Dockerfile's `nonroot`): the
 /// pods' fsGroup, so a non-root node can read its 0440 token file.
 const NODE_GROUP: i64 = 65532;
@@ -184,6 +195,10 @@ pub(crate) fn node_config(r: &Resolved, etcd_endpoints: &[String]) -> NodeConfig
         backend_endpoints: r.backend_endpoints.clone(),
         metadata: Some(match &r.metadata {
             Metadata::Etcd(_) => MetadataEndpoints::Etcd(etcd_endpoints.to_vec()),
+            // https:// spelled out with TLS (the node would take the bare
+            // host:port so too); the plain form as it always was, so that
+            // existing pools keep their config hash.
+            Metadata::ExternalEtcd(c) if c.tls.is_some() => MetadataEndpoints::Etcd(vec![format!("https://{}", c.address)]),
             Metadata::ExternalEtcd(c) => MetadataEndpoints::Etcd(vec![c.address.clone()]),
             Metadata::ExternalRedis(c) => MetadataEndpoints::Redis(c.address.clone()),
         }),
@@ -201,14 +216,35 @@ fn node_cluster(r: &Resolved) -> Option<ClusterConfig> {
     if r.backend == BackendType::Vineyard || matches!(r.metadata, Metadata::ExternalRedis(_)) {
         return None;
     }
-    Some(ClusterConfig { name: format!("{}.{}", r.namespace, r.name), ..ClusterConfig::default() })
+    Some(ClusterConfig { name: format!("{}.{}", r.namespace, r.name), etcd: etcd_client(r), ..ClusterConfig::default() })
+}
+
+/// `cluster.etcd` for an external etcd declaring TLS or a user: the files
+/// where [`render_cache`] mounts their Secrets. The etcd the operator runs
+/// is plain HTTP without users, reached through its ClusterIP Service only
+/// (docs/security.md says what that leaves open).
+fn etcd_client(r: &Resolved) -> Option<kvplane_config::EtcdClientConfig> {
+    let Metadata::ExternalEtcd(c) = &r.metadata else { return None };
+    if c.tls.is_none() && c.username.is_none() {
+        return None;
+    }
+    let tls = c.tls.as_ref().map(|t| kvplane_config::EtcdTlsConfig {
+        ca_file: format!("{ETCD_TLS_DIR}/ca.crt").into(),
+        cert_file: t.client_certificate.then(|| format!("{ETCD_TLS_DIR}/tls.crt").into()),
+        key_file: t.client_certificate.then(|| format!("{ETCD_TLS_DIR}/tls.key").into()),
+    });
+    let auth = c
+        .username
+        .as_ref()
+        .map(|u| kvplane_config::EtcdAuthConfig { username: u.clone(), password_file: format!("{ETCD_AUTH_DIR}/password").into() });
+    Some(kvplane_config::EtcdClientConfig { tls, auth })
 }
 
 /// The etcd client URLs of the cluster the operator runs.
 pub(crate) fn etcd_client_urls(r: &Resolved) -> Vec<String> {
     match &r.metadata {
         Metadata::Etcd(_) => vec![format!("http://{}.{}.svc:2379", Names::etcd_client(&r.name), r.namespace)],
-        Metadata::ExternalEtcd(c) => vec![format!("http://{}", c.address)],
+        Metadata::ExternalEtcd(c) => vec![format!("{}://{}", if c.tls.is_some() { "https" } else { "http" }, c.address)],
         Metadata::ExternalRedis(_) => vec![],
     }
 }
@@ -453,6 +489,76 @@ fn token_volume(t: &TokenSecret) -> Volume {
     }
 }
 
+/// A Secret's keys as files (`(key, file name)`), read-only for the owner
+/// (and the pod's fsGroup). Not optional: a pod whose Secret is missing
+/// does not start, and the kubelet's event names the Secret.
+///
+/// Mounted as a directory, never with `subPath`: the kubelet updates a
+/// Secret volume in place when the Secret changes (cert-manager's renewal),
+/// and the node's reload (`--tls-reload-interval`) reads the new files; a
+/// `subPath` mount is a copy that the kubelet never updates.
+fn secret_volume(volume: &str, secret: &str, items: &[(&str, &str)]) -> Volume {
+    Volume {
+        name: volume.into(),
+        secret: Some(SecretVolumeSource {
+            secret_name: Some(secret.into()),
+            items: Some(items.iter().map(|(k, p)| KeyToPath { key: (*k).into(), path: (*p).into(), ..Default::default() }).collect()),
+            default_mode: Some(0o400),
+            optional: Some(false),
+        }),
+        ..Default::default()
+    }
+}
+
+fn read_only_mount(volume: &str, dir: &str) -> VolumeMount {
+    VolumeMount { name: volume.into(), mount_path: dir.into(), read_only: Some(true), ..Default::default() }
+}
+
+/// The TLS and etcd-credential volumes of a kvplane cache pod, their
+/// mounts, and the node flags that name their files.
+fn tls_volumes(r: &Resolved, volumes: &mut Vec<Volume>, mounts: &mut Vec<VolumeMount>, args: &mut Vec<String>) {
+    if let Some(tls) = &r.tls {
+        volumes.push(secret_volume("tls", &tls.secret, &[("tls.crt", "tls.crt"), ("tls.key", "tls.key")]));
+        mounts.push(read_only_mount("tls", TLS_DIR));
+        args.push(format!("--tls-cert={TLS_DIR}/tls.crt"));
+        args.push(format!("--tls-key={TLS_DIR}/tls.key"));
+        match &tls.client_ca {
+            None => {}
+            Some(ClientCa::Secret { name, key }) => volumes.push(secret_volume("tls-client-ca", name, &[(key, CA_FILE)])),
+            // A CA is public: a ConfigMap (trust-manager's Bundle target)
+            // updates in place as a Secret volume does.
+            Some(ClientCa::ConfigMap { name, key }) => volumes.push(Volume {
+                name: "tls-client-ca".into(),
+                config_map: Some(ConfigMapVolumeSource {
+                    name: name.clone(),
+                    items: Some(vec![KeyToPath { key: key.clone(), path: CA_FILE.into(), ..Default::default() }]),
+                    optional: Some(false),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+        }
+        if tls.client_ca.is_some() {
+            mounts.push(read_only_mount("tls-client-ca", CLIENT_CA_DIR));
+            args.push(format!("--tls-client-ca={CLIENT_CA_DIR}/{CA_FILE}"));
+        }
+    }
+    if let Metadata::ExternalEtcd(c) = &r.metadata {
+        if let Some(t) = &c.tls {
+            let mut items = vec![("ca.crt", "ca.crt")];
+            if t.client_certificate {
+                items.extend([("tls.crt", "tls.crt"), ("tls.key", "tls.key")]);
+            }
+            volumes.push(secret_volume("etcd-tls", &t.secret_name, &items));
+            mounts.push(read_only_mount("etcd-tls", ETCD_TLS_DIR));
+        }
+        if let (Some(_), Some(secret)) = (&c.username, &c.password_secret_ref) {
+            volumes.push(secret_volume("etcd-auth", secret, &[("password", "password")]));
+            mounts.push(read_only_mount("etcd-auth", ETCD_AUTH_DIR));
+        }
+    }
+}
+
 fn render_cache(r: &Resolved, placement: &RolePlacement, owner: &OwnerReference, config_hash: &str, etcd_urls: &[String]) -> StatefulSet {
     let sts_name = Names::cache(&r.name);
     let w = &r.cache;
@@ -525,6 +631,12 @@ fn render_cache(r: &Resolved, placement: &RolePlacement, owner: &OwnerReference,
     if let Some(t) = &r.token {
         mounts.push(VolumeMount { name: "token".into(), mount_path: TOKEN_DIR.into(), read_only: Some(true), ..Default::default() });
         volumes.push(token_volume(t));
+    }
+    let mut args = args;
+    if r.backend != BackendType::Vineyard {
+        // The certificate is the node's client port's alone: the admin
+        // port (probes, /metrics) and the Services are unchanged.
+        tls_volumes(r, &mut volumes, &mut mounts, &mut args);
     }
     let container = Container {
         name: "cache".into(),

@@ -96,6 +96,23 @@ pub(crate) struct Resolved {
     pub token: Option<TokenSecret>,
     /// `spec.tiering`, checked by the node's own validation.
     pub tiering: Option<TieringConfig>,
+    /// `spec.tls`: the cache pods' certificate and their clients' CA.
+    pub tls: Option<ResolvedTls>,
+}
+
+/// `spec.tls`, checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ResolvedTls {
+    /// The `kubernetes.io/tls` Secret (keys `tls.crt`, `tls.key`).
+    pub secret: String,
+    pub client_ca: Option<ClientCa>,
+}
+
+/// Where the CA of client certificates is, and under which key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum ClientCa {
+    Secret { name: String, key: String },
+    ConfigMap { name: String, key: String },
 }
 
 /// The Secret holding a pool's client token (key [`TOKEN_KEY`]).
@@ -157,6 +174,15 @@ pub(crate) fn resolve(kv: &KVCache) -> Result<Resolved, SpecError> {
         resources,
     };
     let metadata = resolve_metadata(spec)?;
+    if let Metadata::ExternalEtcd(c) = &metadata {
+        if backend == BackendType::Vineyard && (c.tls.is_some() || c.username.is_some()) {
+            let f = if c.tls.is_some() { "tls" } else { "username" };
+            return Err(err(
+                format!("metadata.etcd.externalConnection.{f}"),
+                "vineyardd is given etcd's endpoint only: a vineyard pool cannot use it",
+            ));
+        }
+    }
     let (service_type, service_ports) = resolve_service(spec)?;
     let backend_endpoints = spec.backend.as_ref().map(|b| b.endpoints.clone()).unwrap_or_default();
     for (i, e) in backend_endpoints.iter().enumerate() {
@@ -167,6 +193,7 @@ pub(crate) fn resolve(kv: &KVCache) -> Result<Resolved, SpecError> {
     let plugins = resolve_plugins(spec, backend, &backend_endpoints)?;
     let token = resolve_token(spec, backend, &name)?;
     let tiering = resolve_tiering(spec, backend, &backend_endpoints, &plugins)?;
+    let tls = resolve_tls(spec, backend)?;
     Ok(Resolved {
         name,
         namespace,
@@ -182,7 +209,36 @@ pub(crate) fn resolve(kv: &KVCache) -> Result<Resolved, SpecError> {
         plugins,
         token,
         tiering,
+        tls,
     })
+}
+
+/// `spec.tls`: a Secret that must be named, and at most one client CA.
+/// A vineyard pool is refused: vineyardd speaks no TLS.
+fn resolve_tls(spec: &KVCacheSpec, backend: BackendType) -> Result<Option<ResolvedTls>, SpecError> {
+    let Some(tls) = &spec.tls else { return Ok(None) };
+    if backend == BackendType::Vineyard {
+        return Err(err("tls", "vineyardd speaks no TLS: a vineyard pool cannot serve it"));
+    }
+    if tls.secret_name.trim().is_empty() {
+        return Err(err("tls.secretName", "names no Secret (a kubernetes.io/tls Secret with tls.crt and tls.key)"));
+    }
+    let client_ca = match &tls.client_ca {
+        None => None,
+        Some(ca) => {
+            if ca.key.trim().is_empty() {
+                return Err(err("tls.clientCA.key", "names no key"));
+            }
+            let named = |n: &Option<String>| n.as_ref().filter(|n| !n.trim().is_empty()).cloned();
+            let key = ca.key.clone();
+            Some(match (named(&ca.secret_name), named(&ca.config_map_name)) {
+                (Some(name), None) => ClientCa::Secret { name, key },
+                (None, Some(name)) => ClientCa::ConfigMap { name, key },
+                _ => return Err(err("tls.clientCA", "set exactly one of secretName and configMapName")),
+            })
+        }
+    };
+    Ok(Some(ResolvedTls { secret: tls.secret_name.clone(), client_ca }))
 }
 
 /// `spec.tiering`, checked as the node will check it: the node file's own
@@ -299,6 +355,12 @@ fn merge_resources(
 fn resolve_metadata(spec: &KVCacheSpec) -> Result<Metadata, SpecError> {
     let md = spec.metadata.clone().unwrap_or_default();
     if let Some(redis) = &md.redis {
+        if let Some(c) = &redis.external_connection {
+            if c.tls.is_some() || c.username.is_some() {
+                let f = if c.tls.is_some() { "tls" } else { "username" };
+                return Err(err(format!("metadata.redis.externalConnection.{f}"), "applies to an etcd metadata store only"));
+            }
+        }
         return match &redis.external_connection {
             Some(c) => Ok(Metadata::ExternalRedis(c.clone())),
             None => Err(err(
@@ -309,6 +371,21 @@ fn resolve_metadata(spec: &KVCacheSpec) -> Result<Metadata, SpecError> {
     }
     let etcd = md.etcd.unwrap_or_default();
     if let Some(c) = etcd.external_connection {
+        let field = "metadata.etcd.externalConnection";
+        match (&c.username, &c.password_secret_ref) {
+            (Some(u), _) if u.trim().is_empty() => return Err(err(format!("{field}.username"), "names no user")),
+            (Some(_), None) => {
+                return Err(err(format!("{field}.passwordSecretRef"), "the etcd user needs its password (a Secret, key password)"))
+            }
+            (None, Some(_)) => return Err(err(format!("{field}.username"), "passwordSecretRef needs the etcd user it is the password of")),
+            _ => {}
+        }
+        if c.tls.as_ref().is_some_and(|t| t.secret_name.trim().is_empty()) {
+            return Err(err(format!("{field}.tls.secretName"), "names no Secret (ca.crt, and tls.crt/tls.key for a client certificate)"));
+        }
+        if c.address.contains("://") {
+            return Err(err(format!("{field}.address"), format!("{:?}: host:port, without a scheme (tls decides https)", c.address)));
+        }
         return Ok(Metadata::ExternalEtcd(c));
     }
     let runtime = etcd.runtime.clone().unwrap_or_default();

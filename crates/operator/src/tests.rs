@@ -253,6 +253,31 @@ fn invalid_specs_name_the_field() {
         ("  cacheSpec: {memory: 4GB}", "spec.cacheSpec.memory: \"4GB\" is ambiguous"),
         ("  cacheSpec: {image: v6d, sharedMemorySize: 1MB}", "spec.cacheSpec.sharedMemorySize: \"1MB\" is ambiguous"),
         ("  metadata: {etcd: {storage: {size: 10 parsecs}}}", "spec.metadata.etcd.storage.size"),
+        ("  tls: {secretName: \" \"}", "spec.tls.secretName: names no Secret"),
+        ("  tls: {secretName: t, clientCA: {secretName: a, configMapName: b}}", "spec.tls.clientCA: set exactly one"),
+        ("  tls: {secretName: t, clientCA: {}}", "spec.tls.clientCA: set exactly one"),
+        ("  tls: {secretName: t, clientCA: {secretName: a, key: \"\"}}", "spec.tls.clientCA.key: names no key"),
+        ("  backend: {type: vineyard}\n  cache: {image: vineyardd}\n  tls: {secretName: t}", "spec.tls: vineyardd speaks no TLS"),
+        (
+            "  metadata: {etcd: {externalConnection: {address: \"etcd:2379\", username: kv}}}",
+            "spec.metadata.etcd.externalConnection.passwordSecretRef: the etcd user needs its password",
+        ),
+        (
+            "  metadata: {etcd: {externalConnection: {address: \"etcd:2379\", passwordSecretRef: p}}}",
+            "spec.metadata.etcd.externalConnection.username: passwordSecretRef needs the etcd user",
+        ),
+        (
+            "  metadata: {etcd: {externalConnection: {address: \"https://etcd:2379\", tls: {secretName: e}}}}",
+            "spec.metadata.etcd.externalConnection.address: \"https://etcd:2379\": host:port",
+        ),
+        (
+            "  metadata: {etcd: {externalConnection: {address: \"etcd:2379\", tls: {secretName: \"\"}}}}",
+            "spec.metadata.etcd.externalConnection.tls.secretName: names no Secret",
+        ),
+        (
+            "  metadata: {redis: {externalConnection: {address: \"r:6379\", tls: {secretName: e}}}}",
+            "spec.metadata.redis.externalConnection.tls: applies to an etcd",
+        ),
     ];
     for (body, want) in cases {
         let e = resolve_err(&format!("{head}{body}\n"));
@@ -382,4 +407,98 @@ fn tiering_settings_are_rendered_into_the_node_config_and_checked_as_the_node_ch
     assert!(e.starts_with("spec.tiering: no backend plugin"), "{e}");
     let e = refused(&format!("{head}  backend: {{type: vineyard}}\n  cache: {{image: vineyardd}}\n  tiering: {{}}\n"));
     assert!(e.starts_with("spec.tiering: a vineyard pool"), "{e}");
+}
+
+fn args_of(pod: &serde_json::Value) -> Vec<String> {
+    pod["containers"][0]["args"].as_array().unwrap().iter().map(|a| a.as_str().unwrap().to_owned()).collect()
+}
+
+fn named<'a>(list: &'a serde_json::Value, name: &str) -> Option<&'a serde_json::Value> {
+    list.as_array().and_then(|l| l.iter().find(|v| v["name"] == name))
+}
+
+/// Issue 21, item 3: `spec.tls` puts the kubernetes.io/tls Secret into the
+/// cache pods as a directory (never subPath, which the kubelet does not
+/// update: cert-manager's renewal must reach the node's reload), not
+/// optional, with the node flags that name its files; the client CA for
+/// mutual TLS from a Secret key or a ConfigMap key. The token stays, and
+/// probes and Services do not change.
+#[test]
+fn a_pool_with_tls_mounts_its_secret_as_a_directory_and_names_the_files() {
+    let plain = include_str!("../../../examples/kvcache/kvplane.yaml");
+    let yaml = format!("{plain}  tls:\n    secretName: llama-kv-tls\n    clientCA: {{secretName: llama-kv-tls}}\n");
+    let (pod, c) = cache_pod(&yaml);
+    let args = args_of(&pod);
+    for want in [
+        "--tls-cert=/var/run/secrets/kvplane.io/tls/tls.crt",
+        "--tls-key=/var/run/secrets/kvplane.io/tls/tls.key",
+        "--tls-client-ca=/var/run/secrets/kvplane.io/tls-client-ca/ca.crt",
+        "--token-file=/var/run/secrets/kvplane.io/auth/token",
+    ] {
+        assert!(args.iter().any(|a| a == want), "{want} not in {args:?}");
+    }
+    let tls = named(&pod["volumes"], "tls").expect("a tls volume");
+    assert_eq!(tls["secret"]["secretName"], "llama-kv-tls");
+    assert_eq!(tls["secret"]["optional"], false, "a missing Secret must keep the pod from starting");
+    let keys: Vec<&str> = tls["secret"]["items"].as_array().unwrap().iter().map(|i| i["key"].as_str().unwrap()).collect();
+    assert_eq!(keys, ["tls.crt", "tls.key"]);
+    let ca = named(&pod["volumes"], "tls-client-ca").expect("a client CA volume");
+    assert_eq!(
+        (&ca["secret"]["secretName"], &ca["secret"]["items"][0]["key"], &ca["secret"]["items"][0]["path"]),
+        (&"llama-kv-tls".into(), &"ca.crt".into(), &"ca.crt".into())
+    );
+    for (volume, dir) in [("tls", "/var/run/secrets/kvplane.io/tls"), ("tls-client-ca", "/var/run/secrets/kvplane.io/tls-client-ca")] {
+        let mount = named(&pod["containers"][0]["volumeMounts"], volume).unwrap_or_else(|| panic!("no {volume} mount"));
+        assert_eq!((mount["mountPath"].as_str(), mount["readOnly"].as_bool()), (Some(dir), Some(true)));
+        assert!(mount.get("subPath").is_none(), "a subPath mount is never updated by the kubelet: {mount}");
+    }
+    // The admin port and the Services are the same as without TLS.
+    let (plain_pod, plain_children) = cache_pod(plain);
+    assert_eq!(pod["containers"][0]["readinessProbe"], plain_pod["containers"][0]["readinessProbe"]);
+    assert_eq!(pod["containers"][0]["readinessProbe"]["httpGet"]["port"], 9601);
+    assert_eq!(pod["containers"][0]["livenessProbe"], plain_pod["containers"][0]["livenessProbe"]);
+    assert_eq!(c.rpc, plain_children.rpc);
+    assert_eq!(c.cache_headless, plain_children.cache_headless);
+
+    // A client CA from a ConfigMap (trust-manager's Bundle target).
+    let yaml = format!("{plain}  tls:\n    secretName: t\n    clientCA: {{configMapName: bundle, key: trust.pem}}\n");
+    let (pod, _) = cache_pod(&yaml);
+    let ca = named(&pod["volumes"], "tls-client-ca").unwrap();
+    assert_eq!(
+        (&ca["configMap"]["name"], &ca["configMap"]["items"][0]["key"], &ca["configMap"]["optional"]),
+        (&"bundle".into(), &"trust.pem".into(), &false.into())
+    );
+    // Without clientCA: no client CA flag (the token is the credential).
+    let (pod, _) = cache_pod(&format!("{plain}  tls: {{secretName: t}}\n"));
+    assert!(!args_of(&pod).iter().any(|a| a.starts_with("--tls-client-ca")));
+    assert!(named(&pod["volumes"], "tls-client-ca").is_none());
+}
+
+/// An external etcd with TLS and a user: the node's config names the
+/// mounted files under cluster.etcd, the endpoint is https://, and the
+/// rendered file passes the node's own validation.
+#[test]
+fn an_external_etcd_with_tls_and_a_user_is_rendered_into_the_node_config() {
+    let yaml = "apiVersion: kvplane.io/v1alpha1\nkind: KVCache\nmetadata: {name: ext, namespace: ns}\nspec:\n  metadata:\n    etcd:\n      externalConnection: {address: \"etcd.infra:2379\", username: kvplane, passwordSecretRef: etcd-pw, tls: {secretName: etcd-client}}\n";
+    let r = resolve(&kv(yaml)).unwrap();
+    let c = render(&r, &Placements::default(), &owner());
+    let text = c.config.data.as_ref().unwrap()["node.json"].clone();
+    let file: kvplane_config::NodeConfigFile = kvplane_config::from_json_strict(&text).unwrap();
+    file.validate().unwrap_or_else(|e| panic!("{e}: {text}"));
+    assert_eq!(file.metadata, Some(kvplane_config::MetadataEndpoints::Etcd(vec!["https://etcd.infra:2379".into()])));
+    let etcd = file.cluster.unwrap().etcd.unwrap();
+    let tls = etcd.tls.unwrap();
+    assert_eq!(tls.ca_file.to_str(), Some("/var/run/secrets/kvplane.io/etcd-tls/ca.crt"));
+    assert_eq!(tls.cert_file.as_deref().and_then(|p| p.to_str()), Some("/var/run/secrets/kvplane.io/etcd-tls/tls.crt"));
+    assert_eq!(tls.key_file.as_deref().and_then(|p| p.to_str()), Some("/var/run/secrets/kvplane.io/etcd-tls/tls.key"));
+    let auth = etcd.auth.unwrap();
+    assert_eq!((auth.username.as_str(), auth.password_file.to_str()), ("kvplane", Some("/var/run/secrets/kvplane.io/etcd-auth/password")));
+    let pod = serde_json::to_value(c.cache.spec.as_ref().unwrap().template.spec.as_ref().unwrap()).unwrap();
+    assert_eq!(named(&pod["volumes"], "etcd-tls").unwrap()["secret"]["secretName"], "etcd-client");
+    assert_eq!(named(&pod["volumes"], "etcd-auth").unwrap()["secret"]["items"][0]["key"], "password");
+    // The operator's own etcd: plain, no cluster.etcd.
+    let (pod, c) = cache_pod(include_str!("../../../examples/kvcache/kvplane.yaml"));
+    let file: kvplane_config::NodeConfigFile = kvplane_config::from_json_strict(&c.config.data.as_ref().unwrap()["node.json"]).unwrap();
+    assert!(file.cluster.unwrap().etcd.is_none());
+    assert!(named(&pod["volumes"], "etcd-tls").is_none());
 }
