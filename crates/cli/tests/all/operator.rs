@@ -481,3 +481,146 @@ fn a_kvcaches_tiering_reaches_its_node_config_and_one_the_node_would_refuse_is_r
     assert_eq!(err.status, 404, "{err}");
     drop(op);
 }
+
+/// Standard base64 (a Secret's `data`), decoded: a few lines rather than a
+/// dependency for one test.
+fn unbase64(text: &str) -> Vec<u8> {
+    let value = |c: u8| match c {
+        b'A'..=b'Z' => c - b'A',
+        b'a'..=b'z' => c - b'a' + 26,
+        b'0'..=b'9' => c - b'0' + 52,
+        b'+' => 62,
+        b'/' => 63,
+        _ => panic!("not base64: {c:?}"),
+    };
+    let digits: Vec<u8> = text.bytes().filter(|c| *c != b'=').map(value).collect();
+    let mut out = Vec::new();
+    for chunk in digits.chunks(4) {
+        let n = chunk.iter().enumerate().fold(0u32, |n, (i, d)| n | (u32::from(*d) << (18 - 6 * i)));
+        out.extend_from_slice(&n.to_be_bytes()[1..chunk.len()]);
+    }
+    out
+}
+
+/// Issue 21, item 3: a KVCache with `spec.tls` naming a kubernetes.io/tls
+/// Secret renders cache pods whose node serves TLS. The pods do not run
+/// here, so the test does what the kubelet would: every Secret volume
+/// under /var/run/secrets/kvplane.io is written from the Secret the API
+/// server holds (the TLS Secret made here with rcgen, the token Secret the
+/// operator generated) into a folder standing for that path, and
+/// `kvplane node` runs with the rendered arguments, their paths moved onto
+/// that folder. `--listen`/`--admin` are rebound to loopback ports the
+/// kernel picks, and `--config` is left out: its cluster section points
+/// at the pool's etcd Service, which nothing runs here. That node serves a
+/// TLS client that trusts the CA and has the token, and refuses a
+/// plaintext client and a TLS client without the token, each saying why.
+#[test]
+fn a_kvcache_with_tls_renders_pods_whose_node_serves_tls_and_refuses_plaintext() {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose};
+
+    let cp = ControlPlane::start(Options { version: "1.34", scheduling: true });
+    let ns = "tls";
+    cp.create_namespace(ns);
+    cp.create_fake_node("node-a", &[]);
+    cp.wait_node_ready("node-a", WAIT);
+    let op = Operator::start(&cp, "op-a", "none");
+    wait_crd(&cp, &op);
+
+    // The Secret a cert-manager Certificate would write: tls.crt, tls.key, ca.crt.
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.distinguished_name.push(DnType::CommonName, "kvplane-test-ca");
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::DigitalSignature];
+    let ca_pem = ca_params.self_signed(&ca_key).unwrap().pem();
+    let issuer = Issuer::new(ca_params, ca_key);
+    let key = KeyPair::generate().unwrap();
+    let mut params = CertificateParams::new(vec!["pool-rpc.tls.svc".to_string(), "127.0.0.1".to_string()]).unwrap();
+    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+    let cert_pem = params.signed_by(&key, &issuer).unwrap().pem();
+    cp.create(
+        &format!("/api/v1/namespaces/{ns}/secrets"),
+        &json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "pool-tls", "namespace": ns}, "type": "kubernetes.io/tls",
+            "stringData": {"tls.crt": cert_pem, "tls.key": key.serialize_pem(), "ca.crt": ca_pem}}),
+    );
+    cp.create(
+        &format!("/apis/kvplane.io/v1alpha1/namespaces/{ns}/kvcaches"),
+        &json!({"apiVersion": "kvplane.io/v1alpha1", "kind": "KVCache", "metadata": {"name": "pool", "namespace": ns},
+            "spec": {"cache": {"replicas": 1}, "tls": {"secretName": "pool-tls"}}}),
+    );
+    let sts_path = format!("/apis/apps/v1/namespaces/{ns}/statefulsets/pool-cache");
+    let sts = cp.wait_for("the cache StatefulSet", WAIT, || cp.request("GET", &sts_path, None).ok());
+    let pod = &sts["spec"]["template"]["spec"];
+    let container = &pod["containers"][0];
+    let args: Vec<String> = container["args"].as_array().unwrap().iter().map(|a| a.as_str().unwrap().to_owned()).collect();
+    assert!(args.contains(&"--tls-cert=/var/run/secrets/kvplane.io/tls/tls.crt".to_string()), "{args:?}");
+    assert!(args.contains(&"--tls-key=/var/run/secrets/kvplane.io/tls/tls.key".to_string()), "{args:?}");
+
+    // The kubelet's part: each Secret volume's items under its mount path.
+    const SECRETS: &str = "/var/run/secrets/kvplane.io";
+    let root = tempfile::tempdir().unwrap();
+    let mut projected = Vec::new();
+    for mount in container["volumeMounts"].as_array().unwrap() {
+        let Some(rel) = mount["mountPath"].as_str().unwrap().strip_prefix(SECRETS) else { continue };
+        assert!(mount.get("subPath").is_none(), "{mount}");
+        let volume = pod["volumes"].as_array().unwrap().iter().find(|v| v["name"] == mount["name"]).unwrap();
+        let name = volume["secret"]["secretName"].as_str().unwrap_or_else(|| panic!("not a Secret volume: {volume}"));
+        let secret_path = format!("/api/v1/namespaces/{ns}/secrets/{name}");
+        let secret = cp.wait_for(&format!("the Secret {name}"), WAIT, || cp.request("GET", &secret_path, None).ok());
+        let dir = root.path().join(rel.trim_start_matches('/'));
+        std::fs::create_dir_all(&dir).unwrap();
+        for item in volume["secret"]["items"].as_array().unwrap() {
+            let data = secret["data"][item["key"].as_str().unwrap()].as_str().unwrap_or_else(|| panic!("{name} has no {item}"));
+            let file = dir.join(item["path"].as_str().unwrap());
+            std::fs::write(&file, unbase64(data)).unwrap();
+            std::fs::set_permissions(&file, std::os::unix::fs::PermissionsExt::from_mode(0o400)).unwrap();
+        }
+        projected.push(name.to_owned());
+    }
+    projected.sort();
+    assert_eq!(projected, ["pool-tls", "pool-token"]);
+    let moved = root.path().to_str().unwrap();
+    let node_args: Vec<String> = args
+        .iter()
+        .filter(|a| !["--listen=", "--admin=", "--config="].iter().any(|p| a.starts_with(p)))
+        .map(|a| a.replace(SECRETS, moved))
+        .collect();
+    let mut cmd = crate::support::kvplane();
+    cmd.args(&node_args).args(["--listen", "127.0.0.1:0", "--admin", "none", "--memory", "16MiB"]);
+    let node = crate::support::NodeProcess::spawn(cmd);
+    let token = std::fs::read_to_string(root.path().join("auth/token")).unwrap();
+    let ca_file = root.path().join("ca.pem");
+    std::fs::write(&ca_file, secret_ca(&cp, ns)).unwrap();
+
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    runtime.block_on(async {
+        use kvplane_client::{Client, ClientConfig, ClientTls, Endpoint};
+        let config = |tls: bool, token: Option<&str>| {
+            let mut c = ClientConfig::new(Endpoint::Tcp(node.endpoint.clone()));
+            c.connections = 1;
+            c.timeout = WAIT;
+            c.token = token.map(str::to_owned);
+            c.tls = tls.then(|| ClientTls::new(&ca_file, None, None).expect("the Secret's ca.crt"));
+            c
+        };
+        let client = Client::connect(config(true, Some(&token))).await.unwrap_or_else(|e| panic!("TLS client with the token: {e}"));
+        let value = bytes::Bytes::from(vec![3u8; 4096]);
+        client.put(vec![(bytes::Bytes::from_static(b"k"), value.clone())]).await.unwrap().pop().unwrap().expect("PUT over TLS");
+        let got = client.get(vec![bytes::Bytes::from_static(b"k")]).await.unwrap().pop().unwrap().expect("GET over TLS");
+        assert_eq!(got, value);
+        let plain = Client::connect(config(false, Some(&token))).await.err().expect("a plaintext client refused").to_string();
+        eprintln!("plaintext client: {plain}");
+        assert!(plain.contains("TLS") || plain.contains("--tls-cert"), "{plain}");
+        let anonymous = Client::connect(config(true, None)).await.err().expect("a client without the token refused").to_string();
+        eprintln!("TLS client without the token: {anonymous}");
+        assert!(anonymous.to_lowercase().contains("token"), "{anonymous}");
+    });
+    drop(node);
+    drop(op);
+}
+
+/// The CA a client of the pool trusts: the TLS Secret's `ca.crt`.
+fn secret_ca(cp: &ControlPlane, ns: &str) -> Vec<u8> {
+    let secret = cp.get(&format!("/api/v1/namespaces/{ns}/secrets/pool-tls"));
+    unbase64(secret["data"]["ca.crt"].as_str().expect("ca.crt"))
+}
