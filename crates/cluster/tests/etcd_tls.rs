@@ -108,7 +108,11 @@ fn member(i: usize) -> Member {
 async fn refused(endpoint: &str, cluster: &str, options: Options) -> String {
     match Membership::register_with(&[endpoint], cluster, member(9), TTL, options).await {
         Ok(_) => panic!("registered in {cluster} where it should have been refused"),
-        Err(e) => e.to_string(),
+        Err(e) => {
+            // What each refusal prints, in the test's output.
+            eprintln!("refused: {e}");
+            e.to_string()
+        }
     }
 }
 

@@ -301,6 +301,7 @@ fn every_example_resolves() {
     for (name, yaml) in [
         ("aibrix-seed", include_str!("../../../examples/kvcache/aibrix-seed.yaml")),
         ("kvplane", include_str!("../../../examples/kvcache/kvplane.yaml")),
+        ("kvplane-tls", include_str!("../../../examples/kvcache/kvplane-tls.yaml")),
         ("redis", include_str!("../../../examples/kvcache/redis.yaml")),
         ("vineyard", include_str!("../../../examples/kvcache/vineyard.yaml")),
         ("vineyard-tier", include_str!("../../../examples/kvcache/vineyard-tier.yaml")),
@@ -355,6 +356,7 @@ fn a_named_token_secret_is_mounted_and_none_is_generated() {
 fn every_example_pool_listening_beyond_loopback_has_a_token() {
     for (name, yaml) in [
         ("kvplane", include_str!("../../../examples/kvcache/kvplane.yaml")),
+        ("kvplane-tls", include_str!("../../../examples/kvcache/kvplane-tls.yaml")),
         ("redis", include_str!("../../../examples/kvcache/redis.yaml")),
         ("vineyard-tier", include_str!("../../../examples/kvcache/vineyard-tier.yaml")),
         ("eic", include_str!("../../../examples/kvcache/eic.yaml")),
@@ -501,4 +503,30 @@ fn an_external_etcd_with_tls_and_a_user_is_rendered_into_the_node_config() {
     let file: kvplane_config::NodeConfigFile = kvplane_config::from_json_strict(&c.config.data.as_ref().unwrap()["node.json"]).unwrap();
     assert!(file.cluster.unwrap().etcd.is_none());
     assert!(named(&pod["volumes"], "etcd-tls").is_none());
+}
+
+/// examples/kvcache/kvplane-tls.yaml and its engine pod agree: the pool
+/// serves TLS from the Secret its Certificate writes, and the engine pod
+/// reads the CA and the token from the Secrets the pool has.
+#[test]
+fn the_tls_example_and_its_engine_pod_name_the_same_secrets() {
+    let (pod, c) = cache_pod(include_str!("../../../examples/kvcache/kvplane-tls.yaml"));
+    assert!(args_of(&pod).iter().any(|a| a == "--tls-cert=/var/run/secrets/kvplane.io/tls/tls.crt"));
+    let tls = named(&pod["volumes"], "tls").unwrap()["secret"]["secretName"].as_str().unwrap().to_owned();
+    let token = c.token.as_ref().and_then(|t| t.metadata.name.clone()).unwrap();
+    let certificate: Vec<serde_yaml::Value> =
+        serde_yaml::Deserializer::from_str(include_str!("../../../examples/kvcache/tls/certificate.yaml"))
+            .map(|d| serde::Deserialize::deserialize(d).unwrap())
+            .collect();
+    let written: Vec<&str> =
+        certificate.iter().filter(|d| d["kind"] == "Certificate").map(|d| d["spec"]["secretName"].as_str().unwrap()).collect();
+    assert!(written.contains(&tls.as_str()), "{written:?} {tls}");
+    assert!(written.contains(&named(&pod["volumes"], "etcd-tls").unwrap()["secret"]["secretName"].as_str().unwrap()));
+    let engine: serde_yaml::Value = serde_yaml::from_str(include_str!("../../../examples/kvcache/tls/engine-pod.yaml")).unwrap();
+    let spec = &engine["spec"];
+    assert_eq!(spec["volumes"][0]["secret"]["secretName"].as_str(), Some(tls.as_str()));
+    assert_eq!(spec["containers"][0]["env"][0]["valueFrom"]["secretKeyRef"]["name"].as_str(), Some(token.as_str()));
+    let extra = spec["containers"][0]["args"][2].as_str().unwrap();
+    let extra: serde_json::Value = serde_json::from_str(extra).unwrap();
+    assert_eq!(extra["kv_connector_extra_config"]["tls_ca"], "/var/run/secrets/kvplane.io/ca/ca.crt");
 }
