@@ -10,8 +10,32 @@
 //! A batch is split by owner, sent to the owners in parallel and merged back
 //! into request order. A PUT is acknowledged once `write_quorum` owners
 //! stored it; a GET asks the next owner when one fails or lacks the key.
+//!
+//! A PUT is answered as soon as every key of the batch is decided: stored by
+//! its quorum, or certain to miss it because too many of its owners failed.
+//! The owners that have not answered yet (one frozen, or just slower) keep
+//! their writes going in the background, up to the client's timeout, rather
+//! than being cancelled: a request dropped while its frame is half written
+//! would leave the rest of a pooled connection's stream unreadable to the
+//! node. Those writes are bounded by
+//! [`ClusterClientConfig::max_background_bytes`]; past it, a PUT waits for
+//! its slow owners as it would without background writes. What they do is
+//! counted in [`ClusterClient::background_writes`] and each failure is
+//! logged naming the owner and the first key it did not store.
+//!
+//! The caller's memory is not read after a PUT returns: an owner's batch is
+//! handed to its write only once that owner's connection is ready, and a
+//! write still waiting for its connection when the PUT returns gets an owned
+//! copy instead (counted in `copied_bytes`). A write already under way keeps
+//! its `Bytes` (refcounted: whatever owns them, such as the Python client's
+//! exported buffers, stays alive until it is done) and its blocks' CRC-32C
+//! is computed before its frame is sent, so a buffer the caller changes
+//! afterwards is refused by the node (`bad_checksum`), never stored under the
+//! key. The one window left: a write whose pooled connection had closed and
+//! is opened again computes the checksums only once it is open.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -27,6 +51,10 @@ use crate::tls::ClientTls;
 
 /// How long one CLUSTER_TABLE may wait for a change before it is asked again.
 const TABLE_WAIT: Duration = Duration::from_secs(30);
+
+/// Default of [`ClusterClientConfig::max_background_bytes`]: a few hundred
+/// blocks of an engine's KV cache, a small share of a client host's memory.
+pub const DEFAULT_MAX_BACKGROUND_BYTES: usize = 256 << 20;
 
 /// How to reach a cluster.
 #[derive(Debug, Clone)]
@@ -50,11 +78,58 @@ pub struct ClusterClientConfig {
     /// configured without one, or older than the field) every owner the
     /// table lists for the key and not down.
     pub write_quorum: Option<usize>,
+    /// Bytes (keys and values) of owner writes that may go on after their
+    /// PUT was answered, across the client (default
+    /// [`DEFAULT_MAX_BACKGROUND_BYTES`]). A PUT whose slow owners' share does
+    /// not fit waits for them (counted as `waited`); 0: every PUT waits for
+    /// every owner it asked.
+    pub max_background_bytes: usize,
+}
+
+/// What the owner writes that outlive their PUT did, since the client was
+/// made ([`ClusterClient::background_writes`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BackgroundWrites {
+    /// Owner writes going on after their PUT was answered.
+    pub in_flight: u64,
+    /// Their keys' and values' bytes (bounded by `max_background_bytes`).
+    pub in_flight_bytes: u64,
+    /// Owner writes that stored every key they carried.
+    pub completed: u64,
+    /// Owner writes that failed, whole or for some keys (each logged).
+    pub failed: u64,
+    /// Keys those failed writes did not store on their owner.
+    pub failed_keys: u64,
+    /// PUTs that waited for their slow owners because the bound was reached.
+    pub waited: u64,
+    /// Bytes copied so that a write still waiting for its connection does not
+    /// read the caller's memory after the PUT returned.
+    pub copied_bytes: u64,
+}
+
+/// The counters behind [`BackgroundWrites`].
+#[derive(Default)]
+struct Background {
+    in_flight: AtomicU64,
+    bytes: AtomicUsize,
+    completed: AtomicU64,
+    failed: AtomicU64,
+    failed_keys: AtomicU64,
+    waited: AtomicU64,
+    copied_bytes: AtomicU64,
 }
 
 impl ClusterClientConfig {
     pub fn new(seeds: Vec<Endpoint>) -> ClusterClientConfig {
-        ClusterClientConfig { seeds, token: None, tls: None, connections: 2, timeout: Duration::from_secs(10), write_quorum: None }
+        ClusterClientConfig {
+            seeds,
+            token: None,
+            tls: None,
+            connections: 2,
+            timeout: Duration::from_secs(10),
+            write_quorum: None,
+            max_background_bytes: DEFAULT_MAX_BACKGROUND_BYTES,
+        }
     }
 }
 
@@ -62,6 +137,7 @@ impl ClusterClientConfig {
 struct Nodes {
     config: ClusterClientConfig,
     clients: Mutex<HashMap<String, Arc<Client>>>,
+    background: Background,
 }
 
 impl Nodes {
@@ -151,7 +227,7 @@ impl ClusterClient {
         let (first, seed) = first.ok_or(last)?;
         let (max_block, max_lease_ms) = (seed.max_block_bytes(), seed.limits().max_lease_ms);
         let (tx, table) = watch::channel(Arc::new(first));
-        let nodes = Arc::new(Nodes { config: config.clone(), clients: Mutex::new(HashMap::new()) });
+        let nodes = Arc::new(Nodes { config: config.clone(), clients: Mutex::new(HashMap::new()), background: Background::default() });
         let follower = tokio::spawn(follow(config, tx));
         Ok(ClusterClient { nodes, table, follower, max_block, max_lease_ms })
     }
@@ -179,13 +255,31 @@ impl ClusterClient {
         t.unwrap_or_else(|_| self.table())
     }
 
+    /// What the owner writes that outlived their PUT did so far.
+    pub fn background_writes(&self) -> BackgroundWrites {
+        let b = &self.nodes.background;
+        BackgroundWrites {
+            in_flight: b.in_flight.load(Ordering::Relaxed),
+            in_flight_bytes: b.bytes.load(Ordering::Relaxed) as u64,
+            completed: b.completed.load(Ordering::Relaxed),
+            failed: b.failed.load(Ordering::Relaxed),
+            failed_keys: b.failed_keys.load(Ordering::Relaxed),
+            waited: b.waited.load(Ordering::Relaxed),
+            copied_bytes: b.copied_bytes.load(Ordering::Relaxed),
+        }
+    }
+
     /// Stores each block on the key's owners; `Ok` once the write quorum of
     /// them stored it (the config's `write_quorum`, else the table's).
+    /// Answered once every key is decided; owners that have not answered by
+    /// then go on in the background (see the module's comment).
     pub async fn put(&self, entries: Vec<(Bytes, Bytes)>) -> Result<Vec<Result<(), KvError>>, KvError> {
         let table = self.table();
         let n = entries.len();
         let mut groups: HashMap<u32, Vec<usize>> = HashMap::new();
         let mut needed = vec![0usize; n];
+        // Per key: owners asked that have not answered yet.
+        let mut pending = vec![0usize; n];
         // The client's own setting wins; then the cluster's, from the table.
         let quorum = self.nodes.config.write_quorum.or(table.write_quorum().map(|w| w as usize));
         for (i, (key, _)) in entries.iter().enumerate() {
@@ -194,28 +288,58 @@ impl ClusterClient {
                 groups.entry(o).or_default().push(i);
                 owners += 1;
             }
+            pending[i] = owners;
             needed[i] = quorum.unwrap_or(owners).max(1);
         }
         let mut stored = vec![0usize; n];
         let mut errors: Vec<Option<KvError>> = vec![None; n];
         let mut calls = JoinSet::new();
+        let mut outstanding: Vec<Option<OwnerWrite>> = Vec::with_capacity(groups.len());
         for (owner, indices) in groups {
             let endpoint = table.members()[owner as usize].endpoint.clone();
             let nodes = Arc::clone(&self.nodes);
-            let batch: Vec<(Bytes, Bytes)> = indices.iter().map(|&i| entries[i].clone()).collect();
+            let bytes = indices.iter().map(|&i| entries[i].0.len() + entries[i].1.len()).sum();
+            let keys: Vec<Bytes> = indices.iter().map(|&i| entries[i].0.clone()).collect();
+            let batch = Arc::new(Mutex::new(Some(indices.iter().map(|&i| entries[i].clone()).collect::<Vec<_>>())));
+            let slot = outstanding.len();
+            outstanding.push(Some(OwnerWrite { endpoint: endpoint.clone(), bytes, keys, batch: Arc::clone(&batch) }));
             calls.spawn(async move {
                 let result = match nodes.client(&endpoint).await {
-                    Ok(c) => c.put(batch).await,
+                    Ok(c) => {
+                        // Taken only now: until the connection is ready, a
+                        // PUT that returns may swap in a copy of its own.
+                        let batch = batch.lock().unwrap_or_else(|p| p.into_inner()).take().unwrap_or_default();
+                        c.put(batch).await
+                    }
                     Err(e) => Err(e),
                 };
                 if result.is_err() {
                     nodes.forget(&endpoint);
                 }
-                (indices, result)
+                (slot, indices, result)
             });
         }
-        while let Some(done) = calls.join_next().await {
-            let (indices, result) = done.map_err(|e| KvError::Internal(format!("a PUT task failed: {e}")))?;
+        let decided = |i: usize, stored: &[usize], pending: &[usize]| stored[i] >= needed[i] || stored[i] + pending[i] < needed[i];
+        let mut waiting = false;
+        loop {
+            if calls.is_empty() {
+                break;
+            }
+            if !waiting && (0..n).all(|i| decided(i, &stored, &pending)) {
+                match self.hand_off(calls, outstanding) {
+                    Ok(()) => break,
+                    Err((c, o)) => {
+                        (calls, outstanding) = (c, o);
+                        waiting = true;
+                    }
+                }
+            }
+            let Some(done) = calls.join_next().await else { break };
+            let (slot, indices, result) = done.map_err(|e| KvError::Internal(format!("a PUT task failed: {e}")))?;
+            outstanding[slot] = None;
+            for &i in &indices {
+                pending[i] -= 1;
+            }
             match result {
                 Ok(results) => {
                     for (i, r) in indices.into_iter().zip(results) {
@@ -245,6 +369,90 @@ impl ClusterClient {
                 }
             })
             .collect())
+    }
+
+    /// Lets the owner writes still in `calls` finish in the background when
+    /// their bytes fit under `max_background_bytes`; hands both back when
+    /// they do not, and the PUT waits for them.
+    #[allow(clippy::type_complexity)]
+    fn hand_off(
+        &self,
+        mut calls: JoinSet<OwnerResult>,
+        outstanding: Vec<Option<OwnerWrite>>,
+    ) -> Result<(), (JoinSet<OwnerResult>, Vec<Option<OwnerWrite>>)> {
+        let background = &self.nodes.background;
+        let max = self.nodes.config.max_background_bytes;
+        let bytes: usize = outstanding.iter().flatten().map(|o| o.bytes).sum();
+        let reserved =
+            background.bytes.fetch_update(Ordering::AcqRel, Ordering::Acquire, |b| b.checked_add(bytes).filter(|&total| total <= max));
+        if reserved.is_err() {
+            background.waited.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(
+                bytes,
+                max_background_bytes = max,
+                "cluster PUT: background writes at their bound; waiting for the slow owners"
+            );
+            return Err((calls, outstanding));
+        }
+        let mut outstanding = outstanding;
+        let mut copied = 0usize;
+        for o in outstanding.iter_mut().flatten() {
+            // The caller's keys may be borrowed too: the log keeps copies.
+            o.keys = o.keys.iter().map(|k| Bytes::copy_from_slice(k)).collect();
+            let mut batch = o.batch.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(b) = batch.as_mut() {
+                for (k, v) in b.iter_mut() {
+                    copied += k.len() + v.len();
+                    *k = Bytes::copy_from_slice(k);
+                    *v = Bytes::copy_from_slice(v);
+                }
+            }
+        }
+        let writes = outstanding.iter().flatten().count() as u64;
+        background.in_flight.fetch_add(writes, Ordering::Relaxed);
+        background.copied_bytes.fetch_add(copied as u64, Ordering::Relaxed);
+        tracing::debug!(writes, bytes, copied, "cluster PUT answered; its slow owners' writes go on in the background");
+        let nodes = Arc::clone(&self.nodes);
+        tokio::spawn(async move {
+            let background = &nodes.background;
+            let finish = |o: &OwnerWrite| {
+                background.bytes.fetch_sub(o.bytes, Ordering::AcqRel);
+                background.in_flight.fetch_sub(1, Ordering::Relaxed);
+            };
+            while let Some(done) = calls.join_next().await {
+                let Ok((slot, _, result)) = done else {
+                    // A panicked write: counted with the rest left below.
+                    continue;
+                };
+                let Some(o) = outstanding[slot].take() else { continue };
+                finish(&o);
+                let failed: Vec<(usize, KvError)> = match result {
+                    Ok(results) => results.into_iter().enumerate().filter_map(|(i, r)| r.err().map(|e| (i, e))).collect(),
+                    Err(e) => (0..o.keys.len()).map(|i| (i, e.clone())).collect(),
+                };
+                if failed.is_empty() {
+                    background.completed.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
+                background.failed.fetch_add(1, Ordering::Relaxed);
+                background.failed_keys.fetch_add(failed.len() as u64, Ordering::Relaxed);
+                let (first, error) = &failed[0];
+                tracing::warn!(
+                    owner = %o.endpoint,
+                    keys = failed.len(),
+                    first_key = %String::from_utf8_lossy(&o.keys[*first]),
+                    error = %error,
+                    "cluster PUT: a background write to an owner failed after its PUT was answered; the owner lacks these keys"
+                );
+            }
+            for o in outstanding.iter().flatten() {
+                finish(o);
+                background.failed.fetch_add(1, Ordering::Relaxed);
+                background.failed_keys.fetch_add(o.keys.len() as u64, Ordering::Relaxed);
+                tracing::warn!(owner = %o.endpoint, keys = o.keys.len(), "cluster PUT: a background write to an owner ended without an answer");
+            }
+        });
+        Ok(())
     }
 
     /// Fetches each key from its first owner that has it.
@@ -401,6 +609,24 @@ impl ClusterClient {
         Ok(PrefixMatch { matched, lease: granted.unwrap_or_default() })
     }
 }
+
+/// What one owner's write answers: its slot in the PUT's list of owner
+/// writes, the batch's indices of its keys, and its per-key results.
+type OwnerResult = (usize, Vec<usize>, Result<Vec<Result<(), KvError>>, KvError>);
+
+/// One owner's write of a PUT, while it has not answered.
+struct OwnerWrite {
+    endpoint: String,
+    /// Keys' and values' bytes it carries.
+    bytes: usize,
+    /// Its keys, to name them if it fails in the background.
+    keys: Vec<Bytes>,
+    /// Its batch until its connection is ready (see the module's comment).
+    batch: Arc<Mutex<Option<Batch>>>,
+}
+
+/// Keys and values of one owner's write.
+type Batch = Vec<(Bytes, Bytes)>;
 
 /// Keeps one CLUSTER_TABLE outstanding at a time, moving to another member
 /// when the one asked fails, and publishes every newer table.

@@ -30,7 +30,7 @@ mod shm;
 mod tls;
 
 pub use client::{Client, ClientConfig, PrefixMatch};
-pub use cluster::{ClusterClient, ClusterClientConfig};
+pub use cluster::{BackgroundWrites, ClusterClient, ClusterClientConfig, DEFAULT_MAX_BACKGROUND_BYTES};
 pub use connection::Connection;
 pub use endpoint::Endpoint;
 pub use kvplane_protocol::{ErrorKind, KvError, Limits};

@@ -456,20 +456,33 @@ async fn the_clusters_write_quorum_reaches_clients_that_set_none() {
     let mut one: Vec<NodeProcess> = ["n0", "n1"].iter().map(|id| quorum_node(dir.path(), "w1", id, &etcd.endpoints(), 1)).collect();
     let mut two: Vec<NodeProcess> = ["n0", "n1"].iter().map(|id| quorum_node(dir.path(), "w2", id, &etcd.endpoints(), 2)).collect();
     // Clients configured with a seed and nothing else about writes.
-    let connect = |seed: &NodeProcess, write_quorum: Option<usize>| {
+    let connect_with = |seed: &NodeProcess, write_quorum: Option<usize>, timeout: Duration| {
         let mut config = ClusterClientConfig::new(vec![Endpoint::Tcp(seed.endpoint.clone())]);
-        // What a frozen owner costs a PUT (the client waits for every owner
-        // it asked, up to this, before it counts the quorum).
-        config.timeout = Duration::from_secs(2);
+        config.timeout = timeout;
         config.write_quorum = write_quorum;
         ClusterClient::connect(config)
     };
+    // What a frozen owner costs a W=2 PUT and a GET that asks it first.
+    let connect = |seed: &NodeProcess, write_quorum: Option<usize>| connect_with(seed, write_quorum, Duration::from_secs(2));
     let c1 = connect(&one[0], None).await.expect("a client of w1 connects");
     let c2 = connect(&two[0], None).await.expect("a client of w2 connects");
+    // A patient client: a W=1 PUT must not wait for the frozen owner, so
+    // its answer comes well before this timeout.
+    let patient_timeout = Duration::from_secs(30);
+    let patient = connect_with(&one[0], None, patient_timeout).await.expect("a patient client of w1 connects");
     wait_for_members(&c1, &["n0", "n1"]).await;
     wait_for_members(&c2, &["n0", "n1"]).await;
+    wait_for_members(&patient, &["n0", "n1"]).await;
     assert_eq!(put_fresh(&c1, "both-up", 32).await.0, 32);
     assert_eq!(put_fresh(&c2, "both-up", 32).await.0, 32);
+    assert_eq!(put_fresh(&patient, "both-up-patient", 32).await.0, 32, "the patient client's connections to both owners are open");
+    // With both owners up the slower one's write may finish after its PUT
+    // was answered too: let it, and count from here.
+    let before = until("the patient client's background writes answered", PATIENCE, || async {
+        let b = patient.background_writes();
+        (b.in_flight == 0).then_some(b).ok_or(format!("{b:?}"))
+    })
+    .await;
 
     // One owner of every key frozen (SIGSTOP by PID): it takes connections
     // and answers nothing. writeQuorum 1: acknowledged by the other owner;
@@ -478,9 +491,15 @@ async fn the_clusters_write_quorum_reaches_clients_that_set_none() {
         signal(n, "STOP");
     }
     let frozen = tokio::time::Instant::now();
-    let (acked, error) = put_fresh(&c1, "one-frozen", 32).await;
+    let (acked, error) = put_fresh(&patient, "one-frozen", 32).await;
     assert_eq!(acked, 32, "writeQuorum 1 with one owner of two frozen: {error:?}");
     let took_w1 = frozen.elapsed();
+    // Answered once the live owner stored every key, not after the frozen
+    // one's timeout: a behavioural bound, not a benchmark.
+    assert!(took_w1 < patient_timeout / 3, "a W=1 PUT with one owner frozen took {took_w1:?} (client timeout {patient_timeout:?})");
+    // The frozen owner's write was not dropped: it goes on, counted.
+    let background = patient.background_writes();
+    assert!(background.in_flight >= 1 && background.in_flight_bytes > 0, "the frozen owner's write is in flight: {background:?}");
     let got = c1.get((0..32).map(|i| Bytes::from(format!("one-frozen/k{i}"))).collect()).await.unwrap();
     let read = got.iter().enumerate().filter(|(i, r)| r.as_ref().ok() == Some(&value(&format!("one-frozen/k{i}"), 7, 4 << 10))).count();
     assert_eq!(read, 32, "every block acknowledged with one owner frozen reads back");
@@ -490,7 +509,31 @@ async fn the_clusters_write_quorum_reaches_clients_that_set_none() {
     for n in [&one[1], &two[1]] {
         signal(n, "CONT");
     }
-    println!("one owner of two frozen: writeQuorum 1 acknowledged 32 of 32 (in {took_w1:?}), writeQuorum 2 0 of 32: {error:?}");
+    // The frozen owner's writes went on in the background: once it runs
+    // again it holds every block (asked on a connection to it alone).
+    let thawed = kvplane_client::Client::connect(kvplane_client::ClientConfig::new(Endpoint::Tcp(one[1].endpoint.clone())))
+        .await
+        .expect("the thawed owner answers");
+    let keys: Vec<Bytes> = (0..32).map(|i| Bytes::from(format!("one-frozen/k{i}"))).collect();
+    until("the thawed owner holds every block of the W=1 PUT", PATIENCE, || async {
+        let got = thawed.get(keys.clone()).await.map_err(|e| e.to_string())?;
+        let held = got.iter().enumerate().filter(|(i, r)| r.as_ref().ok() == Some(&value(&format!("one-frozen/k{i}"), 7, 4 << 10))).count();
+        (held == 32).then_some(()).ok_or(format!("{held} of 32"))
+    })
+    .await;
+    let background = until("the background write answered", PATIENCE, || async {
+        let b = patient.background_writes();
+        (b.in_flight == 0).then_some(b).ok_or(format!("{b:?}"))
+    })
+    .await;
+    assert_eq!(
+        (background.completed - before.completed, background.failed, background.in_flight_bytes),
+        (1, 0, 0),
+        "the frozen owner's one write completed once it ran again: {background:?}"
+    );
+    println!(
+        "one owner of two frozen: writeQuorum 1 acknowledged 32 of 32 (in {took_w1:?}), writeQuorum 2 0 of 32: {error:?}; background: {background:?}"
+    );
 
     // One owner of every key killed by PID; the lease keeps it in the tables.
     sigkill(&mut one[1]);
