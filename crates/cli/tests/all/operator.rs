@@ -557,29 +557,12 @@ fn a_kvcache_with_tls_renders_pods_whose_node_serves_tls_and_refuses_plaintext()
     assert!(args.contains(&"--tls-key=/var/run/secrets/kvplane.io/tls/tls.key".to_string()), "{args:?}");
 
     // The kubelet's part: each Secret volume's items under its mount path.
-    const SECRETS: &str = "/var/run/secrets/kvplane.io";
     let root = tempfile::tempdir().unwrap();
-    let mut projected = Vec::new();
-    for mount in container["volumeMounts"].as_array().unwrap() {
-        let Some(rel) = mount["mountPath"].as_str().unwrap().strip_prefix(SECRETS) else { continue };
-        assert!(mount.get("subPath").is_none(), "{mount}");
-        let volume = pod["volumes"].as_array().unwrap().iter().find(|v| v["name"] == mount["name"]).unwrap();
-        let name = volume["secret"]["secretName"].as_str().unwrap_or_else(|| panic!("not a Secret volume: {volume}"));
-        let secret_path = format!("/api/v1/namespaces/{ns}/secrets/{name}");
-        let secret = cp.wait_for(&format!("the Secret {name}"), WAIT, || cp.request("GET", &secret_path, None).ok());
-        let dir = root.path().join(rel.trim_start_matches('/'));
-        std::fs::create_dir_all(&dir).unwrap();
-        for item in volume["secret"]["items"].as_array().unwrap() {
-            let data = secret["data"][item["key"].as_str().unwrap()].as_str().unwrap_or_else(|| panic!("{name} has no {item}"));
-            let file = dir.join(item["path"].as_str().unwrap());
-            std::fs::write(&file, unbase64(data)).unwrap();
-            std::fs::set_permissions(&file, std::os::unix::fs::PermissionsExt::from_mode(0o400)).unwrap();
-        }
-        projected.push(name.to_owned());
-    }
+    let mut projected = project_secrets(&cp, ns, pod, root.path());
     projected.sort();
     assert_eq!(projected, ["pool-tls", "pool-token"]);
     let moved = root.path().to_str().unwrap();
+    const SECRETS: &str = "/var/run/secrets/kvplane.io";
     let node_args: Vec<String> = args
         .iter()
         .filter(|a| !["--listen=", "--admin=", "--config="].iter().any(|p| a.starts_with(p)))
@@ -623,4 +606,163 @@ fn a_kvcache_with_tls_renders_pods_whose_node_serves_tls_and_refuses_plaintext()
 fn secret_ca(cp: &ControlPlane, ns: &str) -> Vec<u8> {
     let secret = cp.get(&format!("/api/v1/namespaces/{ns}/secrets/pool-tls"));
     unbase64(secret["data"]["ca.crt"].as_str().expect("ca.crt"))
+}
+
+/// What the kubelet does for a cache pod: every Secret volume mounted under
+/// /var/run/secrets/kvplane.io written, item by item (mode 0400), from the
+/// Secret the API server holds into `root`, under the mount path's part
+/// after that prefix. The Secrets' names, sorted.
+fn project_secrets(cp: &ControlPlane, ns: &str, pod: &Value, root: &std::path::Path) -> Vec<String> {
+    const SECRETS: &str = "/var/run/secrets/kvplane.io";
+    let container = &pod["containers"][0];
+    let mut projected = Vec::new();
+    for mount in container["volumeMounts"].as_array().unwrap() {
+        let Some(rel) = mount["mountPath"].as_str().unwrap().strip_prefix(SECRETS) else { continue };
+        assert!(mount.get("subPath").is_none(), "{mount}");
+        let volume = pod["volumes"].as_array().unwrap().iter().find(|v| v["name"] == mount["name"]).unwrap();
+        let name = volume["secret"]["secretName"].as_str().unwrap_or_else(|| panic!("not a Secret volume: {volume}"));
+        let secret_path = format!("/api/v1/namespaces/{ns}/secrets/{name}");
+        let secret = cp.wait_for(&format!("the Secret {name}"), WAIT, || cp.request("GET", &secret_path, None).ok());
+        let dir = root.join(rel.trim_start_matches('/'));
+        std::fs::create_dir_all(&dir).unwrap();
+        for item in volume["secret"]["items"].as_array().unwrap() {
+            let data = secret["data"][item["key"].as_str().unwrap()].as_str().unwrap_or_else(|| panic!("{name} has no {item}"));
+            let file = dir.join(item["path"].as_str().unwrap());
+            std::fs::write(&file, unbase64(data)).unwrap();
+            std::fs::set_permissions(&file, std::os::unix::fs::PermissionsExt::from_mode(0o400)).unwrap();
+        }
+        projected.push(name.to_owned());
+    }
+    projected.sort();
+    projected
+}
+
+/// Issue 21, item 3: a KVCache whose metadata is an external etcd with TLS
+/// (client certificates required) and an etcd user renders cache pods that
+/// register in it. A real etcd on loopback (`--client-cert-auth`, auth
+/// enabled, user `kvplane` whose role covers only this pool's prefix),
+/// certificates from rcgen in Secrets created through the API server; the
+/// node runs with the rendered arguments and the rendered node.json, their
+/// Secret paths moved onto a folder holding the Secrets' contents (as in
+/// the TLS test above), and registers: STATS cluster_registered is 1.
+#[test]
+fn a_kvcache_with_an_external_etcd_over_tls_with_a_user_renders_pods_that_register_in_it() {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose};
+
+    let dir = tempfile::tempdir().unwrap();
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.distinguished_name.push(DnType::CommonName, "etcd-ca");
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::DigitalSignature];
+    let ca_pem = ca_params.self_signed(&ca_key).unwrap().pem();
+    let issuer = Issuer::new(ca_params, ca_key);
+    let issue = |names: Vec<String>, cn: Option<&str>, usages: Vec<ExtendedKeyUsagePurpose>| {
+        let key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::new(names).unwrap();
+        params.distinguished_name = rcgen::DistinguishedName::new();
+        if let Some(cn) = cn {
+            params.distinguished_name.push(DnType::CommonName, cn);
+        }
+        params.extended_key_usages = usages;
+        (params.signed_by(&key, &issuer).unwrap().pem(), key.serialize_pem())
+    };
+    // etcd's gateway presents etcd's own certificate to its gRPC port: client use too.
+    let both = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
+    let (server_crt, server_key) = issue(vec!["127.0.0.1".into()], Some("etcd-server"), both);
+    // No Common Name: etcd's gateway refuses one once auth is enabled.
+    let (client_crt, client_key) = issue(Vec::new(), None, vec![ExtendedKeyUsagePurpose::ClientAuth]);
+    let write = |name: &str, text: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let (ca_file, cert_file, key_file) = (write("ca.pem", &ca_pem), write("etcd.crt", &server_crt), write("etcd.key", &server_key));
+    let etcd = crate::etcd::TlsEtcd::start_with(&cert_file, &key_file, &ca_file, true, true);
+    let ns = "ext";
+    let admin = |path: &str, body: Value| etcd.admin(path, &body).unwrap_or_else(|e| panic!("{path}: {e}; etcd's log:\n{}", etcd.log()));
+    admin("/v3/auth/user/add", json!({"name": "root", "password": "root-pw"}));
+    admin("/v3/auth/role/add", json!({"name": "root"}));
+    admin("/v3/auth/user/grant", json!({"user": "root", "role": "root"}));
+    admin("/v3/auth/user/add", json!({"name": "kvplane", "password": "kv-pw"}));
+    admin("/v3/auth/role/add", json!({"name": "pool"}));
+    let (key, end) = (crate::etcd::base64(b"/kvplane/ext.pool/"), crate::etcd::base64(b"/kvplane/ext.pool0"));
+    admin("/v3/auth/role/grant", json!({"name": "pool", "perm": {"permType": "READWRITE", "key": key, "range_end": end}}));
+    admin("/v3/auth/user/grant", json!({"user": "kvplane", "role": "pool"}));
+    admin("/v3/auth/enable", json!({}));
+
+    let cp = ControlPlane::start(Options { version: "1.34", scheduling: true });
+    cp.create_namespace(ns);
+    cp.create_fake_node("node-a", &[]);
+    cp.wait_node_ready("node-a", WAIT);
+    let op = Operator::start(&cp, "op-a", "none");
+    wait_crd(&cp, &op);
+    let secrets = format!("/api/v1/namespaces/{ns}/secrets");
+    cp.create(
+        &secrets,
+        &json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "etcd-client", "namespace": ns}, "type": "kubernetes.io/tls",
+            "stringData": {"tls.crt": client_crt, "tls.key": client_key, "ca.crt": ca_pem}}),
+    );
+    cp.create(
+        &secrets,
+        &json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "etcd-pw", "namespace": ns}, "stringData": {"password": "kv-pw\n"}}),
+    );
+    let address = etcd.endpoint().trim_start_matches("https://").to_string();
+    cp.create(
+        &format!("/apis/kvplane.io/v1alpha1/namespaces/{ns}/kvcaches"),
+        &json!({"apiVersion": "kvplane.io/v1alpha1", "kind": "KVCache", "metadata": {"name": "pool", "namespace": ns},
+            "spec": {"cache": {"replicas": 1}, "metadata": {"etcd": {"externalConnection": {
+                "address": address, "username": "kvplane", "passwordSecretRef": "etcd-pw", "tls": {"secretName": "etcd-client"}}}}}}),
+    );
+    let sts_path = format!("/apis/apps/v1/namespaces/{ns}/statefulsets/pool-cache");
+    let sts = cp.wait_for("the cache StatefulSet", WAIT, || cp.request("GET", &sts_path, None).ok());
+    let pod = &sts["spec"]["template"]["spec"];
+    let args: Vec<String> = pod["containers"][0]["args"].as_array().unwrap().iter().map(|a| a.as_str().unwrap().to_owned()).collect();
+    let root = tempfile::tempdir().unwrap();
+    assert_eq!(project_secrets(&cp, ns, pod, root.path()), ["etcd-client", "etcd-pw", "pool-token"]);
+    let moved = root.path().to_str().unwrap();
+    let config = cp.get(&format!("/api/v1/namespaces/{ns}/configmaps/pool-config"));
+    let node_json = config["data"]["node.json"].as_str().unwrap().replace("/var/run/secrets/kvplane.io", moved);
+    assert!(node_json.contains(&format!("https://{address}")), "{node_json}");
+    let config_file = root.path().join("node.json");
+    std::fs::write(&config_file, &node_json).unwrap();
+
+    let node_args: Vec<String> = args
+        .iter()
+        .filter(|a| !["--listen=", "--admin="].iter().any(|p| a.starts_with(p)))
+        .map(|a| {
+            if a.starts_with("--config=") {
+                format!("--config={}", config_file.display())
+            } else {
+                a.replace("/var/run/secrets/kvplane.io", moved)
+            }
+        })
+        .collect();
+    let mut cmd = crate::support::kvplane();
+    cmd.args(&node_args).args(["--listen", "127.0.0.1:0", "--admin", "none", "--memory", "16MiB"]).env("POD_NAME", "pool-cache-0");
+    let node = crate::support::NodeProcess::spawn(cmd);
+    let token = std::fs::read_to_string(root.path().join("auth/token")).unwrap();
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    runtime.block_on(async {
+        let mut config = kvplane_client::ClientConfig::new(kvplane_client::Endpoint::Tcp(node.endpoint.clone()));
+        config.token = Some(token);
+        config.connections = 1;
+        let client = kvplane_client::Client::connect(config).await.expect("the node with its token");
+        let started = Instant::now();
+        loop {
+            let stats = client.stats().await.expect("STATS");
+            if stats.iter().any(|(n, v)| n == "cluster_registered" && *v == 1) {
+                break;
+            }
+            assert!(
+                started.elapsed() < WAIT,
+                "not registered in etcd within {WAIT:?}; node log:\n{}\netcd log:\n{}",
+                node.log.lock().unwrap().join("\n"),
+                etcd.log()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    drop(node);
+    drop(op);
 }

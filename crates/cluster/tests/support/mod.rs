@@ -248,7 +248,7 @@ fn post(port: u16, path: &str, body: &str) -> Result<serde_json::Value, String> 
 
 /// Standard base64 with padding, as the gateway wants keys (a few lines
 /// instead of a dependency every includer of this file would need).
-fn base64(bytes: &[u8]) -> String {
+pub fn base64(bytes: &[u8]) -> String {
     const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
     let mut out = String::new();
     for chunk in bytes.chunks(3) {
@@ -365,6 +365,9 @@ pub fn log_to_test_output() {
 pub struct TlsEtcd {
     args: Vec<String>,
     client: u16,
+    /// A plain-HTTP client port on loopback for the test's own set-up
+    /// ([`TlsEtcd::admin`]), when asked for.
+    plain: Option<u16>,
     child: Option<Child>,
     dir: tempfile::TempDir,
 }
@@ -374,13 +377,31 @@ impl TlsEtcd {
     /// accepts connections (the caller's first call waits for the leader,
     /// which a single member elects at once).
     pub fn start(cert: &std::path::Path, key: &std::path::Path, ca: &std::path::Path, client_cert_auth: bool) -> TlsEtcd {
+        TlsEtcd::start_with(cert, key, ca, client_cert_auth, false)
+    }
+
+    /// As [`TlsEtcd::start`], with `plain_admin` a second client port that
+    /// speaks plain HTTP (advertised to no one), for set-up calls a test
+    /// makes without a TLS client of its own.
+    pub fn start_with(
+        cert: &std::path::Path,
+        key: &std::path::Path,
+        ca: &std::path::Path,
+        client_cert_auth: bool,
+        plain_admin: bool,
+    ) -> TlsEtcd {
         let dir = tempfile::Builder::new().prefix("kvplane-etcd-tls-").tempdir().expect("creating a temporary folder");
-        let ports = free_ports(2);
+        let ports = free_ports(3);
         let (client, peer) = (ports[0], ports[1]);
+        let plain = plain_admin.then_some(ports[2]);
+        let listen = match plain {
+            Some(p) => format!("https://127.0.0.1:{client},http://127.0.0.1:{p}"),
+            None => format!("https://127.0.0.1:{client}"),
+        };
         let mut args = vec![
             "--name=tls0".to_string(),
             format!("--data-dir={}", dir.path().join("data").display()),
-            format!("--listen-client-urls=https://127.0.0.1:{client}"),
+            format!("--listen-client-urls={listen}"),
             format!("--advertise-client-urls=https://127.0.0.1:{client}"),
             format!("--listen-peer-urls=http://127.0.0.1:{peer}"),
             format!("--initial-advertise-peer-urls=http://127.0.0.1:{peer}"),
@@ -394,7 +415,7 @@ impl TlsEtcd {
         if client_cert_auth {
             args.push("--client-cert-auth".to_string());
         }
-        let mut etcd = TlsEtcd { args, client, child: None, dir };
+        let mut etcd = TlsEtcd { args, client, plain, child: None, dir };
         etcd.spawn();
         etcd
     }
@@ -418,6 +439,20 @@ impl TlsEtcd {
     /// `https://127.0.0.1:PORT`.
     pub fn endpoint(&self) -> String {
         format!("https://127.0.0.1:{}", self.client)
+    }
+
+    /// `POST path` with `body` through the plain set-up port, waiting (up
+    /// to a minute) for etcd's leader; the JSON answer, or why none came.
+    pub fn admin(&self, path: &str, body: &serde_json::Value) -> Result<serde_json::Value, String> {
+        let port = self.plain.expect("started with plain_admin");
+        let started = Instant::now();
+        loop {
+            match post(port, path, &body.to_string()) {
+                Ok(answer) => return Ok(answer),
+                Err(e) if started.elapsed() > START_TIMEOUT => return Err(e),
+                Err(_) => std::thread::sleep(Duration::from_millis(100)),
+            }
+        }
     }
 
     /// SIGKILL (by PID) and start again on the same port and data folder:
