@@ -374,7 +374,6 @@ impl ClusterClient {
     /// Lets the owner writes still in `calls` finish in the background when
     /// their bytes fit under `max_background_bytes`; hands both back when
     /// they do not, and the PUT waits for them.
-    #[allow(clippy::type_complexity)]
     fn hand_off(
         &self,
         mut calls: JoinSet<OwnerResult>,
