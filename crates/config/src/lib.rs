@@ -13,7 +13,7 @@ pub mod size;
 
 pub use node::{
     AtBound, BackendType, ClusterConfig, EtcdAuthConfig, EtcdClientConfig, EtcdTlsConfig, IngestMode, InvalidField, MetadataEndpoints,
-    NodeConfigFile, TieringConfig, TlsConfig, WriteMode,
+    NodeConfigFile, PeerTlsConfig, TieringConfig, TlsConfig, WriteMode,
 };
 pub use plugin::{DriverRef, FailurePolicy, PluginKind, PluginLimits, PluginSourceSpec, PluginSpec};
 pub use size::{parse_bytes, ByteSize, SizeError};

@@ -220,6 +220,36 @@ pub struct ClusterConfig {
     /// plain HTTP, no user (an etcd on a network only the pool reaches).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub etcd: Option<EtcdClientConfig>,
+    /// TLS to the other members, for a node that serves TLS (`--tls-cert`):
+    /// members copy blocks to each other (hand-off at drain, repair after a
+    /// membership change) and a member's TLS port refuses a plain client.
+    /// Required in cluster mode with `--tls-cert`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peer_tls: Option<PeerTlsConfig>,
+}
+
+/// `cluster.peerTls`: how a member speaks TLS to the others. PEM files,
+/// read when the node starts and again for each hand-off or repair pass
+/// (so that a renewed client certificate is used without a restart).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PeerTlsConfig {
+    /// CA certificates the other members' certificates must chain to.
+    pub ca_file: std::path::PathBuf,
+    /// The client certificate presented to members that ask for one
+    /// (`--tls-client-ca`: required then), with `keyFile`. Usually the
+    /// node's own certificate, which then needs the client-auth usage.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cert_file: Option<std::path::PathBuf>,
+    /// The private key of `certFile`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_file: Option<std::path::PathBuf>,
+    /// The name every member's certificate is checked against; default: the
+    /// host of the member's advertised address (an IP address then, which
+    /// changes with every pod restart: give a name all members' certificates
+    /// carry instead).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub server_name: Option<String>,
 }
 
 /// The node's etcd client: `cluster.etcd`.
@@ -277,6 +307,7 @@ impl Default for ClusterConfig {
             placement: None,
             repair_bytes_per_second: ByteSize(256 << 20),
             etcd: None,
+            peer_tls: None,
         }
     }
 }
@@ -415,6 +446,19 @@ impl NodeConfigFile {
             }
             named("cluster.placement", &c.placement, PluginKind::KeyPlacement)?;
             self.validate_etcd_client(c.etcd.as_ref())?;
+            if let Some(t) = &c.peer_tls {
+                if t.ca_file.as_os_str().is_empty() {
+                    return Err(invalid("cluster.peerTls.caFile", "names no file"));
+                }
+                match (&t.cert_file, &t.key_file) {
+                    (Some(_), None) => return Err(invalid("cluster.peerTls.keyFile", "certFile needs the key that goes with it")),
+                    (None, Some(_)) => return Err(invalid("cluster.peerTls.certFile", "keyFile needs the certificate that goes with it")),
+                    _ => {}
+                }
+                if t.server_name.as_ref().is_some_and(|n| n.trim().is_empty()) {
+                    return Err(invalid("cluster.peerTls.serverName", "is empty (leave it out to check the advertised host)"));
+                }
+            }
         }
         Ok(())
     }
@@ -576,6 +620,24 @@ mod tests {
         }
         let e = crate::from_json_strict::<NodeConfigFile>(&etcd("etcd:2379", r#"{"tls":{"caFile":"/c","keyfile":"/k"}}"#)).unwrap_err();
         assert!(e.to_string().contains("cluster.etcd.tls.keyfile"), "{e}");
+        let peer =
+            |section: &str| format!(r#"{{"backend":"kvplane","metadata":{{"etcd":["etcd:2379"]}},"cluster":{{"peerTls":{section}}}}}"#);
+        let file = crate::from_json_strict::<NodeConfigFile>(&peer(
+            r#"{"caFile":"/ca.crt","certFile":"/tls.crt","keyFile":"/tls.key","serverName":"pool-cache.ns.svc"}"#,
+        ))
+        .unwrap();
+        file.validate().unwrap();
+        let t = file.cluster.as_ref().and_then(|c| c.peer_tls.clone()).unwrap();
+        assert_eq!(t.server_name.as_deref(), Some("pool-cache.ns.svc"));
+        for (section, field) in [
+            (r#"{"caFile":""}"#, "cluster.peerTls.caFile: names no file"),
+            (r#"{"caFile":"/ca.crt","certFile":"/tls.crt"}"#, "cluster.peerTls.keyFile: certFile needs"),
+            (r#"{"caFile":"/ca.crt","keyFile":"/tls.key"}"#, "cluster.peerTls.certFile: keyFile needs"),
+            (r#"{"caFile":"/ca.crt","serverName":" "}"#, "cluster.peerTls.serverName: is empty"),
+        ] {
+            let e = invalid_field(&peer(section));
+            assert!(e.starts_with(field), "{e}");
+        }
         let ok = r#"{"backend":"kvplane","metadata":{"etcd":["http://127.0.0.1:2379"]},"cluster":{"repairBytesPerSecond":"64Mi"}}"#;
         let file = crate::from_json_strict::<NodeConfigFile>(ok).unwrap();
         assert_eq!(file.cluster.as_ref().map(|c| c.repair_bytes_per_second), Some(ByteSize(64 << 20)));
