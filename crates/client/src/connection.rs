@@ -67,6 +67,12 @@ struct Shared {
     /// sent are still read (the node serves them within its grace).
     closing: AtomicBool,
     close_reason: Mutex<Option<KvError>>,
+    /// Set when a request frame was left half-written (its write timed out,
+    /// or its caller dropped the call mid-write): the node would read the
+    /// next frame as the rest of that one, so nothing more is written here.
+    /// The pool opens another; answers to requests sent before are still
+    /// read.
+    broken: AtomicBool,
 }
 
 impl Shared {
@@ -86,7 +92,10 @@ impl Shared {
 /// An open, authenticated connection.
 pub struct Connection {
     endpoint: Endpoint,
-    writer: tokio::sync::Mutex<Writer>,
+    /// `None` once a frame was left half-written (see [`Shared::broken`]):
+    /// the write half is taken out while a frame is written and put back
+    /// only once the whole frame is on the socket.
+    writer: tokio::sync::Mutex<Option<Writer>>,
     shared: Arc<Shared>,
     next_id: AtomicU64,
     ack: HelloAck,
@@ -180,11 +189,12 @@ impl Connection {
             closed: AtomicBool::new(false),
             closing: AtomicBool::new(false),
             close_reason: Mutex::new(None),
+            broken: AtomicBool::new(false),
         });
         let reader = tokio::spawn(read_loop(reader, Arc::clone(&shared), endpoint.clone()));
         let mut conn = Connection {
             endpoint: endpoint.clone(),
-            writer: tokio::sync::Mutex::new(writer),
+            writer: tokio::sync::Mutex::new(Some(writer)),
             shared,
             next_id: AtomicU64::new(1),
             ack,
@@ -284,11 +294,13 @@ impl Connection {
         &self.ack
     }
 
-    /// Whether new calls may use this connection: false once it has failed
-    /// or the node announced it closes it as idle (the pool then opens a
-    /// new one).
+    /// Whether new calls may use this connection: false once it has failed,
+    /// a request frame was left half-written on it, or the node announced
+    /// it closes it as idle (the pool then opens a new one).
     pub fn is_open(&self) -> bool {
-        !self.shared.closed.load(Ordering::Acquire) && !self.shared.closing.load(Ordering::Acquire)
+        !self.shared.closed.load(Ordering::Acquire)
+            && !self.shared.closing.load(Ordering::Acquire)
+            && !self.shared.broken.load(Ordering::Acquire)
     }
 
     /// Sends one request and waits for its answer. An `Error` answer becomes
@@ -337,6 +349,12 @@ impl Connection {
     }
 
     async fn exchange(&self, request: Request, into: Option<Arc<Destinations>>) -> Result<Answer, KvError> {
+        if self.shared.broken.load(Ordering::Acquire) {
+            return Err(KvError::Unavailable(format!(
+                "connection to {} is no longer used: a request frame was left half-written on it",
+                self.endpoint
+            )));
+        }
         if !self.is_open() {
             let reason = self.shared.close_reason.lock().unwrap_or_else(|e| e.into_inner()).clone();
             return Err(reason.unwrap_or_else(|| KvError::Unavailable(format!("connection to {} is closed", self.endpoint))));
@@ -346,15 +364,50 @@ impl Connection {
         let (tx, rx) = oneshot::channel();
         // Registered before the write, so the reader always finds the waiter.
         self.shared.lock().insert(id, Waiter { tx, into });
-        let sent = {
-            let mut w = self.writer.lock().await;
-            write_frame(&mut *w, &encoded).await
-        };
-        if let Err(e) = sent {
+        // Writing has the same limit as waiting for the answer (the client's
+        // timeout), counted from here and including the wait for the write
+        // half: a node that stops reading (frozen, or its receive buffer
+        // full) would otherwise hold this call, and the bytes it carries,
+        // forever.
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        let too_slow =
+            |what: &str| KvError::Timeout(format!("{}: writing the request {id} {what} within {:?}", self.endpoint, self.timeout));
+        let Ok(mut slot) = tokio::time::timeout_at(deadline, self.writer.lock()).await else {
+            // Nothing of this frame was written: the connection stays usable.
             self.shared.lock().remove(&id);
-            let error = KvError::Unavailable(format!("send to {}: {e}", self.endpoint));
-            self.shared.fail_all(error.clone());
-            return Err(error);
+            return Err(too_slow("did not start (another request's write held the connection)"));
+        };
+        let Some(mut writer) = slot.take() else {
+            // A frame before this one was left half-written.
+            self.shared.lock().remove(&id);
+            return Err(KvError::Unavailable(format!(
+                "connection to {} is no longer used: a request frame was left half-written on it",
+                self.endpoint
+            )));
+        };
+        // Marks the connection broken unless the whole frame is written,
+        // including when this call is dropped mid-write; the write half,
+        // out of its slot meanwhile, is then dropped, never put back.
+        let cut = Cut { shared: &self.shared, armed: true };
+        match tokio::time::timeout_at(deadline, write_frame(&mut *writer, &encoded)).await {
+            Ok(Ok(())) => {
+                *slot = Some(writer);
+                cut.disarm();
+            }
+            Ok(Err(e)) => {
+                drop(slot);
+                self.shared.lock().remove(&id);
+                let error = KvError::Unavailable(format!("send to {}: {e}", self.endpoint));
+                self.shared.fail_all(error.clone());
+                return Err(error);
+            }
+            Err(_) => {
+                drop(slot);
+                self.shared.lock().remove(&id);
+                tracing::warn!(endpoint = %self.endpoint, request_id = id, timeout = ?self.timeout,
+                    "writing a request timed out; the connection is no longer used");
+                return Err(too_slow("did not finish (the node is not reading; this connection is no longer used)"));
+            }
         }
         let answer = match tokio::time::timeout(self.timeout, rx).await {
             Ok(Ok(answer)) => answer,
@@ -367,6 +420,27 @@ impl Connection {
         match answer {
             Answer::Response(Response::Error { code, message }) => Err(code.into_kv_error(message)),
             other => Ok(other),
+        }
+    }
+}
+
+/// Marks its connection broken when dropped armed: a request frame was
+/// started and not finished.
+struct Cut<'a> {
+    shared: &'a Shared,
+    armed: bool,
+}
+
+impl Cut<'_> {
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for Cut<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.shared.broken.store(true, Ordering::Release);
         }
     }
 }

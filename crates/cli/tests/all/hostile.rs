@@ -429,3 +429,54 @@ async fn stalled_puts_of_one_peer_leave_room_for_another() {
     assert!(stat(&s, "receive_budget_used_bytes") <= stat(&s, "receive_budget_per_peer_bytes"), "{s:?}");
     drop(stalled);
 }
+
+/// A frozen node (SIGSTOP by PID) stops reading: a PUT larger than both
+/// sockets' buffers could once never finish writing its frame, and hung past
+/// the client's timeout with its bytes held. The write now has the client's
+/// timeout too: a typed Timeout naming the node and "writing the request",
+/// and the half-written connection is never used again (the pool opens a
+/// new one, which serves once the node runs again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_put_to_a_frozen_node_times_out_while_writing_and_the_pool_reconnects() {
+    let node = NodeProcess::start(&["--memory", "64MiB", "--max-block", "2MiB"]);
+    let timeout = Duration::from_secs(2);
+    // One connection, opened now: the PUT must go to a connection already
+    // open (a new one would time out in its handshake, which tests nothing).
+    let mut config = ClientConfig::new(Endpoint::Tcp(node.endpoint.clone()));
+    config.connections = 1;
+    config.timeout = timeout;
+    let c = Client::connect(config).await.expect("a client connects");
+    let signal = |name: &str| {
+        let status = std::process::Command::new("kill").arg(format!("-{name}")).arg(node.child.id().to_string()).status().unwrap();
+        assert!(status.success(), "kill -{name} {}", node.child.id());
+    };
+    signal("STOP");
+    // 16 MiB: more than a fresh loopback connection's send and receive
+    // buffers together hold while nobody reads.
+    let entries: Vec<(Bytes, Bytes)> = (0..8).map(|i| (Bytes::from(format!("frozen/{i}")), block(i, 2 * MIB))).collect();
+    let started = Instant::now();
+    let bound = Duration::from_secs(15);
+    let answer = tokio::time::timeout(bound, c.put(entries)).await;
+    let took = started.elapsed();
+    signal("CONT");
+    let error = match answer {
+        Err(_) => panic!("a PUT to a frozen node still hung after {bound:?} (client timeout {timeout:?})"),
+        Ok(Ok(results)) => panic!("a PUT to a frozen node was answered: {results:?}"),
+        Ok(Err(e)) => e,
+    };
+    let text = error.to_string();
+    assert!(
+        matches!(error, kvplane_protocol::KvError::Timeout(_)) && text.contains(&node.endpoint) && text.contains("writing the request"),
+        "a typed Timeout naming {} and the write: {error:?}",
+        node.endpoint
+    );
+    // The same client, once the node runs again: a new connection serves.
+    let key = Bytes::from_static(b"thawed/0");
+    let value = block(9, 64 << 10);
+    c.put(vec![(key.clone(), value.clone())]).await.expect("the PUT after SIGCONT is sent").remove(0).expect("stored after SIGCONT");
+    let got = c.get(vec![key]).await.expect("the GET after SIGCONT").remove(0).expect("read after SIGCONT");
+    assert_eq!(got, value);
+    println!(
+        "PUT of 16 MiB to a frozen node: {error} after {took:?} (client timeout {timeout:?}); after SIGCONT served on a new connection"
+    );
+}
