@@ -22,7 +22,9 @@ pub struct ClientConfig {
     pub connections: usize,
     /// Bearer token for a node started with `--token-file`.
     pub token: Option<String>,
-    /// Limit on connecting and on waiting for any one answer.
+    /// Limit on connecting, on writing any one request (a node that stops
+    /// reading cannot hold a call, or its bytes, past it) and on waiting for
+    /// its answer.
     pub timeout: Duration,
     /// Over a Unix socket, move block bytes through memory the node shares
     /// (when it offers some); false keeps every byte on the socket.
