@@ -97,6 +97,9 @@ pub struct ClusterSetup {
     /// `cluster.etcd`: TLS to etcd and the etcd user, as [`etcd_security`]
     /// read them.
     pub etcd_security: EtcdSecurity,
+    /// `cluster.peerTls`: TLS to the other members for hand-off and repair
+    /// (`None`: plain, for a pool that serves no TLS).
+    pub peer_tls: Option<kvplane_config::PeerTlsConfig>,
 }
 
 /// How the node reaches etcd (`cluster.etcd`), with the password read.
@@ -160,6 +163,7 @@ impl std::fmt::Debug for ClusterSetup {
             .field("placement", &self.placement.as_ref().map(|p| p.plugin.decl().name.clone()))
             .field("repair_bytes_per_second", &self.repair_bytes_per_second)
             .field("etcd_security", &self.etcd_security)
+            .field("peer_tls", &self.peer_tls)
             .finish()
     }
 }
@@ -191,8 +195,24 @@ pub(crate) struct ClusterNode {
     /// The bound of the pause between registration attempts.
     retry_max: Duration,
     token: Option<String>,
+    /// `cluster.peerTls`, read again for every peer client (see
+    /// [`peer_tls`]).
+    peer_tls: Option<kvplane_config::PeerTlsConfig>,
     repair_rate: u64,
     repair: RepairCounters,
+}
+
+/// The TLS a peer client speaks, built from `cluster.peerTls`'s files as
+/// they are now: a hand-off or repair pass reads them again, so a client
+/// certificate that cert-manager renewed in place is what peers see next,
+/// with no restart. Errors name the field (and, through [`ClientTls`], the
+/// file at fault).
+///
+/// [`ClientTls`]: kvplane_client::ClientTls
+fn peer_tls(t: &kvplane_config::PeerTlsConfig) -> Result<kvplane_client::ClientTls, kvplane_protocol::KvError> {
+    let client = t.cert_file.as_deref().zip(t.key_file.as_deref());
+    kvplane_client::ClientTls::new(&t.ca_file, client, t.server_name.as_deref())
+        .map_err(|e| kvplane_protocol::KvError::Invalid(format!("cluster.peerTls: {e}")))
 }
 
 impl Drop for ClusterNode {
@@ -374,6 +394,11 @@ impl ClusterNode {
             };
         }
         let id = setup.member.id.clone();
+        if let Some(t) = &setup.peer_tls {
+            // Read once here so that a missing or bad file stops the node
+            // now, not at its first hand-off.
+            peer_tls(t)?;
+        }
         let options = kvplane_cluster::Options {
             tls: setup.etcd_security.tls.clone(),
             auth: setup.etcd_security.auth.clone(),
@@ -400,6 +425,7 @@ impl ClusterNode {
             follower,
             retry_max,
             token: setup.token,
+            peer_tls: setup.peer_tls,
             repair_rate: setup.repair_bytes_per_second,
             repair: RepairCounters::default(),
         };
@@ -593,10 +619,12 @@ impl ClusterNode {
     }
 
     /// A one-connection client of another member, with the cluster's token
-    /// (what a hand-off and a repair send blocks through).
+    /// and, on a pool that serves TLS, `cluster.peerTls` (what a hand-off
+    /// and a repair send blocks through).
     async fn peer_client(&self, member: &Member) -> Result<Client, kvplane_protocol::KvError> {
         let mut config = ClientConfig::new(Endpoint::Tcp(member.endpoint.clone()));
         config.token.clone_from(&self.token);
+        config.tls = self.peer_tls.as_ref().map(peer_tls).transpose()?;
         config.connections = 1;
         Client::connect(config).await
     }

@@ -216,7 +216,30 @@ fn node_cluster(r: &Resolved) -> Option<ClusterConfig> {
     if r.backend == BackendType::Vineyard || matches!(r.metadata, Metadata::ExternalRedis(_)) {
         return None;
     }
-    Some(ClusterConfig { name: format!("{}.{}", r.namespace, r.name), etcd: etcd_client(r), ..ClusterConfig::default() })
+    Some(ClusterConfig {
+        name: format!("{}.{}", r.namespace, r.name),
+        etcd: etcd_client(r),
+        peer_tls: peer_tls(r),
+        ..ClusterConfig::default()
+    })
+}
+
+/// `cluster.peerTls` of a pool with `spec.tls`: members hand blocks off
+/// and repair through TLS clients of each other. The CA is the TLS Secret's
+/// `ca.crt` (cert-manager writes it beside `tls.crt`: the issuer's CA), the
+/// name checked is `NAME-cache.NAMESPACE.svc`, which docs/security.md has
+/// every pod's certificate carry (members reach each other by pod IP, which
+/// changes with every restart). With `clientCA` the members present their
+/// own certificate to each other, so it needs the client-auth usage too.
+fn peer_tls(r: &Resolved) -> Option<kvplane_config::PeerTlsConfig> {
+    let tls = r.tls.as_ref()?;
+    let mutual = tls.client_ca.is_some();
+    Some(kvplane_config::PeerTlsConfig {
+        ca_file: format!("{TLS_DIR}/{CA_FILE}").into(),
+        cert_file: mutual.then(|| format!("{TLS_DIR}/tls.crt").into()),
+        key_file: mutual.then(|| format!("{TLS_DIR}/tls.key").into()),
+        server_name: Some(format!("{}.{}.svc", Names::cache(&r.name), r.namespace)),
+    })
 }
 
 /// `cluster.etcd` for an external etcd declaring TLS or a user: the files
@@ -518,7 +541,9 @@ fn read_only_mount(volume: &str, dir: &str) -> VolumeMount {
 /// mounts, and the node flags that name their files.
 fn tls_volumes(r: &Resolved, volumes: &mut Vec<Volume>, mounts: &mut Vec<VolumeMount>, args: &mut Vec<String>) {
     if let Some(tls) = &r.tls {
-        volumes.push(secret_volume("tls", &tls.secret, &[("tls.crt", "tls.crt"), ("tls.key", "tls.key")]));
+        // ca.crt too: the CA the members check each other's certificates
+        // against (cluster.peerTls.caFile, see `peer_tls`).
+        volumes.push(secret_volume("tls", &tls.secret, &[("tls.crt", "tls.crt"), ("tls.key", "tls.key"), (CA_FILE, CA_FILE)]));
         mounts.push(read_only_mount("tls", TLS_DIR));
         args.push(format!("--tls-cert={TLS_DIR}/tls.crt"));
         args.push(format!("--tls-key={TLS_DIR}/tls.key"));

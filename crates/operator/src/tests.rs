@@ -443,7 +443,7 @@ fn a_pool_with_tls_mounts_its_secret_as_a_directory_and_names_the_files() {
     assert_eq!(tls["secret"]["secretName"], "llama-kv-tls");
     assert_eq!(tls["secret"]["optional"], false, "a missing Secret must keep the pod from starting");
     let keys: Vec<&str> = tls["secret"]["items"].as_array().unwrap().iter().map(|i| i["key"].as_str().unwrap()).collect();
-    assert_eq!(keys, ["tls.crt", "tls.key"]);
+    assert_eq!(keys, ["tls.crt", "tls.key", "ca.crt"]);
     let ca = named(&pod["volumes"], "tls-client-ca").expect("a client CA volume");
     assert_eq!(
         (&ca["secret"]["secretName"], &ca["secret"]["items"][0]["key"], &ca["secret"]["items"][0]["path"]),
@@ -529,4 +529,38 @@ fn the_tls_example_and_its_engine_pod_name_the_same_secrets() {
     let extra = spec["containers"][0]["args"][2].as_str().unwrap();
     let extra: serde_json::Value = serde_json::from_str(extra).unwrap();
     assert_eq!(extra["kv_connector_extra_config"]["tls_ca"], "/var/run/secrets/kvplane.io/ca/ca.crt");
+}
+
+/// Issue 21, item 1 follow-up: a pool with `spec.tls` is a cluster whose
+/// members copy blocks to each other over TLS: node.json's
+/// `cluster.peerTls` names the TLS Secret's `ca.crt` (mounted beside
+/// `tls.crt`) and the name every pod's certificate carries,
+/// `NAME-cache.NAMESPACE.svc`; with `clientCA` the members present their
+/// own certificate. Without `spec.tls`, none.
+#[test]
+fn a_pool_with_tls_renders_the_tls_its_members_speak_to_each_other() {
+    let plain = include_str!("../../../examples/kvcache/kvplane.yaml");
+    let peer_tls = |yaml: &str| {
+        let (_, c) = cache_pod(yaml);
+        let text = c.config.data.as_ref().unwrap()["node.json"].clone();
+        let file: kvplane_config::NodeConfigFile = kvplane_config::from_json_strict(&text).unwrap();
+        file.validate().unwrap_or_else(|e| panic!("{e}: {text}"));
+        file.cluster.expect("a kvplane pool is a cluster").peer_tls
+    };
+    let path = |p: &Option<std::path::PathBuf>| p.as_deref().and_then(|p| p.to_str()).map(str::to_owned);
+    let r = resolve(&kv(plain)).unwrap();
+    let service = format!("{}-cache.{}.svc", r.name, r.namespace);
+
+    let mutual = peer_tls(&format!("{plain}  tls:\n    secretName: llama-kv-tls\n    clientCA: {{secretName: llama-kv-tls}}\n")).unwrap();
+    assert_eq!(mutual.ca_file.to_str(), Some("/var/run/secrets/kvplane.io/tls/ca.crt"));
+    assert_eq!(path(&mutual.cert_file).as_deref(), Some("/var/run/secrets/kvplane.io/tls/tls.crt"));
+    assert_eq!(path(&mutual.key_file).as_deref(), Some("/var/run/secrets/kvplane.io/tls/tls.key"));
+    assert_eq!(mutual.server_name.as_deref(), Some(service.as_str()));
+
+    let server_only = peer_tls(&format!("{plain}  tls: {{secretName: t}}\n")).unwrap();
+    assert_eq!(server_only.ca_file.to_str(), Some("/var/run/secrets/kvplane.io/tls/ca.crt"));
+    assert_eq!((server_only.cert_file, server_only.key_file), (None, None), "no client CA: peers present no certificate");
+    assert_eq!(server_only.server_name.as_deref(), Some(service.as_str()));
+
+    assert!(peer_tls(plain).is_none(), "a pool without spec.tls has plain peers");
 }

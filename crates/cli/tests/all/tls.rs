@@ -31,6 +31,8 @@ struct Issued {
 enum Use {
     Server,
     Client,
+    /// A cluster member's: it serves, and presents it to its peers.
+    Both,
 }
 
 impl Ca {
@@ -56,10 +58,11 @@ impl Ca {
         let key = KeyPair::generate().expect("generating a key");
         let mut params = CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>()).expect("params");
         params.distinguished_name.push(DnType::CommonName, name);
-        params.extended_key_usages = vec![match usage {
-            Use::Server => ExtendedKeyUsagePurpose::ServerAuth,
-            Use::Client => ExtendedKeyUsagePurpose::ClientAuth,
-        }];
+        params.extended_key_usages = match usage {
+            Use::Server => vec![ExtendedKeyUsagePurpose::ServerAuth],
+            Use::Client => vec![ExtendedKeyUsagePurpose::ClientAuth],
+            Use::Both => vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth],
+        };
         if expired {
             params.not_before = rcgen::date_time_ymd(2020, 1, 1);
             params.not_after = rcgen::date_time_ymd(2021, 1, 1);
@@ -354,31 +357,118 @@ fn tls_alone_is_not_credentials_for_a_port_others_reach_a_client_ca_is() {
     assert!(line.contains("tcp 0.0.0.0:") && line.contains("(TLS, client certificates required)"), "{line}");
 }
 
-/// Cluster members copy blocks to each other without TLS (hand-off,
-/// repair): a cluster node with TLS refuses to start, saying so, rather
-/// than leave keys unreplicated.
+/// Cluster members copy blocks to each other (hand-off, repair): a
+/// cluster node with TLS refuses to start without `cluster.peerTls`, the
+/// TLS its peer clients speak, naming the field, rather than leave keys
+/// unreplicated; so does one with `peerTls` but no TLS of its own, and one
+/// whose `--tls-client-ca` would refuse its peers' certificate-less clients.
 #[test]
-fn a_cluster_node_with_tls_refuses_to_start() {
+fn a_cluster_node_with_tls_refuses_to_start_without_peer_tls() {
     let dir = tempfile::tempdir().unwrap();
     let ca = Ca::new("kvplane-test-ca");
+    let ca_file = ca.write(dir.path(), "ca");
     let cert = ca.issue(dir.path(), "node", &["127.0.0.1"], Use::Server, false);
-    let config = dir.path().join("node.json");
-    std::fs::write(&config, r#"{"backend":"kvplane","metadata":{"etcd":["http://127.0.0.1:9"]},"cluster":{"nodeId":"n0"}}"#).unwrap();
-    let out = refused(&[
-        "node",
-        "--listen",
-        "127.0.0.1:0",
-        "--admin",
-        "none",
-        "--memory",
-        "16MiB",
-        "--config",
-        s(&config),
-        "--tls-cert",
-        s(&cert.cert),
-        "--tls-key",
-        s(&cert.key),
-    ]);
-    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
-    assert_names(&text(&out), &["--tls-cert with cluster mode", "not supported yet", "hand-off, repair"]);
+    let config = |name: &str, peer_tls: serde_json::Value| {
+        let mut cluster = serde_json::json!({"nodeId": "n0"});
+        if !peer_tls.is_null() {
+            cluster["peerTls"] = peer_tls;
+        }
+        let file = serde_json::json!({"backend": "kvplane", "metadata": {"etcd": ["http://127.0.0.1:9"]}, "cluster": cluster});
+        let path = dir.path().join(name);
+        std::fs::write(&path, file.to_string()).unwrap();
+        path
+    };
+    let node = |config: &Path, tls: &[&str]| {
+        let mut args = vec!["node", "--listen", "127.0.0.1:0", "--admin", "none", "--memory", "16MiB", "--config", s(config)];
+        args.extend_from_slice(tls);
+        let out = refused(&args);
+        assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+        eprintln!("refused: {}", text(&out).lines().last().unwrap_or_default());
+        text(&out)
+    };
+    let tls = ["--tls-cert", s(&cert.cert), "--tls-key", s(&cert.key)];
+    let without = config("without.json", serde_json::Value::Null);
+    assert_names(&node(&without, &tls), &["cluster mode with --tls-cert needs cluster.peerTls", "caFile", "hand-off, repair"]);
+    let with = config("with.json", serde_json::json!({"caFile": s(&ca_file)}));
+    assert_names(&node(&with, &[]), &["cluster.peerTls is set but this node serves no TLS", "--tls-cert"]);
+    let mut mutual = tls.to_vec();
+    mutual.extend(["--tls-client-ca", s(&ca_file)]);
+    assert_names(&node(&with, &mutual), &["--tls-client-ca", "cluster.peerTls.certFile"]);
+}
+
+/// The name every member's certificate carries and peers and clients check
+/// (members are reached by address, which changes with each restart).
+const MEMBER_NAME: &str = "kvplane-cache.test.svc";
+
+/// A member of cluster `tls` (one owner per key) serving mutual TLS with
+/// `cert`, its peer clients presenting the same certificate
+/// (`cluster.peerTls`).
+fn tls_member(dir: &Path, id: &str, etcd: &[String], ca: &Path, cert: &Issued) -> NodeProcess {
+    let config = serde_json::json!({
+        "backend": "kvplane",
+        "metadata": {"etcd": etcd},
+        "cluster": {
+            "name": "tls",
+            "nodeId": id,
+            "replicas": 1,
+            "leaseTtlSeconds": 2,
+            "peerTls": {"caFile": s(ca), "certFile": s(&cert.cert), "keyFile": s(&cert.key), "serverName": MEMBER_NAME},
+        },
+    });
+    let path = dir.join(format!("{id}.json"));
+    std::fs::write(&path, config.to_string()).unwrap();
+    NodeProcess::start_with_env(
+        &["--config", s(&path), "--memory", "64MiB", "--tls-cert", s(&cert.cert), "--tls-key", s(&cert.key), "--tls-client-ca", s(ca)],
+        &[("KVPLANE_CACHE_DIR", dir.join("cache"))],
+    )
+}
+
+/// Two members with mutual TLS and `cluster.peerTls` (real etcd, real node
+/// processes, certificates for [`MEMBER_NAME`] only, as cert-manager would
+/// issue them): the member that drains hands every block it holds to the
+/// other over TLS, and a TLS cluster client then reads every key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_cluster_member_hands_its_keys_off_to_its_peer_over_tls() {
+    let etcd = crate::etcd::EtcdCluster::start();
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new("kvplane-test-ca");
+    let ca_file = ca.write(dir.path(), "ca");
+    let cert = ca.issue(dir.path(), "member", &[MEMBER_NAME], Use::Both, false);
+    let n0 = tls_member(dir.path(), "n0", &etcd.endpoints(), &ca_file, &cert);
+    let n1 = tls_member(dir.path(), "n1", &etcd.endpoints(), &ca_file, &cert);
+
+    let mut config = kvplane_client::ClusterClientConfig::new(vec![Endpoint::Tcp(n0.endpoint.clone())]);
+    config.tls = Some(ClientTls::new(&ca_file, Some((&cert.cert, &cert.key)), Some(MEMBER_NAME)).unwrap());
+    config.write_quorum = Some(1);
+    config.timeout = PATIENCE;
+    let c = kvplane_client::ClusterClient::connect(config).await.expect("the TLS cluster client connects");
+    crate::etcd::eventually("a table with members n0 and n1", Duration::from_secs(60), || {
+        let mut have: Vec<String> = c.table().members().iter().map(|m| m.id.clone()).collect();
+        have.sort_unstable();
+        (have == ["n0", "n1"]).then_some(())
+    })
+    .await;
+    let value = |k: &str| Bytes::from(k.repeat(512));
+    let keys: Vec<String> = (0..200).map(|i| format!("tls-drain/k{i}")).collect();
+    let entries: Vec<(Bytes, Bytes)> = keys.iter().map(|k| (Bytes::from(k.clone()), value(k))).collect();
+    assert!(c.put(entries).await.unwrap().iter().all(Result::is_ok));
+    let table = c.table();
+    let on_n1 = keys.iter().filter(|k| table.owner_members(k.as_bytes()).next().is_some_and(|m| m.id == "n1")).count();
+    assert!(on_n1 > 0, "n1 owns some keys");
+
+    let log = std::sync::Arc::clone(&n1.log);
+    let status = tokio::task::spawn_blocking(move || n1.sigterm_and_wait()).await.unwrap();
+    assert!(status.success(), "the draining member exits cleanly: {status}");
+    let said = log.lock().unwrap().join("\n");
+    assert!(said.contains(&format!("handed {on_n1} blocks to their new owners (0 not taken)")), "{said}");
+
+    crate::etcd::eventually("a table with n0 alone", Duration::from_secs(60), || {
+        (c.table().members().iter().map(|m| m.id.as_str()).collect::<Vec<_>>() == ["n0"]).then_some(())
+    })
+    .await;
+    let got = c.get(keys.iter().map(|k| Bytes::from(k.clone())).collect()).await.unwrap();
+    for (k, r) in keys.iter().zip(got) {
+        assert_eq!(r.unwrap_or_else(|e| panic!("{k}: {e}")), value(k), "{k}");
+    }
+    drop(n0);
 }

@@ -100,6 +100,7 @@ pub fn cluster_setup(file: &NodeConfigFile, plugins: &[VerifiedPlugin], token: O
         token,
         repair_bytes_per_second: c.repair_bytes_per_second.bytes(),
         etcd_security: crate::cluster::etcd_security(c.etcd.as_ref())?,
+        peer_tls: c.peer_tls.clone(),
     }))
 }
 
