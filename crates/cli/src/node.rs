@@ -18,9 +18,15 @@ pub(crate) struct NodeArgs {
     /// TCP address for clients ("none" to disable).
     #[arg(long, default_value = "127.0.0.1:9600")]
     listen: String,
-    /// Unix socket path for clients on this host.
+    /// Unix socket path for clients on this host. It is created mode 0660:
+    /// the node's user and --unix-group may connect, nobody else.
     #[arg(long)]
     unix: Option<PathBuf>,
+    /// The group (a name in /etc/group, or a number) given the --unix
+    /// socket, so engines running as another user connect by being in it.
+    /// Default: the node's own group.
+    #[arg(long, requires = "unix", value_parser = parse_group)]
+    unix_group: Option<u32>,
     /// Address of /metrics and /healthz ("none" to disable).
     #[arg(long, default_value = "127.0.0.1:9601")]
     admin: String,
@@ -267,7 +273,7 @@ pub(crate) async fn run(args: NodeArgs) -> anyhow::Result<ExitCode> {
     if tls.is_some() && listen.is_none() {
         anyhow::bail!("--tls-cert applies to the TCP port, and --listen is none");
     }
-    let mut config = NodeConfig { listen, admin, unix: args.unix, token, tls, ..NodeConfig::default() };
+    let mut config = NodeConfig { listen, admin, unix: args.unix, unix_group: args.unix_group, token, tls, ..NodeConfig::default() };
     config.handshake_timeout = args.handshake_timeout;
     config.pool = PoolConfig { huge_pages: args.huge_pages, mlock: args.mlock, prefault: args.prefault, ..PoolConfig::new(memory) };
     if let Some(max_block) = args.max_block {
@@ -370,4 +376,24 @@ impl StopSignals {
         }
         Ok(())
     }
+}
+
+/// `--unix-group`: a group id, or a group's name looked up in /etc/group
+/// (names only a directory service knows are given by number).
+fn parse_group(value: &str) -> Result<u32, String> {
+    if let Ok(gid) = value.parse::<u32>() {
+        return Ok(gid);
+    }
+    let groups = std::fs::read_to_string("/etc/group")
+        .map_err(|e| format!("reading /etc/group to find group {value:?}: {e} (give the group's number instead)"))?;
+    groups
+        .lines()
+        .filter_map(|line| {
+            let mut fields = line.split(':');
+            let name = fields.next()?;
+            let gid = fields.nth(1)?.parse::<u32>().ok()?;
+            (name == value).then_some(gid)
+        })
+        .next()
+        .ok_or_else(|| format!("no group named {value:?} in /etc/group (give the group's number instead)"))
 }

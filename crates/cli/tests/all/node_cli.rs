@@ -410,3 +410,43 @@ fn a_token_file_others_can_read_draws_a_warning() {
         assert_eq!(log.contains(&warning), warned, "mode {mode:o}: {log}");
     }
 }
+
+#[test]
+fn the_unix_socket_is_created_0660_for_the_unix_group_whatever_the_umask() {
+    use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("node.sock");
+    // Root may give the socket any group; anyone else only one of their own.
+    // SAFETY: getuid/getgid only read the process's ids.
+    let gid = if unsafe { libc::getuid() } == 0 { 4242 } else { unsafe { libc::getgid() } };
+    let gid_arg = gid.to_string();
+    let mut cmd = kvplane();
+    cmd.args(["node", "--listen", "127.0.0.1:0", "--admin", "none", "--memory", "64MiB"]).args([
+        "--unix",
+        sock.to_str().unwrap(),
+        "--unix-group",
+        &gid_arg,
+    ]);
+    // SAFETY: umask(2) in the child between fork and exec, nothing else: a
+    // umask of 0 would make a socket bound naively world-connectable.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::umask(0);
+            Ok(())
+        });
+    }
+    let node = NodeProcess::spawn(cmd);
+    let meta = std::fs::symlink_metadata(&sock).expect("the socket exists once the node serves");
+    assert_eq!(meta.permissions().mode() & 0o7777, 0o660, "mode of {}", sock.display());
+    assert_eq!(meta.gid(), gid, "group of {}", sock.display());
+    // Only the socket is left beside it (the staging directory is gone),
+    // and it serves.
+    let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(names, [std::ffi::OsString::from("node.sock")]);
+    let stats = run(&["stats", "--endpoint", &format!("unix://{}", sock.display())]);
+    assert!(stats.status.success(), "stats over the socket: {}", text(&stats));
+    assert!(node.sigterm_and_wait().success());
+
+    let bad = run_refused(&["node", "--unix", sock.to_str().unwrap(), "--unix-group", "no-such-group-here"]);
+    assert!(text(&bad).contains("no group named \"no-such-group-here\" in /etc/group"), "{}", text(&bad));
+}
