@@ -43,8 +43,13 @@ use receive::{FrameClock, ReceiveBudget};
 pub struct NodeConfig {
     /// TCP address for clients (`None`: no TCP listener).
     pub listen: Option<SocketAddr>,
-    /// Unix socket path for clients on the same host.
+    /// Unix socket path for clients on the same host. The socket is created
+    /// mode 0660: its owner (the node's user) and [`NodeConfig::unix_group`]
+    /// may connect, nobody else, whatever the umask.
     pub unix: Option<PathBuf>,
+    /// The group given the Unix socket (`None`: the node's own group), so
+    /// engine processes of another user reach it by being in that group.
+    pub unix_group: Option<u32>,
     /// Address of `/metrics`, `/livez` and `/readyz` (`None`: no admin port).
     pub admin: Option<SocketAddr>,
     /// Connections the admin port serves at once (and its timeouts).
@@ -112,6 +117,7 @@ impl Default for NodeConfig {
         NodeConfig {
             listen: Some(SocketAddr::from(([127, 0, 0, 1], 9600))),
             unix: None,
+            unix_group: None,
             admin: Some(SocketAddr::from(([127, 0, 0, 1], 9601))),
             admin_limits: AdminLimits::default(),
             pool: PoolConfig::default(),
@@ -296,7 +302,7 @@ impl Node {
             None => None,
         };
         let unix = match &config.unix {
-            Some(path) => Some(bind_unix(path)?),
+            Some(path) => Some(bind_unix(path, config.unix_group)?),
             None => None,
         };
         let tcp_addr = tcp.as_ref().map(TcpListener::local_addr).transpose()?;
@@ -433,9 +439,20 @@ async fn sweep_leases(state: std::sync::Weak<NodeState>, mut shutdown: watch::Re
     }
 }
 
+/// The mode of the Unix socket: read and write (connect) for its owner and
+/// its group, nothing for others.
+const UNIX_SOCKET_MODE: u32 = 0o660;
+
 /// Binds a Unix socket, replacing a stale socket file left by a node that
-/// died, but never a file that is not a socket.
-fn bind_unix(path: &std::path::Path) -> anyhow::Result<UnixListener> {
+/// died, but never a file that is not a socket; then gives it
+/// [`UNIX_SOCKET_MODE`] and `group`.
+///
+/// So that the socket is never reachable with a looser mode, whatever the
+/// umask, it is bound inside a new directory of mode 0700 beside `path`,
+/// given its mode and group there, and then renamed into place (a rename
+/// keeps the bound socket; the directory is removed). Changing the umask
+/// instead would change it for every thread of the process.
+fn bind_unix(path: &std::path::Path, group: Option<u32>) -> anyhow::Result<UnixListener> {
     use std::os::unix::fs::FileTypeExt;
     if let Ok(meta) = std::fs::symlink_metadata(path) {
         if !meta.file_type().is_socket() {
@@ -446,5 +463,38 @@ fn bind_unix(path: &std::path::Path) -> anyhow::Result<UnixListener> {
         }
         std::fs::remove_file(path).with_context(|| format!("removing the stale socket {}", path.display()))?;
     }
-    UnixListener::bind(path).with_context(|| format!("binding the unix socket {} (--unix)", path.display()))
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => std::path::Path::new("."),
+    };
+    let name = path.file_name().with_context(|| format!("{} names no file (--unix)", path.display()))?;
+    let staging = parent.join(format!(".{}.binding-{}", name.to_string_lossy(), std::process::id()));
+    use std::os::unix::fs::DirBuilderExt as _;
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&staging)
+        .with_context(|| format!("creating {} to bind the unix socket in (--unix)", staging.display()))?;
+    let bound = bind_private(&staging.join("s"), path, group);
+    let _ = std::fs::remove_dir(&staging);
+    bound
+}
+
+/// [`bind_unix`]'s steps inside its private directory: bind at `inner`,
+/// set the mode and group, rename to `path`.
+fn bind_private(inner: &std::path::Path, path: &std::path::Path, group: Option<u32>) -> anyhow::Result<UnixListener> {
+    let listener = UnixListener::bind(inner).with_context(|| format!("binding the unix socket {} (--unix)", path.display()))?;
+    let ready = (|| {
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(inner, std::fs::Permissions::from_mode(UNIX_SOCKET_MODE))
+            .with_context(|| format!("setting mode {UNIX_SOCKET_MODE:o} on the unix socket {} (--unix)", path.display()))?;
+        if let Some(gid) = group {
+            std::os::unix::fs::chown(inner, None, Some(gid))
+                .with_context(|| format!("giving the unix socket {} to group {gid} (--unix-group: the node's user must be a member of it)", path.display()))?;
+        }
+        std::fs::rename(inner, path).with_context(|| format!("moving the unix socket into place at {} (--unix)", path.display()))
+    })();
+    if ready.is_err() {
+        let _ = std::fs::remove_file(inner);
+    }
+    ready.map(|()| listener)
 }
