@@ -211,8 +211,10 @@ pub(crate) struct ClusterNode {
 /// [`ClientTls`]: kvplane_client::ClientTls
 fn peer_tls(t: &kvplane_config::PeerTlsConfig) -> Result<kvplane_client::ClientTls, kvplane_protocol::KvError> {
     let client = t.cert_file.as_deref().zip(t.key_file.as_deref());
-    kvplane_client::ClientTls::new(&t.ca_file, client, t.server_name.as_deref())
-        .map_err(|e| kvplane_protocol::KvError::Invalid(format!("cluster.peerTls: {e}")))
+    kvplane_client::ClientTls::new(&t.ca_file, client, t.server_name.as_deref()).map_err(|e| match e {
+        kvplane_protocol::KvError::Invalid(why) => kvplane_protocol::KvError::Invalid(format!("cluster.peerTls: {why}")),
+        other => kvplane_protocol::KvError::Invalid(format!("cluster.peerTls: {other}")),
+    })
 }
 
 impl Drop for ClusterNode {
