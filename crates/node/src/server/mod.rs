@@ -488,8 +488,9 @@ fn bind_private(inner: &std::path::Path, path: &std::path::Path, group: Option<u
         std::fs::set_permissions(inner, std::fs::Permissions::from_mode(UNIX_SOCKET_MODE))
             .with_context(|| format!("setting mode {UNIX_SOCKET_MODE:o} on the unix socket {} (--unix)", path.display()))?;
         if let Some(gid) = group {
-            std::os::unix::fs::chown(inner, None, Some(gid))
-                .with_context(|| format!("giving the unix socket {} to group {gid} (--unix-group: the node's user must be a member of it)", path.display()))?;
+            std::os::unix::fs::chown(inner, None, Some(gid)).with_context(|| {
+                format!("giving the unix socket {} to group {gid} (--unix-group: the node's user must be a member of it)", path.display())
+            })?;
         }
         std::fs::rename(inner, path).with_context(|| format!("moving the unix socket into place at {} (--unix)", path.display()))
     })();
