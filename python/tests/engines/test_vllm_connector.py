@@ -337,6 +337,10 @@ def test_every_client_option_is_a_setting(node: Node) -> None:
         "timeout": 2.0,
         "write_quorum": None,
         "shared_memory": False,
+        "tls_ca": None,
+        "tls_cert": None,
+        "tls_key": None,
+        "tls_server_name": None,
     }
     first.add("a", PROMPT)
     _, failed = first.step()
