@@ -333,6 +333,17 @@ class _WorkerSide:
         self._layers: list[list[torch.Tensor]] = []
         self._block_bytes: list[int] = []
         self._load_errors: set[int] = set()
+        # Per group: one staging buffer for loads, kept and reused while it
+        # is large enough. A new torch.empty per step costs its page
+        # faults every time (measured on one 8k-token load of 47 MiB: 35-48
+        # ms for a fresh buffer, 8.7 ms for a reused one, the node's read
+        # itself 8.6 ms). It holds at most the largest step seen, which the
+        # step allocated anyway; register() drops them with the caches. The
+        # copies out of it are synchronous, so a reuse never races one.
+        # Saves take a fresh buffer every time: a cluster PUT is answered at
+        # its write quorum while slower owners' writes may still read the
+        # buffer, and a reuse would change bytes under them.
+        self._staged: dict[tuple[int, str], torch.Tensor] = {}
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         config = self._c._kv_cache_config
@@ -347,16 +358,24 @@ class _WorkerSide:
                 views.append(group_kernel_blocks(cache, num_blocks))
             self._layers.append(views)
             self._block_bytes.append(sum(v[0].numel() * v.element_size() for v in views))
+        self._staged = {}
 
-    def _staging(self, group: int, count: int) -> torch.Tensor:
-        pin = any(v.is_cuda for v in self._layers[group])
-        return torch.empty((count, self._block_bytes[group]), dtype=torch.uint8, pin_memory=pin)
+    def _staging(self, group: int, count: int, direction: str) -> torch.Tensor:
+        """`count` rows of one block each: for a "load", from the buffer
+        kept for it (grown when too small); for a "save", a new one."""
+        kept = self._staged.get((group, direction)) if direction == "load" else None
+        if kept is None or kept.shape[0] < count:
+            pin = any(v.is_cuda for v in self._layers[group])
+            kept = torch.empty((count, self._block_bytes[group]), dtype=torch.uint8, pin_memory=pin)
+            if direction == "load":
+                self._staged[(group, direction)] = kept
+        return kept[:count]
 
     def load(self, loads: list[BlockTransfer]) -> None:
         for group, (hashes, block_ids) in enumerate(self._per_group(loads)):
             if not block_ids:
                 continue
-            staging = self._staging(group, len(block_ids))
+            staging = self._staging(group, len(block_ids), "load")
             got = self._read(self._c._keys(group, hashes), staging)
             size = self._block_bytes[group]
             ok = [i for i, n in enumerate(got) if n == size]
@@ -395,11 +414,15 @@ class _WorkerSide:
         # Each layer's bytes are a view of the staging rows (no copy: the
         # bytes of a layer are one contiguous run per row); the rows are
         # gathered only when some failed to load.
+        # Each run of consecutive block ids is one slice copy (vLLM hands out
+        # runs often); on one 8k-token load, index assignment took 20 ms,
+        # slice copies 5 ms, a copy per block 10 ms.
         src = staging if len(rows) == len(staging) else staging[rows]
-        index = torch.tensor(block_ids, dtype=torch.long, device=self._layers[group][0].device)
+        runs = _consecutive_runs(block_ids)
         for view, part in self._layer_ranges(group):
             layer = src[:, part].view(view.dtype).reshape((len(rows), *view.shape[1:]))
-            view[index] = layer.to(view.device)
+            for first, row, count in runs:
+                view[first : first + count].copy_(layer[row : row + count])
 
     def save(self, saves: list[BlockTransfer]) -> None:
         for group, (hashes, block_ids) in enumerate(self._per_group(saves)):
@@ -407,7 +430,7 @@ class _WorkerSide:
                 continue
             if self._c._node.get() is None:  # node down: nothing to gather the blocks for
                 continue
-            staging = self._staging(group, len(block_ids))
+            staging = self._staging(group, len(block_ids), "save")
             index = torch.tensor(block_ids, dtype=torch.long, device=self._layers[group][0].device)
             for view, part in self._layer_ranges(group):
                 staging[:, part].copy_(view[index].reshape(len(block_ids), -1).view(torch.uint8))
@@ -418,3 +441,15 @@ class _WorkerSide:
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+
+def _consecutive_runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(first block id, first row, count) for each run of consecutive ids."""
+    runs: list[tuple[int, int, int]] = []
+    for row, block in enumerate(block_ids):
+        if runs and block == runs[-1][0] + runs[-1][2] and row == runs[-1][1] + runs[-1][2]:
+            first, start, count = runs[-1]
+            runs[-1] = (first, start, count + 1)
+        else:
+            runs.append((block, row, 1))
+    return runs

@@ -352,3 +352,13 @@ def test_every_client_option_is_a_setting(node: Node) -> None:
     assert not failed and out.scheduled_new_reqs[0].num_computed_tokens == 48
     first.shutdown()
     second.shutdown()
+
+
+def test_a_load_copies_each_run_of_consecutive_blocks_at_once() -> None:
+    from kvplane.vllm_connector import _consecutive_runs
+
+    # (first block id, first staging row, count)
+    assert _consecutive_runs([4, 5, 6, 9, 10, 2]) == [(4, 0, 3), (9, 3, 2), (2, 5, 1)]
+    assert _consecutive_runs([7]) == [(7, 0, 1)]
+    assert _consecutive_runs([]) == []
+    assert _consecutive_runs([3, 3]) == [(3, 0, 1), (3, 1, 1)]
