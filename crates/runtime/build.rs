@@ -22,8 +22,11 @@ fn main() {
     let manifest_dir = PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
     let workspace = manifest_dir.ancestors().nth(2).expect("crates/runtime lives two levels inside the workspace").to_path_buf();
     let out_dir = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
+    // A relative CARGO_TARGET_DIR is taken from the workspace, where the
+    // nested cargo below runs (this script's own directory is the crate's;
+    // joining an absolute path keeps it as given).
     let target_dir =
-        std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| workspace.join("target")).join("wasm-builtin");
+        workspace.join(std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| "target".into())).join("wasm-builtin");
 
     for dir in ["wit", "plugins"] {
         println!("cargo:rerun-if-changed={}", workspace.join(dir).display());
