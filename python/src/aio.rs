@@ -44,7 +44,9 @@ use pyo3::types::{PyBytes, PyList, PyString};
 use tokio::runtime::Runtime;
 use tokio::task::JoinHandle;
 
-use crate::{export, key_of, kv_error, no_overlap, raise, runtime, same_length, show, Borrowed, Exports, GetFailure, MemberRow, Target};
+use crate::{
+    export, key_of, kv_error, no_overlap, put_failure, raise, runtime, same_length, show, Borrowed, Exports, GetFailure, MemberRow, Target,
+};
 
 /// What a client connects with (the constructor's checked options).
 struct Spec {
@@ -356,21 +358,7 @@ impl AsyncClient {
         // Released here, attached, unless a task still holds a slice.
         drop(exports);
         let results = results?.map_err(|e| kv_error(&e, format!("put_from of {n} keys"), None, None))?;
-        let failed: Vec<(usize, &KvError)> = results.iter().enumerate().filter_map(|(i, r)| r.as_ref().err().map(|e| (i, e))).collect();
-        if let Some(&(i, e)) = failed.first() {
-            let others = match failed.len() - 1 {
-                0 => String::new(),
-                1 => ", and 1 other key failed".into(),
-                m => format!(", and {m} other keys failed"),
-            };
-            return Err(kv_error(
-                e,
-                format!("put_from: key '{}' (keys[{i}]) was not stored{others}", show(&keys[i])),
-                Some(&keys[i]),
-                Some(i),
-            ));
-        }
-        Ok(())
+        put_failure(&keys, &results)
     }
 
     /// `get_into` of the sync client: the value of `keys[i]` read into

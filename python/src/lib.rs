@@ -80,6 +80,22 @@ fn runtime() -> PyResult<Arc<Runtime>> {
 
 // --- errors ------------------------------------------------------------------------
 
+/// What `put_from` (sync and async) raises for a batch whose keys were not
+/// all stored: the first failed key's error, with its key and index, and
+/// how many others failed; `Ok` when every key was stored.
+pub(crate) fn put_failure<T>(keys: &[Bytes], results: &[Result<T, KvError>]) -> PyResult<()> {
+    let mut failed = results.iter().enumerate().filter_map(|(i, r)| r.as_ref().err().map(|e| (i, e)));
+    let Some((i, e)) = failed.next() else {
+        return Ok(());
+    };
+    let others = match failed.count() {
+        0 => String::new(),
+        1 => ", and 1 other key failed".into(),
+        m => format!(", and {m} other keys failed"),
+    };
+    Err(kv_error(e, format!("put_from: key '{}' (keys[{i}]) was not stored{others}", show(&keys[i])), Some(&keys[i]), Some(i)))
+}
+
 /// Builds an instance of `kvplane._errors.CLASS(message, key=..., index=...)`.
 fn raise(class: &str, message: String, key: Option<&[u8]>, index: Option<usize>) -> PyErr {
     Python::attach(|py| {
@@ -577,21 +593,7 @@ impl Client {
         // Released here, with the GIL, unless a task still holds a slice.
         drop(exports);
         let results = results.map_err(|e| kv_error(&e, format!("put_from of {n} keys"), None, None))?;
-        let failed: Vec<(usize, &KvError)> = results.iter().enumerate().filter_map(|(i, r)| r.as_ref().err().map(|e| (i, e))).collect();
-        if let Some(&(i, e)) = failed.first() {
-            let others = match failed.len() - 1 {
-                0 => String::new(),
-                1 => ", and 1 other key failed".into(),
-                m => format!(", and {m} other keys failed"),
-            };
-            return Err(kv_error(
-                e,
-                format!("put_from: key '{}' (keys[{i}]) was not stored{others}", show(&keys[i])),
-                Some(&keys[i]),
-                Some(i),
-            ));
-        }
-        Ok(())
+        put_failure(&keys, &results)
     }
 
     /// Reads the value of `keys[i]` into `buffers[i]` and answers, per key,
