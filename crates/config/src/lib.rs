@@ -10,6 +10,7 @@
 pub mod node;
 pub mod plugin;
 pub mod size;
+pub mod tenants;
 
 pub use node::{
     AtBound, BackendType, ClusterConfig, EtcdAuthConfig, EtcdClientConfig, EtcdTlsConfig, IngestMode, InvalidField, MetadataEndpoints,
@@ -17,6 +18,7 @@ pub use node::{
 };
 pub use plugin::{DriverRef, FailurePolicy, PluginKind, PluginLimits, PluginSourceSpec, PluginSpec};
 pub use size::{parse_bytes, ByteSize, SizeError};
+pub use tenants::{TenantSpec, TenantsFile};
 
 /// A configuration text that could not be read as the expected type.
 #[derive(Debug, thiserror::Error)]
