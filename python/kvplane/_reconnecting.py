@@ -22,45 +22,80 @@ import kvplane
 from kvplane._settings import Settings
 
 
+class _Policy:
+    """What the sync and the asyncio `ReconnectingClient` (`kvplane.aio`)
+    share: the client's options from the settings, when a node is taken to
+    be down, and the log lines. Each client keeps its own lock and client
+    (a `threading.Lock` here, an `asyncio.Lock` there), so only this is
+    common."""
+
+    def __init__(self, settings: Settings, log: logging.Logger | None) -> None:
+        self.endpoint = settings.endpoint
+        self.options = settings.client_options()
+        self.retry_after_s = settings.retry_after_s
+        self.lease_ms = settings.lease_ms
+        self.log = log or logging.getLogger(__name__)
+        self._lease_checked = False
+        self._down_until = 0.0
+
+    def down(self) -> bool:
+        """Whether the node is taken to be down (no attempt until then)."""
+        return time.monotonic() < self._down_until
+
+    def unreachable(self, error: kvplane.Error) -> None:
+        """A connection attempt failed: down for ``retry_after_s``."""
+        self.log.warning("kvplane: cannot reach %s (%s); treating lookups as misses", self.endpoint, error)
+        self._down_until = time.monotonic() + self.retry_after_s
+
+    def lost(self) -> None:
+        """The connection in use was lost: down for ``retry_after_s``."""
+        self._down_until = time.monotonic() + self.retry_after_s
+
+    def connected(self, max_lease_ms: int) -> None:
+        """After the first connection: warns once when the pins asked for
+        are longer than the node grants."""
+        if self._lease_checked:
+            return
+        self._lease_checked = True
+        if self.lease_ms > max_lease_ms:
+            self.log.warning(
+                "kvplane: lease_ms %d is longer than %s grants (kvplane node --max-lease %d ms); pins last %d ms",
+                self.lease_ms,
+                self.endpoint,
+                max_lease_ms,
+                max_lease_ms,
+            )
+
+
 class ReconnectingClient:
     """A `kvplane.Client` made from `settings` (every option of the client
     comes from them, see `Settings.client_options`) on first use, and again
     after a loss, at most every ``settings.retry_after_s``."""
 
     def __init__(self, settings: Settings, *, log: logging.Logger | None = None) -> None:
-        self._endpoint = settings.endpoint
-        self._options = settings.client_options()
-        self._retry_after_s = settings.retry_after_s
-        self._lease_ms = settings.lease_ms
-        self._lease_checked = False
-        self._log = log or logging.getLogger(__name__)
+        self._policy = _Policy(settings, log)
         self._lock = threading.Lock()
         self._client: kvplane.Client | None = None
-        self._down_until = 0.0
+
+    @property
+    def _options(self) -> dict[str, Any]:
+        """The keywords the client is made with (the connectors' tests check
+        what their settings became)."""
+        return self._policy.options
 
     def get(self) -> kvplane.Client | None:
         """The client, or None while the node is taken to be down."""
         with self._lock:
             if self._client is not None:
                 return self._client
-            if time.monotonic() < self._down_until:
+            if self._policy.down():
                 return None
             try:
-                self._client = kvplane.Client(self._endpoint, **self._options)
+                self._client = kvplane.Client(self._policy.endpoint, **self._policy.options)
             except kvplane.Error as e:
-                self._log.warning("kvplane: cannot reach %s (%s); treating lookups as misses", self._endpoint, e)
-                self._down_until = time.monotonic() + self._retry_after_s
+                self._policy.unreachable(e)
                 return None
-            if not self._lease_checked:
-                self._lease_checked = True
-                if self._lease_ms > self._client.max_lease_ms:
-                    self._log.warning(
-                        "kvplane: lease_ms %d is longer than %s grants (kvplane node --max-lease %d ms); pins last %d ms",
-                        self._lease_ms,
-                        self._endpoint,
-                        self._client.max_lease_ms,
-                        self._client.max_lease_ms,
-                    )
+            self._policy.connected(self._client.max_lease_ms)
             return self._client
 
     def call(self, op: str, default: Any, *args: Any, **kwargs: Any) -> Any:
@@ -81,13 +116,13 @@ class ReconnectingClient:
         timed out) drops the client until the next attempt; any other error
         concerns that call alone."""
         if not isinstance(error, (kvplane.Unavailable, kvplane.Timeout)):
-            self._log.warning("kvplane: %s", error)
+            self._policy.log.warning("kvplane: %s", error)
             return
         with self._lock:
             if self._client is client:
                 self._client = None
-                self._down_until = time.monotonic() + self._retry_after_s
-        self._log.warning("kvplane: call to %s failed: %s", self._endpoint, error)
+                self._policy.lost()
+        self._policy.log.warning("kvplane: call to %s failed: %s", self._policy.endpoint, error)
         try:
             client.close()
         except kvplane.Error:

@@ -50,8 +50,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
-from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from typing import Any, Awaitable, Callable
@@ -62,6 +60,7 @@ from aibrix_kvcache.memory import MemoryRegion
 from aibrix_kvcache.status import Status, StatusCodes
 
 import kvplane
+from kvplane._failures import Failures
 from kvplane._settings import _SETTINGS, Settings, _check, _Source
 from kvplane.aio import Client as AsyncClient
 from kvplane.aio import ReconnectingClient
@@ -78,10 +77,6 @@ ENV_PREFIX = "AIBRIX_KV_CACHE_OL_KVPLANE_"
 # The settings that mean something here (lease_ms does not: AIBrix's L2
 # interface has no lookup that pins).
 _ENV_SETTINGS = _SETTINGS - {"lease_ms"}
-
-# A failure of one kind is logged at warning at most this often (seconds);
-# every one is counted.
-LOG_EVERY_S = 10.0
 
 _install_lock = threading.Lock()
 
@@ -164,9 +159,9 @@ class KVPlaneConnector(Connector[bytes, torch.Tensor]):
         self._executor = executor
         self._prefix = f"{settings.namespace}@aibrix@{conn_id}@".encode()
         self._node: ReconnectingClient | None = None
-        self._lock = threading.Lock()
-        self._counters: Counter[str] = Counter()
-        self._logged: dict[str, float] = {}
+        # Counters and failures (logged at most once per kind every
+        # kvplane._failures.LOG_EVERY_S).
+        self._failures = Failures(logger, "failed")
 
     @classmethod
     def from_envs(cls, conn_id: str, executor: Executor, **kwargs: Any) -> KVPlaneConnector:
@@ -225,8 +220,7 @@ class KVPlaneConnector(Connector[bytes, torch.Tensor]):
     def stats(self) -> dict[str, int]:
         """Blocks asked for and found or stored, and ``failed_{op}_{reason}``
         for every call answered with a failure."""
-        with self._lock:
-            return dict(self._counters)
+        return self._failures.snapshot()
 
     # --- the L2 interface ------------------------------------------------------------
 
@@ -337,19 +331,10 @@ class KVPlaneConnector(Connector[bytes, torch.Tensor]):
             return Status(StatusCodes.ERROR, e)
 
     def _failure(self, op: str, reason: str, detail: str, *, log: bool = True) -> None:
-        name = f"failed_{op}_{reason}"
-        now = time.monotonic()
-        with self._lock:
-            self._counters[name] += 1
-            count = self._counters[name]
-            loud = log and now - self._logged.get(name, -LOG_EVERY_S) >= LOG_EVERY_S
-            if loud:
-                self._logged[name] = now
-        (logger.warning if loud else logger.debug)("kvplane: %s failed (%s, %d so far): %s", op, reason, count, detail)
+        self._failures.failure(op, reason, detail, log=log)
 
     def _count(self, name: str, n: int) -> None:
-        with self._lock:
-            self._counters[name] += n
+        self._failures.count((name, n))
 
 
 def _first(statuses: Sequence[Status] | Status) -> Status:

@@ -36,11 +36,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import TYPE_CHECKING, Any
 
 import kvplane
 from kvplane._native import AsyncClient as Client
+from kvplane._reconnecting import _Policy
 
 if TYPE_CHECKING:
     from kvplane._settings import Settings
@@ -55,16 +55,16 @@ class ReconnectingClient:
     `kvplane._reconnecting.ReconnectingClient` (same rules, same log lines)."""
 
     def __init__(self, settings: Settings, *, log: logging.Logger | None = None) -> None:
-        self._endpoint = settings.endpoint
-        self._options = settings.client_options()
-        self._retry_after_s = settings.retry_after_s
-        self._lease_ms = settings.lease_ms
-        self._lease_checked = False
-        self._log = log or logging.getLogger(__name__)
+        self._policy = _Policy(settings, log or logging.getLogger(__name__))
         self._client: Client | None = None
-        self._down_until = 0.0
         # Made on first use: an asyncio.Lock belongs to the loop it first waits on.
         self._lock: asyncio.Lock | None = None
+
+    @property
+    def _options(self) -> dict[str, Any]:
+        """The keywords the client is made with (the connectors' tests check
+        what their settings became)."""
+        return self._policy.options
 
     async def get(self) -> Client | None:
         """The connected client, or None while the node is taken to be down."""
@@ -75,25 +75,15 @@ class ReconnectingClient:
         async with self._lock:
             if self._client is not None:
                 return self._client
-            if time.monotonic() < self._down_until:
+            if self._policy.down():
                 return None
             try:
-                client = Client(self._endpoint, **self._options)
+                client = Client(self._policy.endpoint, **self._policy.options)
                 await client.connect()
             except kvplane.Error as e:
-                self._log.warning("kvplane: cannot reach %s (%s); treating lookups as misses", self._endpoint, e)
-                self._down_until = time.monotonic() + self._retry_after_s
+                self._policy.unreachable(e)
                 return None
-            if not self._lease_checked:
-                self._lease_checked = True
-                if self._lease_ms > client.max_lease_ms:
-                    self._log.warning(
-                        "kvplane: lease_ms %d is longer than %s grants (kvplane node --max-lease %d ms); pins last %d ms",
-                        self._lease_ms,
-                        self._endpoint,
-                        client.max_lease_ms,
-                        client.max_lease_ms,
-                    )
+            self._policy.connected(client.max_lease_ms)
             self._client = client
             return client
 
@@ -114,12 +104,12 @@ class ReconnectingClient:
         timed out) drops the client until the next attempt; any other error
         concerns that call alone."""
         if not isinstance(error, (kvplane.Unavailable, kvplane.Timeout)):
-            self._log.warning("kvplane: %s", error)
+            self._policy.log.warning("kvplane: %s", error)
             return
         if self._client is client:
             self._client = None
-            self._down_until = time.monotonic() + self._retry_after_s
-        self._log.warning("kvplane: call to %s failed: %s", self._endpoint, error)
+            self._policy.lost()
+        self._policy.log.warning("kvplane: call to %s failed: %s", self._policy.endpoint, error)
         client.close()
 
     def close(self) -> None:

@@ -64,13 +64,13 @@ import bisect
 import logging
 import threading
 import time
-from collections import Counter
 from typing import Any, List, Optional
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 import kvplane
+from kvplane._failures import LOG_EVERY_S, Failures
 from kvplane._reconnecting import ReconnectingClient
 from kvplane._settings import _SETTINGS, Settings, _check, _Source
 
@@ -80,10 +80,6 @@ __all__ = ["KVPlaneHiCacheStorage", "LOG_EVERY_S"]
 
 # How the extra config is named in errors: the server flag that carries it.
 EXTRA_CONFIG = "--hicache-storage-backend-extra-config"
-
-# A failure of one kind is logged at warning at most this often (seconds);
-# every one is counted.
-LOG_EVERY_S = 10.0
 
 
 class KVPlaneHiCacheStorage(HiCacheStorage):
@@ -113,8 +109,8 @@ class KVPlaneHiCacheStorage(HiCacheStorage):
         # Page slot (its first host index) -> its blocks' memory (see _views).
         self._page_views: dict[int, list[memoryview]] = {}
         self._lock = threading.Lock()
-        self._counters: Counter[str] = Counter()
-        self._logged: dict[str, float] = {}
+        # Counters and failures (logged at most once per kind every LOG_EVERY_S).
+        self._failures = Failures(logger, "answered as a miss")
         self._metrics = storage_config.enable_storage_metrics
         self._prefetch: list[tuple[int, float]] = []
         self._backup: list[tuple[int, float]] = []
@@ -349,8 +345,7 @@ class KVPlaneHiCacheStorage(HiCacheStorage):
         """This backend's counters: pages asked for and found (``exists_*``),
         read (``get_*``), stored and already present (``set_*``), and
         ``failed_{op}_{reason}`` for every failure answered as a miss."""
-        with self._lock:
-            return dict(self._counters)
+        return self._failures.snapshot()
 
     def close(self) -> None:
         self._node.close()
@@ -382,22 +377,10 @@ class KVPlaneHiCacheStorage(HiCacheStorage):
         return miss
 
     def _failure(self, op: str, reason: str, detail: str, *, log: bool = True) -> None:
-        name = f"failed_{op}_{reason}"
-        now = time.monotonic()
-        with self._lock:
-            self._counters[name] += 1
-            count = self._counters[name]
-            loud = log and now - self._logged.get(name, -LOG_EVERY_S) >= LOG_EVERY_S
-            if loud:
-                self._logged[name] = now
-        (logger.warning if loud else logger.debug)(
-            "kvplane: %s answered as a miss (%s, %d so far): %s", op, reason, count, detail
-        )
+        self._failures.failure(op, reason, detail, log=log)
 
     def _count(self, name: str, n: int, name2: str, n2: int) -> None:
-        with self._lock:
-            self._counters[name] += n
-            self._counters[name2] += n2
+        self._failures.count((name, n), (name2, n2))
 
 
 class _Refused(Exception):
