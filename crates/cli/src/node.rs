@@ -55,6 +55,24 @@ pub(crate) struct NodeArgs {
     /// loopback; a file its group or others can read draws a warning.
     #[arg(long)]
     token_file: Option<PathBuf>,
+    /// Tenants (JSON: {"tenants": [{"name", "tokenSha256", "memoryBytes",
+    /// "pinnedBytes", "maxConnections"?}]}): every client authenticates into
+    /// one tenant, sees only its keys and is held to its quotas; with
+    /// --token-file, that token is the tenant "default" (no quota). Read
+    /// again every --tenants-reload-interval. Counts as credentials for a
+    /// --listen address other than loopback.
+    #[arg(long)]
+    tenants_file: Option<PathBuf>,
+    /// How often the tenants file is read again for added, removed or
+    /// changed tenants.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    tenants_reload_interval: std::time::Duration,
+    /// The token cluster members present to each other for hand-off and
+    /// repair (the same file on every member). With --tenants-file it is
+    /// required in cluster mode: it sees every tenant's keys, so give it
+    /// to members only. Without, members present --token-file's token.
+    #[arg(long)]
+    cluster_token_file: Option<PathBuf>,
     /// Serve a --listen address other than loopback with no --token-file:
     /// anyone who reaches the port reads and writes every block. Off by
     /// default, since a KV cache holds what prompts computed.
@@ -175,8 +193,8 @@ fn check_exposure(listen: Option<SocketAddr>, credentials: bool, allow_unauthent
         return Ok(());
     }
     anyhow::bail!(
-        "--listen {addr} is reachable from other hosts and no credentials are configured: give --token-file FILE (clients present its token) \
-         or --tls-client-ca FILE (clients present a certificate it signed; TLS alone is not credentials), listen on loopback (127.0.0.1) or a --unix socket, or pass --allow-unauthenticated to accept that anyone who reaches the port reads and writes every block"
+        "--listen {addr} is reachable from other hosts and no credentials are configured: give --token-file FILE (clients present its token), \
+         --tenants-file FILE (clients present a tenant's token) or --tls-client-ca FILE (clients present a certificate it signed; TLS alone is not credentials), listen on loopback (127.0.0.1) or a --unix socket, or pass --allow-unauthenticated to accept that anyone who reaches the port reads and writes every block"
     )
 }
 
@@ -186,8 +204,25 @@ fn check_exposure(listen: Option<SocketAddr>, credentials: bool, allow_unauthent
 /// group is not warned about, because that is how Kubernetes hands a Secret
 /// to a non-root container (fsGroup makes the file 0440 in that group).
 fn read_token(path: &std::path::Path) -> anyhow::Result<String> {
+    read_secret("--token-file", path)
+}
+
+/// [`read_token`] for any flag's file.
+fn read_secret(flag: &str, path: &std::path::Path) -> anyhow::Result<String> {
+    warn_if_readable(flag, path, "read and write the cache")?;
+    let token = std::fs::read_to_string(path).with_context(|| format!("reading {flag} {}", path.display()))?;
+    let token = token.trim_end_matches(['\n', '\r']).to_string();
+    if token.is_empty() {
+        anyhow::bail!("{flag} {} is empty", path.display());
+    }
+    Ok(token)
+}
+
+/// Warns, as [`read_token`] says, when `path` is readable by others than
+/// the node's user and own group; `what`: what such a reader could do.
+fn warn_if_readable(flag: &str, path: &std::path::Path, what: &str) -> anyhow::Result<()> {
     use std::os::unix::fs::MetadataExt as _;
-    let meta = std::fs::metadata(path).with_context(|| format!("reading --token-file {}", path.display()))?;
+    let meta = std::fs::metadata(path).with_context(|| format!("reading {flag} {}", path.display()))?;
     let mode = meta.mode() & 0o777;
     // /proc/self belongs to the process's effective uid and gid.
     let own_group = std::fs::metadata("/proc/self").is_ok_and(|me| me.gid() == meta.gid());
@@ -199,25 +234,33 @@ fn read_token(path: &std::path::Path) -> anyhow::Result<String> {
             (true, false) => "its group",
             _ => "others",
         };
-        eprintln!(
-            "warning: --token-file {} (mode {mode:04o}) is readable by {who}, who can then read and write the cache: chmod 600 it",
-            path.display()
-        );
+        eprintln!("warning: {flag} {} (mode {mode:04o}) is readable by {who}, who can then {what}: chmod 600 it", path.display());
     }
-    let token = std::fs::read_to_string(path).with_context(|| format!("reading --token-file {}", path.display()))?;
-    let token = token.trim_end_matches(['\n', '\r']).to_string();
-    if token.is_empty() {
-        anyhow::bail!("--token-file {} is empty", path.display());
-    }
-    Ok(token)
+    Ok(())
 }
 
 pub(crate) async fn run(args: NodeArgs) -> anyhow::Result<ExitCode> {
     // Exposure first, before plugins compile (seconds) or anything is bound.
     let listen = addr("listen", &args.listen)?;
     let admin = addr("admin", &args.admin)?;
-    check_exposure(listen, args.token_file.is_some() || args.tls_client_ca.is_some(), args.allow_unauthenticated)?;
+    let credentials = args.token_file.is_some() || args.tenants_file.is_some() || args.tls_client_ca.is_some();
+    check_exposure(listen, credentials, args.allow_unauthenticated)?;
     let token = args.token_file.as_deref().map(read_token).transpose()?;
+    let cluster_token = args.cluster_token_file.as_deref().map(|p| read_secret("--cluster-token-file", p)).transpose()?;
+    let tenants = match &args.tenants_file {
+        Some(file) => {
+            // Digests, not tokens: a reader learns the tenants' names and
+            // quotas, and may try tokens offline against the digests.
+            warn_if_readable("--tenants-file", file, "learn the tenants and try tokens against their digests")?;
+            Some(kvplane_node::tenants::TenantsConfig {
+                file: file.clone(),
+                reload_interval: args.tenants_reload_interval,
+                default_token: token.clone(),
+                cluster_token: cluster_token.clone(),
+            })
+        }
+        None => None,
+    };
     // The file first: its plugins are verified before anything is bound,
     // and its settings are the defaults the flags override.
     let mut registry = Registry::default();
@@ -273,7 +316,18 @@ pub(crate) async fn run(args: NodeArgs) -> anyhow::Result<ExitCode> {
     if tls.is_some() && listen.is_none() {
         anyhow::bail!("--tls-cert applies to the TCP port, and --listen is none");
     }
-    let mut config = NodeConfig { listen, admin, unix: args.unix, unix_group: args.unix_group, token, tls, ..NodeConfig::default() };
+    // With tenants, --token-file's token is the tenant "default" there.
+    let node_token = if tenants.is_some() { None } else { token.clone() };
+    let mut config = NodeConfig {
+        listen,
+        admin,
+        unix: args.unix,
+        unix_group: args.unix_group,
+        token: node_token,
+        tenants,
+        tls,
+        ..NodeConfig::default()
+    };
     config.handshake_timeout = args.handshake_timeout;
     config.pool = PoolConfig { huge_pages: args.huge_pages, mlock: args.mlock, prefault: args.prefault, ..PoolConfig::new(memory) };
     if let Some(max_block) = args.max_block {
@@ -300,7 +354,14 @@ pub(crate) async fn run(args: NodeArgs) -> anyhow::Result<ExitCode> {
     config.limits.max_frame_bytes = u32::try_from(args.max_frame).context("--max-frame must be below 4GiB")?;
     config.limits.max_lease_ms = u32::try_from(args.max_lease.as_millis()).context("--max-lease must be below 49 days")?;
     if let Some(file) = &cluster_file {
-        config.cluster = kvplane_node::server::config::cluster_setup(file, &plugins, config.token.clone())?;
+        if file.cluster.is_some() && config.tenants.is_some() && cluster_token.is_none() {
+            anyhow::bail!(
+                "cluster mode with --tenants-file needs --cluster-token-file FILE (the same token on every member): members copy \
+                 every tenant's blocks to each other (hand-off, repair) and authenticate with it"
+            );
+        }
+        let peer_token = cluster_token.clone().or_else(|| token.clone());
+        config.cluster = kvplane_node::server::config::cluster_setup(file, &plugins, peer_token)?;
         if let (Some(c), Some(f)) = (&config.cluster, &file.cluster) {
             eprintln!(
                 "cluster {}: member {} (etcd {}), {} owners per key, lease {} s, placement {}",

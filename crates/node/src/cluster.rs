@@ -89,8 +89,15 @@ pub struct ClusterSetup {
     pub write_quorum: Option<u32>,
     /// The key-placement plugin, if one is declared.
     pub placement: Option<Arc<KeyPlacement>>,
-    /// Bearer token the node's peers require (for the hand-off).
+    /// Bearer token the node's peers require (for the hand-off). With a
+    /// tenants file, the cluster token (`--cluster-token-file`): it puts
+    /// the peer's connection in the cluster role, which takes the stored
+    /// (scoped) keys as they are (see `crate::tenants`).
     pub token: Option<String>,
+    /// Whether stored keys carry a tenant's tag (a tenants file): owners
+    /// are then computed from the key without it, as the pool's clients
+    /// hashed it. Set by the node from its own configuration.
+    pub scoped_keys: bool,
     /// `cluster.repairBytesPerSecond`: what repair may send per second, so
     /// that healing after a membership change leaves room for clients.
     pub repair_bytes_per_second: u64,
@@ -195,6 +202,8 @@ pub(crate) struct ClusterNode {
     /// The bound of the pause between registration attempts.
     retry_max: Duration,
     token: Option<String>,
+    /// See [`ClusterSetup::scoped_keys`].
+    scoped_keys: bool,
     /// `cluster.peerTls`, read again for every peer client (see
     /// [`peer_tls`]).
     peer_tls: Option<kvplane_config::PeerTlsConfig>,
@@ -427,6 +436,7 @@ impl ClusterNode {
             follower,
             retry_max,
             token: setup.token,
+            scoped_keys: setup.scoped_keys,
             peer_tls: setup.peer_tls,
             repair_rate: setup.repair_bytes_per_second,
             repair: RepairCounters::default(),
@@ -584,9 +594,11 @@ impl ClusterNode {
         let mut lead: HashMap<u32, Vec<(Bytes, Block)>> = HashMap::new();
         let mut backup: HashMap<u32, Vec<(Bytes, Block)>> = HashMap::new();
         for (key, block) in cache.entries() {
-            let had: Vec<&str> = prev.owner_members(&key).map(|m| m.id.as_str()).collect();
+            // Placed by the key the client hashed: without the tenant's tag.
+            let placed = crate::tenants::placement_key(&key, self.scoped_keys);
+            let had: Vec<&str> = prev.owner_members(placed).map(|m| m.id.as_str()).collect();
             let leads = had.iter().find(|id| up(id)).is_none_or(|id| *id == self.id);
-            for &o in next.owners_of(&key) {
+            for &o in next.owners_of(placed) {
                 let id = next.members()[o as usize].id.as_str();
                 if id != self.id && !had.contains(&id) {
                     let list = if leads { &mut lead } else { &mut backup };
@@ -747,7 +759,8 @@ impl ClusterNode {
         // Per owner: indices of the entries it should receive.
         let mut per_owner: Vec<Vec<usize>> = vec![Vec::new(); table.members().len()];
         for (i, (key, _)) in entries.iter().enumerate() {
-            for &o in table.owners_of(key) {
+            // Placed by the key the client hashed: without the tenant's tag.
+            for &o in table.owners_of(crate::tenants::placement_key(key, self.scoped_keys)) {
                 if table.members()[o as usize].id != self.id {
                     per_owner[o as usize].push(i);
                 }

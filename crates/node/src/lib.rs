@@ -25,6 +25,7 @@ pub mod server;
 mod shm;
 mod store;
 mod telemetry;
+pub mod tenants;
 pub mod tier;
 
 pub use server::{Node, NodeConfig};

@@ -30,6 +30,7 @@ mod policy;
 mod s3fifo;
 mod shard;
 mod stats;
+pub mod tenants;
 
 use std::fmt;
 use std::hash::BuildHasher;
@@ -45,6 +46,7 @@ use shard::Shard;
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use policy::{EvictionPolicy, ParsePolicyError};
 pub use stats::CacheStats;
+pub use tenants::{TenantAccount, TenantAccounts};
 
 /// Default shard count: enough that a few dozen request threads rarely
 /// share a lock, few enough that per-shard queues stay statistically useful.
@@ -63,11 +65,14 @@ pub struct CacheConfig {
     /// Where pin leases read the time: [`SystemClock`] unless a test
     /// injects a [`ManualClock`].
     pub clock: Arc<dyn Clock>,
+    /// With a tenants file: each tenant's account, charged for its keys'
+    /// blocks (see [`tenants`]); `None`: nothing is counted per tenant.
+    pub tenants: Option<Arc<TenantAccounts>>,
 }
 
 impl Default for CacheConfig {
     fn default() -> Self {
-        CacheConfig { shards: DEFAULT_SHARDS, policy: EvictionPolicy::default(), clock: Arc::new(SystemClock) }
+        CacheConfig { shards: DEFAULT_SHARDS, policy: EvictionPolicy::default(), clock: Arc::new(SystemClock), tenants: None }
     }
 }
 
@@ -125,6 +130,7 @@ pub struct BlockCache {
     /// Next shard to evict from.
     cursor: AtomicUsize,
     clock: Arc<dyn Clock>,
+    tenants: Option<Arc<TenantAccounts>>,
 }
 
 impl fmt::Debug for BlockCache {
@@ -147,6 +153,7 @@ impl BlockCache {
             shards,
             cursor: AtomicUsize::new(0),
             clock: config.clock,
+            tenants: config.tenants,
         }
     }
 
@@ -217,7 +224,8 @@ impl BlockCache {
     /// needs it ([`CachedBlock::crc`]), and never when nothing does.
     pub fn insert_unchecked(&self, key: Bytes, block: Block) {
         let hash = self.hash(&key);
-        let released = self.shard(hash).insert(hash, key, block);
+        let account = self.account_of(&key);
+        let released = self.shard(hash).insert(hash, key, block, account);
         // Dropped here, outside the shard lock: the last drop takes the
         // pool's lock.
         drop(released);
@@ -229,7 +237,8 @@ impl BlockCache {
     pub fn insert_from_lower_tier(&self, key: Bytes, block: Block, crc: u32) {
         block.set_crc(crc);
         let hash = self.hash(&key);
-        let released = self.shard(hash).insert_with_reads(hash, key, block, u32::MAX);
+        let account = self.account_of(&key);
+        let released = self.shard(hash).insert_with_reads(hash, key, block, u32::MAX, account);
         drop(released);
     }
 
@@ -244,6 +253,13 @@ impl BlockCache {
     pub fn contains(&self, key: &[u8]) -> bool {
         let hash = self.hash(key);
         self.shard(hash).contains(hash, key)
+    }
+
+    /// The length of the block stored under `key`, if any (presence only,
+    /// as [`BlockCache::contains`]).
+    pub fn stored_len(&self, key: &[u8]) -> Option<u64> {
+        let hash = self.hash(key);
+        self.shard(hash).stored_len(hash, key)
     }
 
     /// True when the key was present.
@@ -299,12 +315,41 @@ impl BlockCache {
         stats
     }
 
+    /// The account `key` is charged to (none without tenants: one branch).
+    fn account_of(&self, key: &[u8]) -> Option<Arc<TenantAccount>> {
+        self.tenants.as_ref().and_then(|t| t.account_of(key))
+    }
+
+    /// Each tenant's account (none without a tenants file).
+    pub fn tenants(&self) -> Option<&Arc<TenantAccounts>> {
+        self.tenants.as_ref()
+    }
+
+    /// Clears every shard's pins that ran out, so the tenants' pinned bytes
+    /// are current (a shard clears its own only when it pins or reports).
+    pub fn expire_pins(&self) {
+        let now = self.clock.now();
+        for slot in self.shards.iter() {
+            lock(slot).expire_pins(now);
+        }
+    }
+
     /// Evicts one entry from the first shard, round-robin, that has an
-    /// evictable one. `None` when no shard has any.
+    /// evictable one; while a tenant holds more than its memory quota, from
+    /// such tenants first (only then: one atomic load otherwise). `None`
+    /// when no shard has any.
     fn evict_one(&self) -> Option<Evicted> {
         let n = self.shards.len();
         let start = self.cursor.fetch_add(1, Ordering::Relaxed) % n;
         let now = self.clock.now();
+        if self.tenants.as_ref().is_some_and(|t| t.any_over_quota()) {
+            for i in 0..n {
+                let victim = lock(&self.shards[(start + i) % n]).evict_over_quota(now);
+                if victim.is_some() {
+                    return victim;
+                }
+            }
+        }
         for i in 0..n {
             // The guard is gone once the victim is returned: its last drop
             // takes the pool's lock.

@@ -6,6 +6,7 @@
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
+use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -14,6 +15,7 @@ use hashbrown::HashTable;
 use super::list::NIL;
 use super::policy::{EvictionPolicy, Policy};
 use super::stats::{CacheStats, Counters};
+use super::tenants::TenantAccount;
 use super::{CachedBlock, Evicted};
 use crate::memory::Block;
 
@@ -37,6 +39,9 @@ pub(super) struct Entry {
     /// GET hits since the block was stored (saturating), for the second
     /// tier's `hot` ingest mode.
     pub(super) reads: u32,
+    /// The tenant the key belongs to, charged for the block's bytes and
+    /// its pin while the entry lives (none without a tenants file).
+    pub(super) account: Option<Arc<TenantAccount>>,
 }
 
 /// A slot of the array: list links plus the entry, if occupied.
@@ -106,18 +111,31 @@ impl Shard {
         Some(found)
     }
 
+    pub(super) fn stored_len(&self, hash: u64, key: &[u8]) -> Option<u64> {
+        self.find(hash, key).map(|idx| self.nodes[idx as usize].size())
+    }
+
     pub(super) fn contains(&self, hash: u64, key: &[u8]) -> bool {
         self.find(hash, key).is_some()
     }
 
     /// Stores or replaces; returns the block the caller must drop once the
     /// shard is unlocked (the replaced one, or the new one if it was refused).
-    pub(super) fn insert(&mut self, hash: u64, key: Bytes, block: Block) -> Option<Block> {
-        self.insert_with_reads(hash, key, block, 0)
+    pub(super) fn insert(&mut self, hash: u64, key: Bytes, block: Block, account: Option<Arc<TenantAccount>>) -> Option<Block> {
+        self.insert_with_reads(hash, key, block, 0, account)
     }
 
-    /// As `insert`, starting the entry's read count at `reads`.
-    pub(super) fn insert_with_reads(&mut self, hash: u64, key: Bytes, block: Block, reads: u32) -> Option<Block> {
+    /// As `insert`, starting the entry's read count at `reads`. `account`
+    /// is the key's tenant (used for a new entry; a replaced one keeps
+    /// its own, the same since the key is the same).
+    pub(super) fn insert_with_reads(
+        &mut self,
+        hash: u64,
+        key: Bytes,
+        block: Block,
+        reads: u32,
+        account: Option<Arc<TenantAccount>>,
+    ) -> Option<Block> {
         self.counters.inserts += 1;
         if let Some(idx) = self.find(hash, &key) {
             // Unlink first: the queues charge an entry's size when it is
@@ -126,7 +144,14 @@ impl Shard {
             let Some(entry) = self.nodes[idx as usize].entry.as_mut() else {
                 return Some(block);
             };
-            self.bytes = self.bytes - entry.block.len() as u64 + block.len() as u64;
+            let (old_len, new_len) = (entry.block.len() as u64, block.len() as u64);
+            self.bytes = self.bytes - old_len + new_len;
+            if let Some(a) = &entry.account {
+                a.charge(new_len, old_len);
+                if entry.pin_until.is_some() {
+                    a.pin(new_len, old_len);
+                }
+            }
             entry.reads = reads;
             let old = std::mem::replace(&mut entry.block, block);
             self.policy.relink(&mut self.nodes, idx);
@@ -144,7 +169,10 @@ impl Shard {
             }
         };
         self.bytes += block.len() as u64;
-        self.nodes[idx as usize].entry = Some(Entry { key, hash, block, pin_until: None, freq: 0, in_main: false, reads });
+        if let Some(a) = &account {
+            a.charge(block.len() as u64, 0);
+        }
+        self.nodes[idx as usize].entry = Some(Entry { key, hash, block, pin_until: None, freq: 0, in_main: false, reads, account });
         let nodes = &self.nodes;
         self.table.insert_unique(hash, idx, |&i| nodes[i as usize].entry.as_ref().map_or(0, |e| e.hash));
         self.policy.insert(&mut self.nodes, idx);
@@ -169,12 +197,28 @@ impl Shard {
     /// reader's clone would keep the memory allocated anyway, so evicting it
     /// would lose the entry without relieving the pool.
     pub(super) fn evict(&mut self, now: Instant) -> Option<Evicted> {
+        self.evict_where(now, |_| true)
+    }
+
+    /// As `evict`, among the entries of tenants above their memory quota
+    /// only (see `tenants.rs`, the cache's accounting): what eviction
+    /// takes first while there are any.
+    pub(super) fn evict_over_quota(&mut self, now: Instant) -> Option<Evicted> {
+        self.evict_where(now, |e| e.account.as_ref().is_some_and(|a| a.over_quota()))
+    }
+
+    fn evict_where(&mut self, now: Instant, mut wanted: impl FnMut(&Entry) -> bool) -> Option<Evicted> {
         if self.table.is_empty() {
             return None;
         }
-        let idx = self.policy.victim(&mut self.nodes, |e| e.pin_until.is_none_or(|until| until <= now) && e.block.ref_count() <= 1)?;
+        let idx = self
+            .policy
+            .victim(&mut self.nodes, |e| e.pin_until.is_none_or(|until| until <= now) && e.block.ref_count() <= 1 && wanted(e))?;
         let entry = self.free_slot(idx)?;
         self.counters.evictions += 1;
+        if let Some(a) = &entry.account {
+            a.evictions.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         Some(Evicted { key: entry.key, block: entry.block, reads: entry.reads })
     }
 
@@ -196,7 +240,12 @@ impl Shard {
         match entry.pin_until {
             Some(current) if current >= until => return true,
             Some(_) => {}
-            None => self.pinned += 1,
+            None => {
+                self.pinned += 1;
+                if let Some(a) = &entry.account {
+                    a.pin(entry.block.len() as u64, 0);
+                }
+            }
         }
         entry.pin_until = Some(until);
         self.pins.push(Reverse((until, idx, generation)));
@@ -205,7 +254,7 @@ impl Shard {
 
     /// Clears the pins that ran out by `now`, so `pinned` counts live pins
     /// only and the heap does not outgrow the pins set within one lease.
-    fn expire_pins(&mut self, now: Instant) {
+    pub(super) fn expire_pins(&mut self, now: Instant) {
         while let Some(&Reverse((at, idx, generation))) = self.pins.peek() {
             if at > now {
                 break;
@@ -220,6 +269,9 @@ impl Shard {
             if let Some(entry) = node.entry.as_mut().filter(|e| e.pin_until == Some(at)) {
                 entry.pin_until = None;
                 self.pinned -= 1;
+                if let Some(a) = &entry.account {
+                    a.pin(0, entry.block.len() as u64);
+                }
             }
         }
     }
@@ -239,6 +291,12 @@ impl Shard {
         self.bytes -= entry.block.len() as u64;
         if entry.pin_until.is_some() {
             self.pinned -= 1;
+        }
+        if let Some(a) = &entry.account {
+            a.charge(0, entry.block.len() as u64);
+            if entry.pin_until.is_some() {
+                a.pin(0, entry.block.len() as u64);
+            }
         }
         Some(entry)
     }

@@ -25,7 +25,7 @@ fn cache(policy: EvictionPolicy, shards: usize) -> BlockCache {
 /// A cache on a 1 MiB pool, and the manual clock its leases read.
 fn clocked(policy: EvictionPolicy, shards: usize) -> (BlockCache, Arc<ManualClock>) {
     let clock = Arc::new(ManualClock::new());
-    let cache = BlockCache::new(pool(MIB), CacheConfig { shards, policy, clock: Arc::clone(&clock) as Arc<dyn Clock> });
+    let cache = BlockCache::new(pool(MIB), CacheConfig { shards, policy, clock: Arc::clone(&clock) as Arc<dyn Clock>, tenants: None });
     (cache, clock)
 }
 
@@ -508,5 +508,93 @@ fn concurrent_puts_gets_removes_and_leases_never_hand_out_a_corrupted_block() {
         drop(cache);
         let after = pool.stats();
         assert_eq!((after.blocks, after.used_bytes, after.requested_bytes), (0, 0, 0), "{policy}: pool accounting leaked");
+    }
+}
+
+/// A cache on a 1 MiB pool that charges tenants, with a manual clock.
+fn tenanted(policy: EvictionPolicy) -> (BlockCache, Arc<TenantAccounts>, Arc<ManualClock>) {
+    let clock = Arc::new(ManualClock::new());
+    let accounts = Arc::new(TenantAccounts::default());
+    let config = CacheConfig { shards: 4, policy, clock: Arc::clone(&clock) as Arc<dyn Clock>, tenants: Some(Arc::clone(&accounts)) };
+    (BlockCache::new(pool(MIB), config), accounts, clock)
+}
+
+/// `key` in tenant `name`'s namespace (its tag first, as the server does).
+fn tkey(name: &str, i: u64) -> Bytes {
+    let mut k = vec![name.len() as u8];
+    k.extend_from_slice(name.as_bytes());
+    k.extend_from_slice(format!("key-{i:08}").as_bytes());
+    Bytes::from(k)
+}
+
+#[test]
+fn tenant_accounts_stay_exact_through_insert_replace_remove_pin_expiry_and_eviction() {
+    for policy in POLICIES {
+        let (cache, accounts, clock) = tenanted(policy);
+        let a = accounts.account(b"\x01a", "a");
+        put(&cache, &tkey("a", 1), 1000, 1).unwrap();
+        put(&cache, &tkey("a", 2), 3000, 2).unwrap();
+        put(&cache, &tkey("b", 1), 500, 3).unwrap();
+        let b = accounts.account(b"\x01b", "b");
+        assert_eq!((a.bytes(), b.bytes()), (4000, 500), "{policy}: insert");
+        put(&cache, &tkey("a", 1), 200, 4).unwrap();
+        assert_eq!(a.bytes(), 3200, "{policy}: a replacement charges the difference");
+        assert_eq!(cache.match_prefix(&[tkey("a", 1), tkey("a", 2)], Some(Duration::from_secs(5))), 2);
+        assert_eq!(a.pinned_bytes(), 3200, "{policy}: pins");
+        put(&cache, &tkey("a", 1), 700, 5).unwrap();
+        assert_eq!((a.bytes(), a.pinned_bytes()), (3700, 3700), "{policy}: a pinned replacement");
+        assert!(cache.remove(&tkey("a", 1)));
+        assert_eq!((a.bytes(), a.pinned_bytes()), (3000, 3000), "{policy}: remove");
+        clock.advance(Duration::from_secs(6));
+        cache.expire_pins();
+        assert_eq!(a.pinned_bytes(), 0, "{policy}: expiry");
+        // Fill the pool with b's blocks: a's last block and b's first go.
+        for i in 10..(SLOTS + 20) {
+            put_ok(&cache, &tkey("b", i), 9);
+        }
+        assert_eq!(a.bytes(), 0, "{policy}: eviction");
+        assert_eq!(a.evictions.load(std::sync::atomic::Ordering::Relaxed), 1);
+        let stored: u64 = cache.entries().iter().map(|(_, blk)| blk.len() as u64).sum();
+        assert_eq!(a.bytes() + b.bytes(), stored, "{policy}: the accounts add up to what is stored");
+        assert_eq!(b.bytes(), cache.stats().bytes_stored);
+    }
+}
+
+#[test]
+fn eviction_takes_from_a_tenant_over_its_quota_first() {
+    for policy in POLICIES {
+        let (cache, accounts, _clock) = tenanted(policy);
+        let over = accounts.account(b"\x04over", "over");
+        let under = accounts.account(b"\x05under", "under");
+        // Older blocks of `under` first: without the quota they would go first.
+        let half = SLOTS / 2;
+        for i in 0..half {
+            put_ok(&cache, &tkey("under", i), 1);
+        }
+        for i in 0..half {
+            put_ok(&cache, &tkey("over", i), 2);
+        }
+        under.set_quotas(MIB as u64, MIB as u64);
+        over.set_quotas(8 * BLOCK as u64, MIB as u64);
+        assert!(over.over_quota() && !under.over_quota() && accounts.any_over_quota());
+        let under_before = under.bytes();
+        // New blocks of `under` need room: it comes from `over` until it
+        // is back at its quota.
+        let mut taken = 0;
+        while over.over_quota() {
+            put_ok(&cache, &tkey("under", 1000 + taken), 3);
+            taken += 1;
+            assert!(taken <= half, "{policy}: over never got back to its quota");
+        }
+        assert_eq!(under.evictions.load(std::sync::atomic::Ordering::Relaxed), 0, "{policy}: nothing of under's went first");
+        assert_eq!(under.bytes(), under_before + taken * BLOCK as u64);
+        assert_eq!(over.bytes(), 8 * BLOCK as u64, "{policy}");
+        assert!(!accounts.any_over_quota());
+        // At the quota, eviction goes back to the policy's own order.
+        put_ok(&cache, &tkey("under", 5000), 4);
+        assert_eq!(
+            over.evictions.load(std::sync::atomic::Ordering::Relaxed) + under.evictions.load(std::sync::atomic::Ordering::Relaxed),
+            taken + 1
+        );
     }
 }

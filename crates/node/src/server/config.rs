@@ -98,6 +98,8 @@ pub fn cluster_setup(file: &NodeConfigFile, plugins: &[VerifiedPlugin], token: O
         write_quorum: c.write_quorum,
         placement,
         token,
+        // The node sets it from its tenants (`Node::start`).
+        scoped_keys: false,
         repair_bytes_per_second: c.repair_bytes_per_second.bytes(),
         etcd_security: crate::cluster::etcd_security(c.etcd.as_ref())?,
         peer_tls: c.peer_tls.clone(),

@@ -242,6 +242,10 @@ struct Conn<'a, R, W> {
     rdma: ConnRdma,
     /// The peer's share of the receive budget (see `receive.rs`).
     receive_share: PeerShare,
+    /// Who the HELLO authenticated as: with a tenants file, the tenant
+    /// (resolved once, here) whose namespace and quotas every request of
+    /// the connection has (see `crate::tenants`).
+    scope: crate::tenants::Scope,
 }
 
 async fn serve<R, W>(
@@ -267,6 +271,7 @@ where
         shm: None,
         rdma: ConnRdma::default(),
         receive_share: state.receive_budget.share(peer),
+        scope: crate::tenants::Scope::Open,
     };
     let timeout = state.config.handshake_timeout;
     let shaken = match tokio::time::timeout_at(handshake_deadline, conn.handshake()).await {
@@ -397,7 +402,16 @@ where
             self.send_error(header.request_id, ErrorCode::BadVersion, msg.clone()).await?;
             return Err(ConnectionEnd::Refused(msg));
         }
-        if let Some(expected) = &self.state.config.token {
+        if let Some(tenants) = &self.state.tenants {
+            // A tenants file: the token names the tenant (or the cluster).
+            match tenants.authenticate(hello.token.as_deref()) {
+                Ok(scope) => self.scope = scope,
+                Err(refused) => {
+                    self.send_error(header.request_id, refused.code, refused.message.clone()).await?;
+                    return Err(ConnectionEnd::Refused(refused.message));
+                }
+            }
+        } else if let Some(expected) = &self.state.config.token {
             let presented = hello.token.as_deref().unwrap_or("");
             if !constant_time_eq(presented.as_bytes(), expected.as_bytes()) {
                 let msg = if hello.token.is_none() { "this node requires a bearer token" } else { "wrong bearer token" };
@@ -409,11 +423,15 @@ where
         if self.local.is_some() && self.state.config.shm_region_bytes > 0 {
             offered = Features(offered.0 | Features::SHARED_MEMORY.0);
         }
-        if self.state.rdma.offered() {
+        // A tenant gets no RDMA: a one-sided read reaches the registered
+        // pool, every tenant's blocks, not only the ones it was described.
+        if self.state.rdma.offered() && !matches!(self.scope, crate::tenants::Scope::Tenant(_)) {
             offered = offered | Features::RDMA;
         }
         self.features = hello.features.intersect(offered);
-        let ack = HelloAck { version: hello.version.min(VERSION), features: self.features, limits: self.state.config.limits };
+        let mut limits = self.state.config.limits;
+        limits.max_key_bytes = self.scope.max_key_bytes(limits.max_key_bytes);
+        let ack = HelloAck { version: hello.version.min(VERSION), features: self.features, limits };
         self.send(header.request_id, Response::HelloAck(ack)).await?;
         Ok(())
     }
@@ -467,6 +485,12 @@ where
                 return Ok(true);
             }
         };
+        // With a tenants file: the keys into the tenant's namespace, and
+        // its quotas (see `crate::tenants`); otherwise as it came.
+        let meta = match self.scope.admit(meta, self.state.store.cache(), self.state.tenants.as_deref(), limits.max_key_bytes) {
+            Ok(m) => m,
+            Err(refused) => return self.refuse_request(header, deadline, refused).await,
+        };
         let response = match meta {
             Meta::Put(slots) => {
                 let n = slots.len();
@@ -493,8 +517,23 @@ where
                 Response::Error { code: ErrorCode::Invalid, message: format!("opcode {:#04x} is an answer, not a request", header.opcode) }
             }
         };
+        self.scope.count_answer(&response);
         self.send(header.request_id, response).await?;
         Ok(true)
+    }
+
+    /// Answers a request its tenant may not make (see
+    /// `crate::tenants::Scope::admit`), after skipping its payload so the
+    /// connection stays in step; `Ok(false)` closes it (a revoked tenant).
+    async fn refuse_request(
+        &mut self,
+        header: FrameHeader,
+        deadline: tokio::time::Instant,
+        refused: crate::tenants::Refusal,
+    ) -> Result<bool, ConnectionEnd> {
+        within(deadline, skip(&mut self.reader, header.payload_len() as u64)).await??;
+        self.send_error(header.request_id, refused.code, refused.message).await?;
+        Ok(!refused.close)
     }
 
     /// Reads each PUT payload straight into a pool block, checks it against

@@ -56,8 +56,13 @@ pub struct NodeConfig {
     pub admin_limits: AdminLimits,
     pub pool: PoolConfig,
     pub cache: CacheConfig,
-    /// Bearer token every connection must present in its `Hello`.
+    /// Bearer token every connection must present in its `Hello`. With
+    /// [`NodeConfig::tenants`], the tenant `default` instead (its
+    /// `default_token`), and this is unused.
     pub token: Option<String>,
+    /// A tenants file: every connection authenticates into a tenant, sees
+    /// its keys only and is held to its quotas (see `crate::tenants`).
+    pub tenants: Option<crate::tenants::TenantsConfig>,
     /// TLS on the TCP port (`None`: plaintext); the Unix socket never
     /// speaks it (see `tls.rs`).
     pub tls: Option<kvplane_config::TlsConfig>,
@@ -123,6 +128,7 @@ impl Default for NodeConfig {
             pool: PoolConfig::default(),
             cache: CacheConfig::default(),
             token: None,
+            tenants: None,
             tls: None,
             limits: Limits::default(),
             max_connections: 1024,
@@ -240,6 +246,8 @@ pub(crate) struct NodeState {
     pub(crate) frame_clock: FrameClock,
     /// The TCP port's TLS, with its certificate as last (re)loaded.
     pub(crate) tls: Option<Arc<tls::TlsServer>>,
+    /// The tenants, as last (re)loaded; `None` without a tenants file.
+    pub(crate) tenants: Option<Arc<crate::tenants::Tenants>>,
     draining: AtomicBool,
 }
 
@@ -260,6 +268,9 @@ impl NodeState {
         out.extend(self.store.stats());
         if let Some(tls) = &self.tls {
             out.extend(tls.stats());
+        }
+        if let Some(tenants) = &self.tenants {
+            out.extend(tenants.stats());
         }
         if let Some(cluster) = &self.cluster {
             out.extend(cluster.stats());
@@ -292,8 +303,12 @@ impl Node {
         // The certificate before anything is bound: a node asked for TLS
         // that cannot serve it does not start.
         let tls = config.tls.clone().map(tls::TlsServer::load).transpose()?.map(Arc::new);
+        // The tenants file too: a node asked for tenants serves none
+        // without them.
+        let tenants = config.tenants.clone().map(crate::tenants::Tenants::load).transpose()?.map(Arc::new);
         let pool = MemoryPool::new(config.pool.clone()).context("reserving the memory pool (--memory, or memory in the config file)")?;
-        let cache = BlockCache::new(pool, config.cache.clone());
+        let cache_config = CacheConfig { tenants: tenants.as_ref().map(|t| Arc::clone(t.accounts())), ..config.cache.clone() };
+        let cache = BlockCache::new(pool, cache_config);
         let rdma = Rdma::start(&cache, WallClock::new(config.cache.clock.clone(), WallClock::system_unix_ms()));
         let (shutdown, _) = watch::channel(false);
         let mut tasks = JoinSet::new();
@@ -310,7 +325,11 @@ impl Node {
         let admin_at = config.admin;
         // Registered once the listener is bound: the record names the port.
         let cluster = match config.cluster.clone() {
-            Some(setup) => Some(ClusterNode::join(setup, tcp_addr).await.context("joining the cluster (cluster in the config file)")?),
+            Some(setup) => {
+                // With tenants, stored keys carry a tag that placement skips.
+                let setup = ClusterSetup { scoped_keys: config.tenants.is_some(), ..setup };
+                Some(ClusterNode::join(setup, tcp_addr).await.context("joining the cluster (cluster in the config file)")?)
+            }
             None => None,
         };
         let state = Arc::new(NodeState {
@@ -321,6 +340,7 @@ impl Node {
             receive_budget: ReceiveBudget::new(config.receive_budget_bytes(), config.receive_budget_per_peer_bytes()),
             frame_clock: FrameClock { grace: config.frame_grace, min_rate: config.min_receive_rate },
             tls,
+            tenants,
             config,
             cluster,
             shm_regions: Default::default(),
@@ -332,6 +352,10 @@ impl Node {
         }
         if let Some(tls) = &state.tls {
             tasks.spawn(Arc::clone(tls).watch(shutdown.subscribe()));
+        }
+        if let Some(tenants) = &state.tenants {
+            tasks.spawn(Arc::clone(tenants).watch(shutdown.subscribe()));
+            registry.register_collector(Box::new(crate::tenants::Collector(Arc::downgrade(tenants))));
         }
         if state.cluster.is_some() {
             tasks.spawn(crate::cluster::repair(Arc::downgrade(&state), shutdown.subscribe()));

@@ -1,0 +1,190 @@
+//! Per-tenant accounting: what each tenant's blocks hold of the memory
+//! tier, kept exact by the shards themselves.
+//!
+//! A key belongs to the tenant its tag names (see `crate::tenants`: every
+//! key a tenant stores starts with its tag). Each entry holds its
+//! tenant's [`TenantAccount`], looked up once when the key is first
+//! stored; the shard charges the account as the entry's bytes come and go
+//! (insert, replacement, removal, eviction) and as its pin is set, extended
+//! over a replacement, or runs out. Those charges are atomic adds made under
+//! the shard lock the operation holds anyway, so an account is exact
+//! whichever path stored the block: a client's PUT, a read-through from the
+//! second tier, or a copy from another cluster member.
+//!
+//! Eviction asks [`TenantAccounts::any_over_quota`] (one atomic load) and,
+//! while some tenant holds more than its `memoryBytes`, takes from such
+//! tenants first. A tenant gets there although its PUTs are refused at the
+//! quota: through read-throughs and cluster copies (which are not refused:
+//! they bring back what it stored), concurrent PUTs that each fit, or a
+//! reload that lowered its quota.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock};
+
+/// A quota of "none".
+pub const UNLIMITED: u64 = u64::MAX;
+
+/// One tenant's share of the cache and its counters. Shared (an `Arc`) by
+/// the tenant's entries, its connections and `/metrics`; it outlives a
+/// reload (the same name keeps the same account) and the tenant's removal
+/// from the file (its blocks still count until they leave).
+#[derive(Debug)]
+pub struct TenantAccount {
+    name: String,
+    memory_quota: AtomicU64,
+    pinned_quota: AtomicU64,
+    bytes: AtomicU64,
+    pinned: AtomicU64,
+    /// Whether `bytes` was above `memory_quota` at the last change; its
+    /// transitions keep [`TenantAccounts::over`] counting such accounts.
+    over: AtomicBool,
+    over_count: Arc<AtomicUsize>,
+    /// GET and GET_SHM keys found / not found, counted by the tenant's
+    /// connections.
+    pub hits: AtomicU64,
+    pub misses: AtomicU64,
+    /// The tenant's entries evicted to make room.
+    pub evictions: AtomicU64,
+    /// Requests refused for the tenant's quotas: `memoryBytes`,
+    /// `pinnedBytes`, `maxConnections`.
+    pub refused_memory: AtomicU64,
+    pub refused_pinned: AtomicU64,
+    pub refused_connections: AtomicU64,
+}
+
+impl TenantAccount {
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Bytes of the memory tier the tenant's blocks hold now.
+    pub fn bytes(&self) -> u64 {
+        self.bytes.load(Ordering::Relaxed)
+    }
+
+    /// Bytes of the tenant's blocks under an unexpired pin.
+    pub fn pinned_bytes(&self) -> u64 {
+        self.pinned.load(Ordering::Relaxed)
+    }
+
+    pub fn memory_quota(&self) -> u64 {
+        self.memory_quota.load(Ordering::Relaxed)
+    }
+
+    pub fn pinned_quota(&self) -> u64 {
+        self.pinned_quota.load(Ordering::Relaxed)
+    }
+
+    /// Sets both quotas ([`UNLIMITED`]: none), as a reload does.
+    pub fn set_quotas(&self, memory: u64, pinned: u64) {
+        self.memory_quota.store(memory, Ordering::Relaxed);
+        self.pinned_quota.store(pinned, Ordering::Relaxed);
+        self.settle();
+    }
+
+    /// Whether the tenant holds more than its memory quota (as of the last
+    /// change of either).
+    pub fn over_quota(&self) -> bool {
+        self.over.load(Ordering::Relaxed)
+    }
+
+    pub(super) fn charge(&self, add: u64, sub: u64) {
+        if add == sub {
+            return;
+        }
+        if add > sub {
+            self.bytes.fetch_add(add - sub, Ordering::Relaxed);
+        } else {
+            self.bytes.fetch_sub(sub - add, Ordering::Relaxed);
+        }
+        self.settle();
+    }
+
+    pub(super) fn pin(&self, add: u64, sub: u64) {
+        if add >= sub {
+            self.pinned.fetch_add(add - sub, Ordering::Relaxed);
+        } else {
+            self.pinned.fetch_sub(sub - add, Ordering::Relaxed);
+        }
+    }
+
+    /// Brings `over` (and the count of accounts over quota) in line with
+    /// the bytes and the quota. Two changes racing may leave `over` one
+    /// change stale; the count always agrees with the flags, and the next
+    /// change corrects both.
+    fn settle(&self) {
+        let now = self.bytes() > self.memory_quota();
+        if self.over.swap(now, Ordering::Relaxed) != now {
+            if now {
+                self.over_count.fetch_add(1, Ordering::Relaxed);
+            } else {
+                self.over_count.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// The accounts of every tenant this node has seen, by tag (the bytes a
+/// tenant's keys start with). Given to the cache by [`CacheConfig::tenants`]
+/// when the node has a tenants file.
+///
+/// [`CacheConfig::tenants`]: super::CacheConfig::tenants
+#[derive(Debug, Default)]
+pub struct TenantAccounts {
+    by_tag: RwLock<HashMap<Box<[u8]>, Arc<TenantAccount>>>,
+    over: Arc<AtomicUsize>,
+}
+
+impl TenantAccounts {
+    /// The account of tenant `name` (whose tag is `tag`), made with no
+    /// quota when new.
+    pub fn account(&self, tag: &[u8], name: &str) -> Arc<TenantAccount> {
+        if let Some(a) = self.by_tag.read().unwrap_or_else(|e| e.into_inner()).get(tag) {
+            return Arc::clone(a);
+        }
+        let mut map = self.by_tag.write().unwrap_or_else(|e| e.into_inner());
+        Arc::clone(map.entry(tag.into()).or_insert_with(|| {
+            Arc::new(TenantAccount {
+                name: name.to_string(),
+                memory_quota: AtomicU64::new(UNLIMITED),
+                pinned_quota: AtomicU64::new(UNLIMITED),
+                bytes: AtomicU64::new(0),
+                pinned: AtomicU64::new(0),
+                over: AtomicBool::new(false),
+                over_count: Arc::clone(&self.over),
+                hits: AtomicU64::new(0),
+                misses: AtomicU64::new(0),
+                evictions: AtomicU64::new(0),
+                refused_memory: AtomicU64::new(0),
+                refused_pinned: AtomicU64::new(0),
+                refused_connections: AtomicU64::new(0),
+            })
+        }))
+    }
+
+    /// The account a stored `key` is charged to: its tag's. A key with no
+    /// valid tag (only the cluster role can store one) is charged to none.
+    /// A tag of a tenant this node does not know (a member whose tenants
+    /// file lists more) gets an account with no quota.
+    pub fn account_of(&self, key: &[u8]) -> Option<Arc<TenantAccount>> {
+        let (tag, name) = crate::tenants::tag_of(key)?;
+        if let Some(a) = self.by_tag.read().unwrap_or_else(|e| e.into_inner()).get(tag) {
+            return Some(Arc::clone(a));
+        }
+        Some(self.account(tag, name))
+    }
+
+    /// Whether some tenant holds more than its memory quota: one load, so
+    /// eviction asks it every time.
+    pub fn any_over_quota(&self) -> bool {
+        self.over.load(Ordering::Relaxed) > 0
+    }
+
+    /// Every account, in name order (for `/metrics`).
+    pub fn all(&self) -> Vec<Arc<TenantAccount>> {
+        let mut all: Vec<_> = self.by_tag.read().unwrap_or_else(|e| e.into_inner()).values().cloned().collect();
+        all.sort_by(|a, b| a.name.cmp(&b.name));
+        all
+    }
+}
