@@ -182,6 +182,7 @@ pub struct MetadataSpec {
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = Rule::new("!has(self.externalConnection) || (!has(self.runtime) && !has(self.image))").message("an external metadata store is not also run by the operator: drop runtime/image or externalConnection"))]
+#[x_kube(validation = Rule::new("!has(self.externalConnection) || !has(self.tls)").message("tls is for the etcd the operator runs; an external etcd's TLS is externalConnection.tls"))]
 pub struct MetadataStoreSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image: Option<String>,
@@ -197,6 +198,34 @@ pub struct MetadataStoreSpec {
     pub runtime: Option<RuntimeSpec>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub external_connection: Option<ExternalConnection>,
+    /// etcd run by the operator only: TLS on its client and peer ports,
+    /// with client certificates required. Without it the members speak
+    /// plain HTTP, and only the pool's own pods may reach them (the
+    /// operator renders a NetworkPolicy either way).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<OperatedEtcdTlsSpec>,
+}
+
+/// TLS for the etcd the operator runs (`metadata.etcd.tls`). Whoever can
+/// write the pool's etcd decides where its clients send their blocks, so
+/// the members require a client certificate from everyone: each other, and
+/// the cache pods.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct OperatedEtcdTlsSpec {
+    /// A `kubernetes.io/tls` Secret (`tls.crt`, `tls.key`, `ca.crt`: what a
+    /// cert-manager Certificate writes): the members' certificate, for DNS
+    /// names `*.NAME-etcd.NAMESPACE.svc` and `NAME-etcd-client.NAMESPACE.svc`,
+    /// with both the server auth and the client auth usage (members dial
+    /// each other with it, and etcd's gateway dials its own gRPC port with
+    /// it). Its `ca.crt` is the CA every client certificate must chain to.
+    #[schemars(length(min = 1, max = 253))]
+    pub secret_name: String,
+    /// The certificate the cache pods present to the members (client auth,
+    /// from the same CA); unset: `secretName`'s own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    pub client_secret_name: Option<String>,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]

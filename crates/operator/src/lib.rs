@@ -28,6 +28,7 @@ pub use crd::KVCache;
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::{ConfigMap, Service};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::events::{Recorder, Reporter};
@@ -175,7 +176,8 @@ pub async fn run(client: Client, config: OperatorConfig) -> anyhow::Result<()> {
     let controller = Controller::new(Api::<KVCache>::all(client.clone()), watcher::Config::default())
         .owns(Api::<StatefulSet>::all(client.clone()), managed.clone())
         .owns(Api::<Service>::all(client.clone()), managed.clone())
-        .owns(Api::<ConfigMap>::all(client.clone()), managed)
+        .owns(Api::<ConfigMap>::all(client.clone()), managed.clone())
+        .owns(Api::<NetworkPolicy>::all(client.clone()), managed)
         .shutdown_on_signal()
         .run(reconcile::reconcile, reconcile::error_policy, Arc::clone(&ctx))
         .for_each(|result| async move {

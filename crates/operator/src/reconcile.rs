@@ -124,6 +124,10 @@ async fn apply_child(client: &kube::Client, ns: &str, child: &Child, seen_before
             let (a, after) = apply(&Api::namespaced(client.clone(), ns), o, seen_before).await?;
             (a, Child::StatefulSet(after))
         }
+        Child::NetworkPolicy(o) => {
+            let (a, after) = apply(&Api::namespaced(client.clone(), ns), o, seen_before).await?;
+            (a, Child::NetworkPolicy(after))
+        }
     })
 }
 

@@ -11,12 +11,13 @@ use k8s_openapi::api::core::v1::{
     PodTemplateSpec, Probe, ProjectedVolumeSource, Secret, SecretKeySelector, SecretVolumeSource, Service, ServicePort, ServiceSpec,
     TCPSocketAction, Toleration, TopologySpreadConstraint, Volume, VolumeMount, VolumeProjection, VolumeResourceRequirements,
 };
+use k8s_openapi::api::networking::v1::{NetworkPolicy, NetworkPolicyIngressRule, NetworkPolicyPeer, NetworkPolicyPort, NetworkPolicySpec};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use sha2::{Digest, Sha256};
 
-use super::resolve::{ClientCa, EtcdPlan, Metadata, Resolved, TokenSecret, ADMIN_PORT, DEFAULT_PORT, TOKEN_KEY};
+use super::resolve::{ClientCa, EtcdPlan, Metadata, OperatedEtcdTls, Resolved, TokenSecret, ADMIN_PORT, DEFAULT_PORT, TOKEN_KEY};
 use kvplane_config::ClusterConfig;
 use kvplane_config::{BackendType, ByteSize, MetadataEndpoints, NodeConfigFile};
 
@@ -65,6 +66,8 @@ pub(crate) struct EtcdChildren {
     pub peers: Service,
     pub client: Service,
     pub members: StatefulSet,
+    /// Who may reach the members: the pool's cache pods and each other.
+    pub policy: NetworkPolicy,
 }
 
 /// One child object, whatever its kind: what the reconciler's single apply
@@ -75,6 +78,7 @@ pub(crate) enum Child {
     ConfigMap(ConfigMap),
     Service(Service),
     StatefulSet(StatefulSet),
+    NetworkPolicy(NetworkPolicy),
 }
 
 impl Child {
@@ -83,6 +87,7 @@ impl Child {
             Child::ConfigMap(_) => "ConfigMap",
             Child::Service(_) => "Service",
             Child::StatefulSet(_) => "StatefulSet",
+            Child::NetworkPolicy(_) => "NetworkPolicy",
         }
     }
 
@@ -91,6 +96,7 @@ impl Child {
             Child::ConfigMap(o) => &o.metadata,
             Child::Service(o) => &o.metadata,
             Child::StatefulSet(o) => &o.metadata,
+            Child::NetworkPolicy(o) => &o.metadata,
         };
         meta.name.as_deref().unwrap_or_default()
     }
@@ -98,11 +104,17 @@ impl Child {
 
 impl Children {
     /// Every child, in the order they are applied: the configuration first
-    /// (pods mount it), etcd before the cache pods that use it.
+    /// (pods mount it), etcd (its policy before its members) before the
+    /// cache pods that use it.
     pub(crate) fn into_list(self) -> Vec<Child> {
         let mut list = vec![Child::ConfigMap(self.config)];
         if let Some(etcd) = self.etcd {
-            list.extend([Child::Service(etcd.peers), Child::Service(etcd.client), Child::StatefulSet(etcd.members)]);
+            list.extend([
+                Child::Service(etcd.peers),
+                Child::Service(etcd.client),
+                Child::NetworkPolicy(etcd.policy),
+                Child::StatefulSet(etcd.members),
+            ]);
         }
         list.extend([Child::Service(self.cache_headless), Child::Service(self.rpc), Child::StatefulSet(self.cache)]);
         list
@@ -142,8 +154,11 @@ pub(crate) const TOKEN_DIR: &str = "/var/run/secrets/kvplane.io/auth";
 pub(crate) const TLS_DIR: &str = "/var/run/secrets/kvplane.io/tls";
 /// Where cache pods find the CA of client certificates (`spec.tls.clientCA`).
 pub(crate) const CLIENT_CA_DIR: &str = "/var/run/secrets/kvplane.io/tls-client-ca";
-/// Where cache pods find the external etcd's TLS Secret.
+/// Where cache pods find the etcd TLS Secret: an external etcd's, or the
+/// client certificate for the etcd the operator runs.
 pub(crate) const ETCD_TLS_DIR: &str = "/var/run/secrets/kvplane.io/etcd-tls";
+/// Where the members of the etcd the operator runs find their certificate.
+pub(crate) const ETCD_MEMBER_TLS_DIR: &str = "/var/run/secrets/kvplane.io/etcd-member-tls";
 /// Where cache pods find the external etcd user's password.
 pub(crate) const ETCD_AUTH_DIR: &str = "/var/run/secrets/kvplane.io/etcd-auth";
 /// The file name of a client-CA bundle in [`CLIENT_CA_DIR`], whatever its key.
@@ -242,11 +257,20 @@ fn peer_tls(r: &Resolved) -> Option<kvplane_config::PeerTlsConfig> {
     })
 }
 
-/// `cluster.etcd` for an external etcd declaring TLS or a user: the files
-/// where [`render_cache`] mounts their Secrets. The etcd the operator runs
-/// is plain HTTP without users, reached through its ClusterIP Service only
-/// (docs/security.md says what that leaves open).
+/// `cluster.etcd` for an external etcd declaring TLS or a user, or for the
+/// etcd the operator runs with `metadata.etcd.tls`: the files where
+/// [`render_cache`] mounts their Secrets. The etcd the operator runs has no
+/// users (its NetworkPolicy and, declared, its client certificates decide
+/// who may reach it; docs/security.md).
 fn etcd_client(r: &Resolved) -> Option<kvplane_config::EtcdClientConfig> {
+    if let Metadata::Etcd(EtcdPlan { tls: Some(_), .. }) = &r.metadata {
+        let tls = kvplane_config::EtcdTlsConfig {
+            ca_file: format!("{ETCD_TLS_DIR}/ca.crt").into(),
+            cert_file: Some(format!("{ETCD_TLS_DIR}/tls.crt").into()),
+            key_file: Some(format!("{ETCD_TLS_DIR}/tls.key").into()),
+        };
+        return Some(kvplane_config::EtcdClientConfig { tls: Some(tls), auth: None });
+    }
     let Metadata::ExternalEtcd(c) = &r.metadata else { return None };
     if c.tls.is_none() && c.username.is_none() {
         return None;
@@ -266,17 +290,30 @@ fn etcd_client(r: &Resolved) -> Option<kvplane_config::EtcdClientConfig> {
 /// The etcd client URLs of the cluster the operator runs.
 pub(crate) fn etcd_client_urls(r: &Resolved) -> Vec<String> {
     match &r.metadata {
-        Metadata::Etcd(_) => vec![format!("http://{}.{}.svc:2379", Names::etcd_client(&r.name), r.namespace)],
+        Metadata::Etcd(plan) => vec![format!("{}://{}.{}.svc:2379", scheme(plan), Names::etcd_client(&r.name), r.namespace)],
         Metadata::ExternalEtcd(c) => vec![format!("{}://{}", if c.tls.is_some() { "https" } else { "http" }, c.address)],
         Metadata::ExternalRedis(_) => vec![],
     }
 }
 
+/// The URL scheme of the etcd the operator runs, on both of its ports.
+fn scheme(plan: &EtcdPlan) -> &'static str {
+    if plan.tls.is_some() {
+        "https"
+    } else {
+        "http"
+    }
+}
+
 /// The `--initial-cluster` of an etcd StatefulSet: every member by its stable
 /// DNS name, so all members form ONE cluster.
-pub(crate) fn initial_cluster(r: &Resolved, members: i32) -> String {
+pub(crate) fn initial_cluster(r: &Resolved, plan: &EtcdPlan) -> String {
     let sts = Names::etcd(&r.name);
-    (0..members).map(|i| format!("{sts}-{i}=http://{sts}-{i}.{sts}.{}.svc:2380", r.namespace)).collect::<Vec<_>>().join(",")
+    let scheme = scheme(plan);
+    (0..plan.workload.replicas)
+        .map(|i| format!("{sts}-{i}={scheme}://{sts}-{i}.{sts}.{}.svc:2380", r.namespace))
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// Renders every child.
@@ -379,8 +416,27 @@ fn render_etcd(r: &Resolved, plan: &EtcdPlan, placement: &RolePlacement, owner: 
         }),
         ..Default::default()
     };
-    let peer_url = format!("http://$(POD_NAME).{sts_name}.{}.svc:2380", r.namespace);
-    let client_url = format!("http://$(POD_NAME).{sts_name}.{}.svc:2379", r.namespace);
+    let scheme = scheme(plan);
+    let peer_url = format!("{scheme}://$(POD_NAME).{sts_name}.{}.svc:2380", r.namespace);
+    let client_url = format!("{scheme}://$(POD_NAME).{sts_name}.{}.svc:2379", r.namespace);
+    let mut args = vec![
+        "--name=$(POD_NAME)".into(),
+        "--data-dir=/var/lib/etcd".into(),
+        format!("--listen-peer-urls={scheme}://0.0.0.0:2380"),
+        format!("--listen-client-urls={scheme}://0.0.0.0:2379"),
+        format!("--initial-advertise-peer-urls={peer_url}"),
+        format!("--advertise-client-urls={client_url}"),
+        format!("--initial-cluster={}", initial_cluster(r, plan)),
+        format!("--initial-cluster-token={}-{}", r.namespace, r.name),
+        "--initial-cluster-state=new".into(),
+    ];
+    let mut mounts = vec![VolumeMount { name: "data".into(), mount_path: "/var/lib/etcd".into(), ..Default::default() }];
+    let mut volumes = Vec::new();
+    if let Some(tls) = &plan.tls {
+        args.extend(member_tls_args());
+        volumes.push(secret_volume("tls", &tls.members_secret, &[("tls.crt", "tls.crt"), ("tls.key", "tls.key"), (CA_FILE, CA_FILE)]));
+        mounts.push(read_only_mount("tls", ETCD_MEMBER_TLS_DIR));
+    }
     let mut env = vec![field_env("POD_NAME", "metadata.name")];
     env.extend(w.env.iter().cloned());
     let container = Container {
@@ -388,17 +444,7 @@ fn render_etcd(r: &Resolved, plan: &EtcdPlan, placement: &RolePlacement, owner: 
         image: Some(w.image.clone()),
         image_pull_policy: Some(w.image_pull_policy.clone()),
         command: Some(vec!["etcd".into()]),
-        args: Some(vec![
-            "--name=$(POD_NAME)".into(),
-            "--data-dir=/var/lib/etcd".into(),
-            "--listen-peer-urls=http://0.0.0.0:2380".into(),
-            "--listen-client-urls=http://0.0.0.0:2379".into(),
-            format!("--initial-advertise-peer-urls={peer_url}"),
-            format!("--advertise-client-urls={client_url}"),
-            format!("--initial-cluster={}", initial_cluster(r, w.replicas)),
-            format!("--initial-cluster-token={}-{}", r.namespace, r.name),
-            "--initial-cluster-state=new".into(),
-        ]),
+        args: Some(args),
         env: Some(env),
         ports: Some(vec![container_port("client", 2379), container_port("peer", 2380)]),
         readiness_probe: Some(Probe {
@@ -407,7 +453,7 @@ fn render_etcd(r: &Resolved, plan: &EtcdPlan, placement: &RolePlacement, owner: 
             ..Default::default()
         }),
         resources: w.resources.clone(),
-        volume_mounts: Some(vec![VolumeMount { name: "data".into(), mount_path: "/var/lib/etcd".into(), ..Default::default() }]),
+        volume_mounts: Some(mounts),
         ..Default::default()
     };
     let mut pod = PodSpec { containers: vec![container], ..Default::default() };
@@ -428,8 +474,9 @@ fn render_etcd(r: &Resolved, plan: &EtcdPlan, placement: &RolePlacement, owner: 
         }]
     });
     if claim_templates.is_none() {
-        pod.volumes = Some(vec![Volume { name: "data".into(), empty_dir: Some(EmptyDirVolumeSource::default()), ..Default::default() }]);
+        volumes.push(Volume { name: "data".into(), empty_dir: Some(EmptyDirVolumeSource::default()), ..Default::default() });
     }
+    pod.volumes = (!volumes.is_empty()).then_some(volumes);
     let members = StatefulSet {
         metadata: meta(r, sts_name.clone(), ROLE_ETCD, owner),
         spec: Some(StatefulSetSpec {
@@ -448,7 +495,51 @@ fn render_etcd(r: &Resolved, plan: &EtcdPlan, placement: &RolePlacement, owner: 
         }),
         ..Default::default()
     };
-    EtcdChildren { peers, client, members }
+    EtcdChildren { peers, client, members, policy: etcd_policy(r, owner) }
+}
+
+/// The TLS flags of a member of the etcd the operator runs: its
+/// certificate on both ports, and a client certificate from the Secret's
+/// CA required on both (`--client-cert-auth`): the members have no users,
+/// so the certificate is what keeps others from rewriting membership.
+pub(crate) fn member_tls_args() -> Vec<String> {
+    let dir = ETCD_MEMBER_TLS_DIR;
+    vec![
+        format!("--cert-file={dir}/tls.crt"),
+        format!("--key-file={dir}/tls.key"),
+        format!("--trusted-ca-file={dir}/{CA_FILE}"),
+        "--client-cert-auth".into(),
+        format!("--peer-cert-file={dir}/tls.crt"),
+        format!("--peer-key-file={dir}/tls.key"),
+        format!("--peer-trusted-ca-file={dir}/{CA_FILE}"),
+        "--peer-client-cert-auth".into(),
+    ]
+}
+
+/// Ingress to the etcd members from the pool's own pods only: its cache
+/// pods on the client port, the members themselves on both ports. Whoever
+/// writes the pool's etcd decides where its clients send their blocks, and
+/// without `metadata.etcd.tls` the members speak plain HTTP with no users;
+/// the policy is enforced where the cluster's network plugin enforces
+/// NetworkPolicies (docs/security.md).
+fn etcd_policy(r: &Resolved, owner: &OwnerReference) -> NetworkPolicy {
+    let from = |role: &str| NetworkPolicyPeer {
+        pod_selector: Some(LabelSelector { match_labels: Some(selector(&r.name, role)), ..Default::default() }),
+        ..Default::default()
+    };
+    let tcp = |port: i32| NetworkPolicyPort { port: Some(IntOrString::Int(port)), protocol: Some("TCP".into()), ..Default::default() };
+    NetworkPolicy {
+        metadata: meta(r, Names::etcd(&r.name), ROLE_ETCD, owner),
+        spec: Some(NetworkPolicySpec {
+            pod_selector: Some(LabelSelector { match_labels: Some(selector(&r.name, ROLE_ETCD)), ..Default::default() }),
+            policy_types: Some(vec!["Ingress".into()]),
+            ingress: Some(vec![
+                NetworkPolicyIngressRule { from: Some(vec![from(ROLE_CACHE)]), ports: Some(vec![tcp(2379)]) },
+                NetworkPolicyIngressRule { from: Some(vec![from(ROLE_ETCD)]), ports: Some(vec![tcp(2379), tcp(2380)]) },
+            ]),
+            ..Default::default()
+        }),
+    }
 }
 
 fn container_port(name: &str, port: i32) -> ContainerPort {
@@ -581,6 +672,10 @@ fn tls_volumes(r: &Resolved, volumes: &mut Vec<Volume>, mounts: &mut Vec<VolumeM
             volumes.push(secret_volume("etcd-auth", secret, &[("password", "password")]));
             mounts.push(read_only_mount("etcd-auth", ETCD_AUTH_DIR));
         }
+    }
+    if let Metadata::Etcd(EtcdPlan { tls: Some(OperatedEtcdTls { client_secret, .. }), .. }) = &r.metadata {
+        volumes.push(secret_volume("etcd-tls", client_secret, &[(CA_FILE, CA_FILE), ("tls.crt", "tls.crt"), ("tls.key", "tls.key")]));
+        mounts.push(read_only_mount("etcd-tls", ETCD_TLS_DIR));
     }
 }
 

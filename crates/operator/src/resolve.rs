@@ -58,6 +58,16 @@ pub(crate) struct Workload {
 pub(crate) struct EtcdPlan {
     pub workload: Workload,
     pub storage: Option<StorageSpec>,
+    /// `metadata.etcd.tls`, checked.
+    pub tls: Option<OperatedEtcdTls>,
+}
+
+/// TLS for the etcd the operator runs: the members' Secret, and the one
+/// the cache pods present (the members' own unless another is named).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct OperatedEtcdTls {
+    pub members_secret: String,
+    pub client_secret: String,
 }
 
 /// Where the pool's metadata lives.
@@ -181,6 +191,11 @@ pub(crate) fn resolve(kv: &KVCache) -> Result<Resolved, SpecError> {
                 format!("metadata.etcd.externalConnection.{f}"),
                 "vineyardd is given etcd's endpoint only: a vineyard pool cannot use it",
             ));
+        }
+    }
+    if let Metadata::Etcd(EtcdPlan { tls: Some(_), .. }) = &metadata {
+        if backend == BackendType::Vineyard {
+            return Err(err("metadata.etcd.tls", "vineyardd is given etcd's endpoint only: a vineyard pool cannot use it"));
         }
     }
     let (service_type, service_ports) = resolve_service(spec)?;
@@ -372,6 +387,9 @@ fn resolve_metadata(spec: &KVCacheSpec) -> Result<Metadata, SpecError> {
     let etcd = md.etcd.unwrap_or_default();
     if let Some(c) = etcd.external_connection {
         let field = "metadata.etcd.externalConnection";
+        if etcd.tls.is_some() {
+            return Err(err("metadata.etcd.tls", "is for the etcd the operator runs; an external etcd's TLS is externalConnection.tls"));
+        }
         match (&c.username, &c.password_secret_ref) {
             (Some(u), _) if u.trim().is_empty() => return Err(err(format!("{field}.username"), "names no user")),
             (Some(_), None) => {
@@ -400,6 +418,22 @@ fn resolve_metadata(spec: &KVCacheSpec) -> Result<Metadata, SpecError> {
         ));
     }
     let image = runtime.image.or(etcd.image).filter(|i| !i.trim().is_empty()).unwrap_or_else(|| DEFAULT_ETCD_IMAGE.into());
+    let tls = match etcd.tls {
+        None => None,
+        Some(t) if t.secret_name.trim().is_empty() => {
+            return Err(err(
+                "metadata.etcd.tls.secretName",
+                "names no Secret (a kubernetes.io/tls Secret with tls.crt, tls.key and ca.crt)",
+            ))
+        }
+        Some(t) if t.client_secret_name.as_ref().is_some_and(|c| c.trim().is_empty()) => {
+            return Err(err("metadata.etcd.tls.clientSecretName", "names no Secret (leave it out to use secretName's certificate)"))
+        }
+        Some(t) => Some(OperatedEtcdTls {
+            client_secret: t.client_secret_name.unwrap_or_else(|| t.secret_name.clone()),
+            members_secret: t.secret_name,
+        }),
+    };
     Ok(Metadata::Etcd(EtcdPlan {
         workload: Workload {
             replicas,
@@ -416,6 +450,7 @@ fn resolve_metadata(spec: &KVCacheSpec) -> Result<Metadata, SpecError> {
             }
             None => None,
         },
+        tls,
     }))
 }
 

@@ -95,8 +95,9 @@ spec:
   metadata: {etcd: {runtime: {replicas: 3}}}
 "#);
     let r = resolve(&k).unwrap();
+    let Metadata::Etcd(plan) = &r.metadata else { panic!("an etcd run by the operator") };
     assert_eq!(
-        initial_cluster(&r, 3),
+        initial_cluster(&r, plan),
         "pool-etcd-0=http://pool-etcd-0.pool-etcd.ns.svc:2380,pool-etcd-1=http://pool-etcd-1.pool-etcd.ns.svc:2380,pool-etcd-2=http://pool-etcd-2.pool-etcd.ns.svc:2380"
     );
     let c = render(&r, &Placements::default(), &owner());
@@ -277,6 +278,16 @@ fn invalid_specs_name_the_field() {
         (
             "  metadata: {redis: {externalConnection: {address: \"r:6379\", tls: {secretName: e}}}}",
             "spec.metadata.redis.externalConnection.tls: applies to an etcd",
+        ),
+        ("  metadata: {etcd: {tls: {secretName: \" \"}}}", "spec.metadata.etcd.tls.secretName: names no Secret"),
+        ("  metadata: {etcd: {tls: {secretName: m, clientSecretName: \"\"}}}", "spec.metadata.etcd.tls.clientSecretName: names no Secret"),
+        (
+            "  metadata: {etcd: {tls: {secretName: m}, externalConnection: {address: \"etcd:2379\"}}}",
+            "spec.metadata.etcd.tls: is for the etcd the operator runs",
+        ),
+        (
+            "  backend: {type: vineyard}\n  cache: {image: vineyardd}\n  metadata: {etcd: {tls: {secretName: m}}}",
+            "spec.metadata.etcd.tls: vineyardd is given etcd's endpoint only",
         ),
     ];
     for (body, want) in cases {
@@ -503,6 +514,75 @@ fn an_external_etcd_with_tls_and_a_user_is_rendered_into_the_node_config() {
     let file: kvplane_config::NodeConfigFile = kvplane_config::from_json_strict(&c.config.data.as_ref().unwrap()["node.json"]).unwrap();
     assert!(file.cluster.unwrap().etcd.is_none());
     assert!(named(&pod["volumes"], "etcd-tls").is_none());
+}
+
+/// The etcd the operator runs, with `metadata.etcd.tls`: its members serve
+/// both ports over TLS and require client certificates, the cache pods
+/// mount the client certificate and their node config names it, and the
+/// endpoint is https://. With or without TLS, a NetworkPolicy lets only
+/// the pool's own pods reach the members.
+#[test]
+fn the_operators_etcd_with_tls_requires_client_certificates_and_only_the_pool_reaches_it() {
+    let yaml = "apiVersion: kvplane.io/v1alpha1\nkind: KVCache\nmetadata: {name: pool, namespace: ns}\nspec:\n  metadata:\n    etcd: {replicas: 3, tls: {secretName: etcd-members, clientSecretName: etcd-client}}\n";
+    let r = resolve(&kv(yaml)).unwrap();
+    let c = render(&r, &Placements::default(), &owner());
+    let etcd = c.etcd.as_ref().unwrap();
+    let member = serde_json::to_value(etcd.members.spec.as_ref().unwrap().template.spec.as_ref().unwrap()).unwrap();
+    let args = args_of(&member);
+    for flag in [
+        "--cert-file=/var/run/secrets/kvplane.io/etcd-member-tls/tls.crt",
+        "--trusted-ca-file=/var/run/secrets/kvplane.io/etcd-member-tls/ca.crt",
+        "--client-cert-auth",
+        "--peer-cert-file=/var/run/secrets/kvplane.io/etcd-member-tls/tls.crt",
+        "--peer-client-cert-auth",
+        "--listen-client-urls=https://0.0.0.0:2379",
+        "--listen-peer-urls=https://0.0.0.0:2380",
+        "--advertise-client-urls=https://$(POD_NAME).pool-etcd.ns.svc:2379",
+    ] {
+        assert!(args.iter().any(|a| a == flag), "{flag} missing from {args:?}");
+    }
+    let cluster = args.iter().find_map(|a| a.strip_prefix("--initial-cluster=")).unwrap();
+    assert_eq!(cluster.matches("=https://").count(), 3, "{cluster}");
+    assert_eq!(named(&member["volumes"], "tls").unwrap()["secret"]["secretName"], "etcd-members");
+    let text = c.config.data.as_ref().unwrap()["node.json"].clone();
+    let file: kvplane_config::NodeConfigFile = kvplane_config::from_json_strict(&text).unwrap();
+    file.validate().unwrap_or_else(|e| panic!("{e}: {text}"));
+    assert_eq!(file.metadata, Some(kvplane_config::MetadataEndpoints::Etcd(vec!["https://pool-etcd-client.ns.svc:2379".into()])));
+    let tls = file.cluster.unwrap().etcd.unwrap().tls.unwrap();
+    assert_eq!(tls.cert_file.as_deref().and_then(|p| p.to_str()), Some("/var/run/secrets/kvplane.io/etcd-tls/tls.crt"));
+    let pod = serde_json::to_value(c.cache.spec.as_ref().unwrap().template.spec.as_ref().unwrap()).unwrap();
+    assert_eq!(named(&pod["volumes"], "etcd-tls").unwrap()["secret"]["secretName"], "etcd-client");
+
+    let policy = serde_json::to_value(&etcd.policy).unwrap();
+    assert_eq!(policy["metadata"]["name"], "pool-etcd");
+    assert_eq!(policy["spec"]["podSelector"]["matchLabels"]["kvplane.io/role"], "etcd");
+    assert_eq!(policy["spec"]["policyTypes"], serde_json::json!(["Ingress"]));
+    let rules = policy["spec"]["ingress"].as_array().unwrap();
+    let from: Vec<(&str, &str, usize)> = rules
+        .iter()
+        .map(|r| {
+            let labels = &r["from"][0]["podSelector"]["matchLabels"];
+            (
+                labels["kvplane.io/kvcache"].as_str().unwrap(),
+                labels["kvplane.io/role"].as_str().unwrap(),
+                r["ports"].as_array().unwrap().len(),
+            )
+        })
+        .collect();
+    assert_eq!(from, [("pool", "cache", 1), ("pool", "etcd", 2)]);
+
+    // Without tls: plain members, no cluster.etcd, the same policy.
+    let plain = render(
+        &resolve(&kv(&yaml.replace(", tls: {secretName: etcd-members, clientSecretName: etcd-client}", ""))).unwrap(),
+        &Placements::default(),
+        &owner(),
+    );
+    let plain_etcd = plain.etcd.as_ref().unwrap();
+    let member = serde_json::to_value(plain_etcd.members.spec.as_ref().unwrap().template.spec.as_ref().unwrap()).unwrap();
+    assert!(!args_of(&member).iter().any(|a| a.contains("tls") || a.contains("cert")), "{:?}", args_of(&member));
+    assert_eq!(plain_etcd.policy, etcd.policy);
+    let file: kvplane_config::NodeConfigFile = kvplane_config::from_json_strict(&plain.config.data.as_ref().unwrap()["node.json"]).unwrap();
+    assert!(file.cluster.unwrap().etcd.is_none());
 }
 
 /// examples/kvcache/kvplane-tls.yaml and its engine pod agree: the pool

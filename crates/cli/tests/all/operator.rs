@@ -766,3 +766,131 @@ fn a_kvcache_with_an_external_etcd_over_tls_with_a_user_renders_pods_that_regist
     drop(node);
     drop(op);
 }
+
+/// Issue 21, item 3: the etcd the operator runs, declared with
+/// `metadata.etcd.tls`. A real etcd runs with exactly the TLS flags the
+/// rendered member has (certificate files from the Secret the API server
+/// holds; only its URLs moved onto loopback), and a node with the rendered
+/// cache pod's arguments and node.json (the client certificate Secret
+/// projected, the Service's name moved onto that etcd) registers in it.
+/// The API server also takes the rendered NetworkPolicy that lets only
+/// the pool's pods reach the members (no network plugin enforces it here).
+#[test]
+fn the_operators_etcd_with_tls_runs_with_the_rendered_flags_and_its_pool_registers() {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose};
+
+    let ns = "optls";
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.distinguished_name.push(DnType::CommonName, "pool-etcd-ca");
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::DigitalSignature];
+    let ca_pem = ca_params.self_signed(&ca_key).unwrap().pem();
+    let issuer = Issuer::new(ca_params, ca_key);
+    let issue = |names: Vec<String>, usages: Vec<ExtendedKeyUsagePurpose>| {
+        let key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::new(names).unwrap();
+        params.extended_key_usages = usages;
+        (params.signed_by(&key, &issuer).unwrap().pem(), key.serialize_pem())
+    };
+    // What docs/security.md asks of the members' Certificate: the Service
+    // names, both usages. 127.0.0.1 because the test moves them there.
+    let member_names = vec![format!("*.pool-etcd.{ns}.svc"), format!("pool-etcd-client.{ns}.svc"), "127.0.0.1".into()];
+    let both = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
+    let (member_crt, member_key) = issue(member_names, both);
+    let (client_crt, client_key) = issue(Vec::new(), vec![ExtendedKeyUsagePurpose::ClientAuth]);
+
+    let cp = ControlPlane::start(Options { version: "1.34", scheduling: true });
+    cp.create_namespace(ns);
+    cp.create_fake_node("node-a", &[]);
+    cp.wait_node_ready("node-a", WAIT);
+    let op = Operator::start(&cp, "op-a", "none");
+    wait_crd(&cp, &op);
+    let secrets = format!("/api/v1/namespaces/{ns}/secrets");
+    for (name, crt, key) in [("etcd-members", &member_crt, &member_key), ("etcd-client", &client_crt, &client_key)] {
+        cp.create(
+            &secrets,
+            &json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": ns}, "type": "kubernetes.io/tls",
+                "stringData": {"tls.crt": crt, "tls.key": key, "ca.crt": ca_pem}}),
+        );
+    }
+    cp.create(
+        &format!("/apis/kvplane.io/v1alpha1/namespaces/{ns}/kvcaches"),
+        &json!({"apiVersion": "kvplane.io/v1alpha1", "kind": "KVCache", "metadata": {"name": "pool", "namespace": ns},
+            "spec": {"cache": {"replicas": 1}, "metadata": {"etcd": {"tls": {"secretName": "etcd-members", "clientSecretName": "etcd-client"}}}}}),
+    );
+    let policy_path = format!("/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies/pool-etcd");
+    let policy = cp.wait_for("the etcd NetworkPolicy", WAIT, || cp.request("GET", &policy_path, None).ok());
+    assert_eq!(policy["spec"]["podSelector"]["matchLabels"]["kvplane.io/role"], "etcd", "{policy}");
+
+    // The member: its rendered TLS flags, the Secret projected as the kubelet would.
+    let etcd_path = format!("/apis/apps/v1/namespaces/{ns}/statefulsets/pool-etcd");
+    let etcd_sts = cp.wait_for("the etcd StatefulSet", WAIT, || cp.request("GET", &etcd_path, None).ok());
+    let member_pod = &etcd_sts["spec"]["template"]["spec"];
+    let member_root = tempfile::tempdir().unwrap();
+    assert_eq!(project_secrets(&cp, ns, member_pod, member_root.path()), ["etcd-members"]);
+    let member_args: Vec<String> =
+        member_pod["containers"][0]["args"].as_array().unwrap().iter().map(|a| a.as_str().unwrap().to_owned()).collect();
+    assert!(member_args.iter().any(|a| a == "--client-cert-auth"), "{member_args:?}");
+    let tls_flags: Vec<String> = member_args
+        .iter()
+        .filter(|a| a.contains("/var/run/secrets/kvplane.io") || a.ends_with("-cert-auth"))
+        .map(|a| a.replace("/var/run/secrets/kvplane.io", member_root.path().to_str().unwrap()))
+        .collect();
+    assert_eq!(tls_flags.len(), 8, "{member_args:?}");
+    let etcd = crate::etcd::TlsEtcd::start_with_flags(&tls_flags);
+
+    // The cache pod: its node.json, the client Secret projected.
+    let sts_path = format!("/apis/apps/v1/namespaces/{ns}/statefulsets/pool-cache");
+    let sts = cp.wait_for("the cache StatefulSet", WAIT, || cp.request("GET", &sts_path, None).ok());
+    let pod = &sts["spec"]["template"]["spec"];
+    let args: Vec<String> = pod["containers"][0]["args"].as_array().unwrap().iter().map(|a| a.as_str().unwrap().to_owned()).collect();
+    let root = tempfile::tempdir().unwrap();
+    assert_eq!(project_secrets(&cp, ns, pod, root.path()), ["etcd-client", "pool-token"]);
+    let moved = root.path().to_str().unwrap();
+    let config = cp.get(&format!("/api/v1/namespaces/{ns}/configmaps/pool-config"));
+    let service = format!("https://pool-etcd-client.{ns}.svc:2379");
+    let node_json = config["data"]["node.json"].as_str().unwrap();
+    assert!(node_json.contains(&service), "{node_json}");
+    let node_json = node_json.replace("/var/run/secrets/kvplane.io", moved).replace(&service, &etcd.endpoint());
+    let config_file = root.path().join("node.json");
+    std::fs::write(&config_file, &node_json).unwrap();
+    let node_args: Vec<String> = args
+        .iter()
+        .filter(|a| !["--listen=", "--admin="].iter().any(|p| a.starts_with(p)))
+        .map(|a| {
+            if a.starts_with("--config=") {
+                format!("--config={}", config_file.display())
+            } else {
+                a.replace("/var/run/secrets/kvplane.io", moved)
+            }
+        })
+        .collect();
+    let mut cmd = crate::support::kvplane();
+    cmd.args(&node_args).args(["--listen", "127.0.0.1:0", "--admin", "none", "--memory", "16MiB"]).env("POD_NAME", "pool-cache-0");
+    let node = crate::support::NodeProcess::spawn(cmd);
+    let token = std::fs::read_to_string(root.path().join("auth/token")).unwrap();
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    runtime.block_on(async {
+        let mut config = kvplane_client::ClientConfig::new(kvplane_client::Endpoint::Tcp(node.endpoint.clone()));
+        config.token = Some(token);
+        config.connections = 1;
+        let client = kvplane_client::Client::connect(config).await.expect("the node with its token");
+        let started = Instant::now();
+        loop {
+            let stats = client.stats().await.expect("STATS");
+            if stats.iter().any(|(n, v)| n == "cluster_registered" && *v == 1) {
+                break;
+            }
+            assert!(
+                started.elapsed() < WAIT,
+                "not registered in etcd within {WAIT:?}; node log:\n{}\netcd log:\n{}",
+                node.log.lock().unwrap().join("\n"),
+                etcd.log()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    drop(node);
+    drop(op);
+}

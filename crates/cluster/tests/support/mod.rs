@@ -420,6 +420,32 @@ impl TlsEtcd {
         etcd
     }
 
+    /// One member on loopback with the TLS flags given (files, and
+    /// `--client-cert-auth` / `--peer-*` as a rendered etcd pod has them):
+    /// the client port is `https://`, the peer port too when the flags
+    /// give the peer a certificate. For the operator's rendered members.
+    pub fn start_with_flags(tls_flags: &[String]) -> TlsEtcd {
+        let dir = tempfile::Builder::new().prefix("kvplane-etcd-tls-").tempdir().expect("creating a temporary folder");
+        let ports = free_ports(2);
+        let (client, peer) = (ports[0], ports[1]);
+        let peer_scheme = if tls_flags.iter().any(|f| f.starts_with("--peer-cert-file=")) { "https" } else { "http" };
+        let mut args = vec![
+            "--name=tls0".to_string(),
+            format!("--data-dir={}", dir.path().join("data").display()),
+            format!("--listen-client-urls=https://127.0.0.1:{client}"),
+            format!("--advertise-client-urls=https://127.0.0.1:{client}"),
+            format!("--listen-peer-urls={peer_scheme}://127.0.0.1:{peer}"),
+            format!("--initial-advertise-peer-urls={peer_scheme}://127.0.0.1:{peer}"),
+            format!("--initial-cluster=tls0={peer_scheme}://127.0.0.1:{peer}"),
+            "--unsafe-no-fsync".to_string(),
+            "--log-level=warn".to_string(),
+        ];
+        args.extend(tls_flags.iter().cloned());
+        let mut etcd = TlsEtcd { args, client, plain: None, child: None, dir };
+        etcd.spawn();
+        etcd
+    }
+
     fn spawn(&mut self) {
         let log = fs::OpenOptions::new().create(true).append(true).open(self.dir.path().join("etcd.log")).expect("an etcd log file");
         let mut cmd = Command::new(etcd_binary());
