@@ -137,6 +137,7 @@ fn children(ns: &str, name: &str) -> Vec<String> {
         format!("/api/v1/namespaces/{ns}/services/{name}-etcd"),
         format!("/api/v1/namespaces/{ns}/services/{name}-etcd-client"),
         format!("/apis/apps/v1/namespaces/{ns}/statefulsets/{name}-etcd"),
+        format!("/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies/{name}-etcd"),
         format!("/api/v1/namespaces/{ns}/services/{name}-cache-headless"),
         format!("/api/v1/namespaces/{ns}/services/{name}"),
         format!("/apis/apps/v1/namespaces/{ns}/statefulsets/{name}-cache"),
