@@ -201,9 +201,11 @@ fn refuse(code: ErrorCode, message: String) -> Refusal {
 #[derive(Default)]
 struct Seen {
     contents: Vec<u8>,
-    /// The last reload failure logged, so a file that stays bad is logged
-    /// once, not every period.
+    /// The last reload failure, so a file that stays bad (the same bytes,
+    /// or the same error reading it) is logged and counted once, not every
+    /// period.
     failure: Option<String>,
+    failed_contents: Option<Vec<u8>>,
 }
 
 /// The node's tenants: the table as last loaded, the fixed default and
@@ -353,8 +355,11 @@ impl Tenants {
             Ok(c) => c,
             Err(e) => return self.reload_failed(format!("reading the tenants file {}: {e}", self.config.file.display())),
         };
-        if contents == self.seen.lock().unwrap_or_else(|e| e.into_inner()).contents {
-            return;
+        {
+            let seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+            if contents == seen.contents || seen.failed_contents.as_ref() == Some(&contents) {
+                return;
+            }
         }
         match self.read() {
             Ok((contents, file)) => {
@@ -362,18 +367,22 @@ impl Tenants {
                 let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
                 seen.contents = contents;
                 seen.failure = None;
+                seen.failed_contents = None;
                 self.reloads.fetch_add(1, Ordering::Relaxed);
                 tracing::info!(file = %self.config.file.display(), tenants = file.tenants.len(), "tenants file reloaded");
                 eprintln!("kvplane node: tenants file {} reloaded: {} tenants", self.config.file.display(), file.tenants.len());
             }
-            Err(e) => self.reload_failed(format!("{e:#}")),
+            Err(e) => {
+                self.reload_failed(format!("{e:#}"));
+                self.seen.lock().unwrap_or_else(|e| e.into_inner()).failed_contents = Some(contents);
+            }
         }
     }
 
     fn reload_failed(&self, why: String) {
-        self.reload_failures.fetch_add(1, Ordering::Relaxed);
         let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
         if seen.failure.as_deref() != Some(why.as_str()) {
+            self.reload_failures.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(error = %why, "tenants reload failed; the tenants loaded before stay in force");
             eprintln!("kvplane node: tenants reload failed, the tenants loaded before stay in force: {why}");
             seen.failure = Some(why);

@@ -21,4 +21,5 @@ mod js_scaffold;
 mod node_cli;
 mod operator;
 mod plugin;
+mod tenants;
 mod tls;
