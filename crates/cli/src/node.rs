@@ -246,6 +246,12 @@ pub(crate) async fn run(args: NodeArgs) -> anyhow::Result<ExitCode> {
     let credentials = args.token_file.is_some() || args.tenants_file.is_some() || args.tls_client_ca.is_some();
     check_exposure(listen, credentials, args.allow_unauthenticated)?;
     let token = args.token_file.as_deref().map(read_token).transpose()?;
+    if args.cluster_token_file.is_some() && args.tenants_file.is_none() {
+        anyhow::bail!(
+            "--cluster-token-file is the members' credential beside --tenants-file; without tenants, members present \
+             --token-file's token to each other: leave --cluster-token-file out, or give --tenants-file"
+        );
+    }
     let cluster_token = args.cluster_token_file.as_deref().map(|p| read_secret("--cluster-token-file", p)).transpose()?;
     let tenants = match &args.tenants_file {
         Some(file) => {

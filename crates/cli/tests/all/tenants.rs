@@ -536,6 +536,11 @@ fn cluster_mode_with_tenants_needs_the_cluster_token_and_a_world_readable_tenant
     ]);
     let said = support::text(&out);
     assert!(!out.status.success() && said.contains("cluster mode with --tenants-file needs --cluster-token-file"), "{said}");
+    let token = dir.path().join("cluster-token");
+    std::fs::write(&token, "members-only").unwrap();
+    let out = support::run(&["node", "--listen", "127.0.0.1:0", "--admin", "none", "--cluster-token-file", token.to_str().unwrap()]);
+    let said = support::text(&out);
+    assert!(!out.status.success() && said.contains("--cluster-token-file is the members' credential beside --tenants-file"), "{said}");
     // A bad file is refused at start, naming the file and the field.
     std::fs::write(&file, r#"{"tenants": [{"name": "a", "tokenSha256": "00", "memoryBytes": 1, "pinnedBytes": 1}]}"#).unwrap();
     use std::os::unix::fs::PermissionsExt as _;
