@@ -737,6 +737,69 @@ impl prometheus_client::collector::Collector for Collector {
 mod tests {
     use super::*;
 
+    fn hex(d: [u8; 32]) -> String {
+        d.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    fn config(dir: &std::path::Path, tenants: &[(&str, &str)], default: Option<&str>, cluster: Option<&str>) -> TenantsConfig {
+        let list: Vec<String> = tenants
+            .iter()
+            .map(|(n, t)| format!(r#"{{"name": "{n}", "tokenSha256": "{}", "memoryBytes": "1Mi", "pinnedBytes": 0}}"#, hex(sha256(t))))
+            .collect();
+        let file = dir.join("tenants.json");
+        std::fs::write(&file, format!(r#"{{"tenants": [{}]}}"#, list.join(","))).unwrap();
+        TenantsConfig {
+            file,
+            reload_interval: Duration::from_secs(1),
+            default_token: default.map(str::to_string),
+            cluster_token: cluster.map(str::to_string),
+        }
+    }
+
+    fn tenant_of(scope: Result<Scope, Refusal>) -> Result<String, String> {
+        match scope {
+            Ok(Scope::Tenant(a)) => Ok(a.0.name.clone()),
+            Ok(Scope::Cluster) => Ok("<cluster>".into()),
+            Ok(Scope::Open) => Ok("<open>".into()),
+            Err(r) => Err(r.message),
+        }
+    }
+
+    #[test]
+    fn a_token_authenticates_into_its_tenant_the_default_or_the_cluster_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = Tenants::load(config(dir.path(), &[("a", "ta"), ("b", "tb")], Some("td"), Some("tc"))).unwrap();
+        assert_eq!(tenant_of(t.authenticate(Some("ta"))), Ok("a".into()));
+        assert_eq!(tenant_of(t.authenticate(Some("tb"))), Ok("b".into()));
+        assert_eq!(tenant_of(t.authenticate(Some("td"))), Ok(DEFAULT_TENANT.into()));
+        assert_eq!(tenant_of(t.authenticate(Some("tc"))), Ok("<cluster>".into()));
+        assert_eq!(tenant_of(t.authenticate(Some("tx"))), Err("wrong bearer token".into()));
+        assert_eq!(tenant_of(t.authenticate(None)), Err("this node requires a bearer token".into()));
+        // A reload: b's token changes, c arrives; a's Arc (and connections) stay.
+        let a_before = match t.authenticate(Some("ta")) {
+            Ok(Scope::Tenant(a)) => Arc::clone(&a.0),
+            _ => unreachable!(),
+        };
+        config(dir.path(), &[("a", "ta"), ("b", "tb2"), ("c", "tc3")], None, None);
+        t.reload();
+        assert!(!a_before.revoked() && t.table().iter().any(|x| Arc::ptr_eq(x, &a_before)));
+        assert_eq!(tenant_of(t.authenticate(Some("tb"))), Err("wrong bearer token".into()));
+        assert_eq!(tenant_of(t.authenticate(Some("tb2"))), Ok("b".into()));
+        assert_eq!(tenant_of(t.authenticate(Some("tc3"))), Ok("c".into()));
+        assert_eq!(t.reloads.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn a_cluster_token_shared_with_a_tenant_or_the_default_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = Tenants::load(config(dir.path(), &[("a", "same")], None, Some("same"))).unwrap_err().to_string();
+        assert!(e.contains("tenant \"a\" has the digest of --cluster-token-file's token"), "{e}");
+        let e = Tenants::load(config(dir.path(), &[], Some("same"), Some("same"))).unwrap_err().to_string();
+        assert!(e.contains("--cluster-token-file holds the same token as --token-file"), "{e}");
+        let e = Tenants::load(config(dir.path(), &[("a", "same")], Some("same"), None)).unwrap_err().to_string();
+        assert!(e.contains("has the digest of --token-file's token"), "{e}");
+    }
+
     #[test]
     fn scoped_keys_of_two_tenants_never_meet() {
         // Whatever B sends, its scoped key starts with B's tag, and the tag
