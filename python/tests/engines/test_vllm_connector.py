@@ -245,6 +245,30 @@ def test_a_prompt_the_engine_holds_is_not_saved_again(node: Node) -> None:
     engine.shutdown()
 
 
+def test_a_second_instance_does_not_save_again_the_last_block_the_node_holds(node: Node) -> None:
+    """A prompt that fills its 4 blocks exactly: a second instance loads 3 (one
+    token is always left to compute) and computes the 4th, which the node
+    already holds from the first instance. That block was PUT again before
+    the first token on every such request; now the lookup covers it."""
+    prompt = list(range(500, 564))  # 4 full blocks no other test uses (the node is shared)
+    first = Engine(node.endpoint)
+    first.add("a", prompt)
+    out, failed = first.step()
+    assert out.num_scheduled_tokens["a"] == len(prompt) and not failed
+    second = Engine(node.endpoint)
+    with kvplane.Client(node.endpoint) as kv:
+        before = kv.stats()
+        second.add("b", prompt)
+        out, failed = second.step()
+        after = kv.stats()
+    assert not failed
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 48, "3 blocks loaded, the last computed"
+    assert after["keys_get"] - before["keys_get"] == 3
+    assert after["keys_put"] == before["keys_put"], "the last block, which the node holds, was saved again"
+    first.shutdown()
+    second.shutdown()
+
+
 def test_a_node_that_is_down_means_misses_never_a_failed_request() -> None:
     gone = Node()
     endpoint = gone.endpoint
@@ -281,6 +305,29 @@ def test_a_node_lost_between_match_and_load_is_reported_so_vllm_recomputes() -> 
         assert not failed
         assert out.num_scheduled_tokens["b"] == len(SHARED)
         assert b.is_finished() and b.status.name == "FINISHED_LENGTH_CAPPED", b.status
+        second.shutdown()
+    finally:
+        node.stop()
+
+
+def test_a_block_missing_at_load_time_is_reported_and_the_others_land_in_place() -> None:
+    """The middle block of three goes missing between the match and the
+    load: it alone is reported, and the blocks around it are copied into
+    their own vLLM blocks (the copy skips a failed staging row)."""
+    node = Node()
+    try:
+        first, saved = saved_by_first_instance(node)
+        first.shutdown()
+        second = Engine(node.endpoint)
+        b = second.add("b", SHARED)
+        key = second.worker._keys(0, [b.block_hashes[1].hex()])[0]
+        with kvplane.Client(node.endpoint) as kv:
+            out, failed = second.step(before_load=lambda: kv.delete([key]))
+        new = out.scheduled_new_reqs[0]
+        assert new.num_computed_tokens == 48, "the match was made before the block went missing"
+        assert failed == {new.block_ids[0][1]}, "only the missing block is reported"
+        for i in (0, 2):
+            assert second.block_bytes(new.block_ids[0][i]) == saved[i], f"block {i} differs from what was saved"
         second.shutdown()
     finally:
         node.stop()
@@ -362,3 +409,5 @@ def test_a_load_copies_each_run_of_consecutive_blocks_at_once() -> None:
     assert _consecutive_runs([7]) == [(7, 0, 1)]
     assert _consecutive_runs([]) == []
     assert _consecutive_runs([3, 3]) == [(3, 0, 1), (3, 1, 1)]
+    # Rows given (a failed row skipped): a run needs both consecutive.
+    assert _consecutive_runs([4, 5, 6], [0, 2, 3]) == [(4, 0, 1), (5, 2, 2)]
