@@ -163,6 +163,15 @@ pub struct AuthSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 253))]
     pub token_secret_ref: Option<String>,
+    /// Name of a Secret in the KVCache's namespace holding a tenants file
+    /// (docs/security.md, "Tenants") under the key `tenants.json`. Given,
+    /// every client authenticates as one of its tenants, sees that
+    /// tenant's keys only and is held to its quotas; the pool's token
+    /// (`tokenSecretRef`, or the one generated) is then the members'
+    /// cluster token, for the cache pods only, never for engines.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    pub tenants_secret_ref: Option<String>,
 }
 
 /// Where the pool keeps its metadata.

@@ -150,6 +150,10 @@ impl Names {
 
 /// Where cache pods find the token Secret's files.
 pub(crate) const TOKEN_DIR: &str = "/var/run/secrets/kvplane.io/auth";
+/// Where cache pods find `spec.auth.tenantsSecretRef`'s tenants file.
+pub(crate) const TENANTS_DIR: &str = "/var/run/secrets/kvplane.io/tenants";
+/// The key (and file name) of the tenants file in its Secret.
+pub(crate) const TENANTS_KEY: &str = "tenants.json";
 /// Where cache pods find `spec.tls`'s Secret (`tls.crt`, `tls.key`).
 pub(crate) const TLS_DIR: &str = "/var/run/secrets/kvplane.io/tls";
 /// Where cache pods find the CA of client certificates (`spec.tls.clientCA`).
@@ -724,8 +728,16 @@ fn render_cache(r: &Resolved, placement: &RolePlacement, owner: &OwnerReference,
             ];
             // Other pods reach the client port, so the node requires the
             // token (and refuses to start without one).
-            if r.token.is_some() {
-                args.push(format!("--token-file={TOKEN_DIR}/{TOKEN_KEY}"));
+            // With tenants, clients present their tenant's token and the
+            // pool's token is the members' (hand-off, repair), which sees
+            // every tenant's keys: no client gets it.
+            match (&r.token, &r.tenants) {
+                (Some(_), Some(_)) => {
+                    args.push(format!("--tenants-file={TENANTS_DIR}/{TENANTS_KEY}"));
+                    args.push(format!("--cluster-token-file={TOKEN_DIR}/{TOKEN_KEY}"));
+                }
+                (Some(_), None) => args.push(format!("--token-file={TOKEN_DIR}/{TOKEN_KEY}")),
+                (None, _) => {}
             }
             let get = |path: &str| HTTPGetAction { path: Some(path.into()), port: IntOrString::Int(ADMIN_PORT), ..Default::default() };
             let probe = Probe { http_get: Some(get("/readyz")), period_seconds: Some(5), ..Default::default() };
@@ -751,6 +763,10 @@ fn render_cache(r: &Resolved, placement: &RolePlacement, owner: &OwnerReference,
     if let Some(t) = &r.token {
         mounts.push(VolumeMount { name: "token".into(), mount_path: TOKEN_DIR.into(), read_only: Some(true), ..Default::default() });
         volumes.push(token_volume(t));
+    }
+    if let Some(tenants) = &r.tenants {
+        volumes.push(secret_volume("tenants", tenants, &[(TENANTS_KEY, TENANTS_KEY)]));
+        mounts.push(read_only_mount("tenants", TENANTS_DIR));
     }
     let mut args = args;
     if r.backend != BackendType::Vineyard {

@@ -104,6 +104,9 @@ pub(crate) struct Resolved {
     /// The Secret whose `token` key every client presents; `None` only for
     /// vineyardd, which has no authentication of its own.
     pub token: Option<TokenSecret>,
+    /// `spec.auth.tenantsSecretRef`: the Secret whose `tenants.json` the
+    /// nodes serve tenants from (the token is then the members' own).
+    pub tenants: Option<String>,
     /// `spec.tiering`, checked by the node's own validation.
     pub tiering: Option<TieringConfig>,
     /// `spec.tls`: the cache pods' certificate and their clients' CA.
@@ -207,6 +210,7 @@ pub(crate) fn resolve(kv: &KVCache) -> Result<Resolved, SpecError> {
     }
     let plugins = resolve_plugins(spec, backend, &backend_endpoints)?;
     let token = resolve_token(spec, backend, &name)?;
+    let tenants = resolve_tenants(spec, backend)?;
     let tiering = resolve_tiering(spec, backend, &backend_endpoints, &plugins)?;
     let tls = resolve_tls(spec, backend)?;
     Ok(Resolved {
@@ -223,9 +227,23 @@ pub(crate) fn resolve(kv: &KVCache) -> Result<Resolved, SpecError> {
         service_ports,
         plugins,
         token,
+        tenants,
         tiering,
         tls,
     })
+}
+
+/// `spec.auth.tenantsSecretRef`: a Secret that must be named, and not for a
+/// vineyard pool (vineyardd checks no token).
+fn resolve_tenants(spec: &KVCacheSpec, backend: BackendType) -> Result<Option<String>, SpecError> {
+    match spec.auth.as_ref().and_then(|a| a.tenants_secret_ref.clone()) {
+        None => Ok(None),
+        Some(_) if backend == BackendType::Vineyard => {
+            Err(err("auth.tenantsSecretRef", "vineyardd checks no token: a vineyard pool cannot serve tenants"))
+        }
+        Some(n) if n.trim().is_empty() => Err(err("auth.tenantsSecretRef", "names no Secret")),
+        Some(n) => Ok(Some(n)),
+    }
 }
 
 /// `spec.tls`: a Secret that must be named, and at most one client CA.

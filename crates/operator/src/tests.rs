@@ -361,6 +361,28 @@ fn a_named_token_secret_is_mounted_and_none_is_generated() {
     assert!(pod["containers"][0]["args"].as_array().unwrap().iter().any(|a| a.as_str().unwrap().starts_with("--token-file=")));
 }
 
+/// `spec.auth.tenantsSecretRef`: the tenants file mounted and served, the
+/// pool's token passed as the members' cluster token only (a client with
+/// it would see every tenant's keys); refused for a vineyard pool.
+#[test]
+fn a_tenants_secret_is_mounted_and_the_pool_token_becomes_the_members_own() {
+    let yaml = concat!(include_str!("../../../examples/kvcache/kvplane.yaml"), "  auth: {tenantsSecretRef: llama-tenants}\n");
+    let (pod, c) = cache_pod(yaml);
+    assert!(c.token.is_some(), "the members' token is still generated");
+    let volume = pod["volumes"].as_array().unwrap().iter().find(|v| v["name"] == "tenants").expect("a tenants volume").clone();
+    assert_eq!(volume["secret"]["secretName"], "llama-tenants");
+    assert_eq!(volume["secret"]["items"][0]["key"], "tenants.json");
+    let mount = pod["containers"][0]["volumeMounts"].as_array().unwrap().iter().find(|m| m["name"] == "tenants").unwrap().clone();
+    assert_eq!(mount["mountPath"], "/var/run/secrets/kvplane.io/tenants");
+    let args: Vec<&str> = pod["containers"][0]["args"].as_array().unwrap().iter().map(|a| a.as_str().unwrap()).collect();
+    assert!(args.contains(&"--tenants-file=/var/run/secrets/kvplane.io/tenants/tenants.json"), "{args:?}");
+    assert!(args.contains(&"--cluster-token-file=/var/run/secrets/kvplane.io/auth/token"), "{args:?}");
+    assert!(!args.iter().any(|a| a.starts_with("--token-file=")), "no client tenant gets the members' token: {args:?}");
+    let vineyard = concat!(include_str!("../../../examples/kvcache/vineyard.yaml"), "  auth: {tenantsSecretRef: t}\n");
+    let e = resolve(&kv(vineyard)).unwrap_err().to_string();
+    assert!(e.contains("auth.tenantsSecretRef") && e.contains("vineyardd"), "{e}");
+}
+
 /// Every example whose node listens on every address gets a token: the
 /// node would refuse to start otherwise. vineyardd has no token to give.
 #[test]
