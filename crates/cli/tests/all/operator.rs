@@ -603,6 +603,91 @@ fn a_kvcache_with_tls_renders_pods_whose_node_serves_tls_and_refuses_plaintext()
     drop(op);
 }
 
+/// Issue 21, item 2: a KVCache naming a tenants Secret renders cache pods
+/// that serve tenants. The Secret (tenants a and b, digests of their
+/// tokens) is created through the API server; the node runs with the
+/// rendered arguments, their Secret paths moved onto a folder holding the
+/// Secrets' contents (as in the TLS test above; `--listen`/`--admin`
+/// rebound to loopback, `--config` left out: its etcd Service runs
+/// nowhere here). Tenant a stores a key tenant b cannot read or see; a
+/// client with no token is refused; the pool's generated token is the
+/// members' (cluster role): it reads a's block under a's tagged key.
+#[test]
+fn a_kvcache_with_tenants_renders_pods_whose_node_keeps_each_tenant_to_its_keys() {
+    let cp = ControlPlane::start(Options { version: "1.34", scheduling: true });
+    let ns = "tenants";
+    cp.create_namespace(ns);
+    cp.create_fake_node("node-a", &[]);
+    cp.wait_node_ready("node-a", WAIT);
+    let op = Operator::start(&cp, "op-a", "none");
+    wait_crd(&cp, &op);
+    let digest = |token: &str| -> String {
+        let mut child = Command::new("sha256sum").stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped()).spawn().unwrap();
+        std::io::Write::write_all(&mut child.stdin.take().unwrap(), token.as_bytes()).unwrap();
+        String::from_utf8(child.wait_with_output().unwrap().stdout).unwrap().split_whitespace().next().unwrap().to_owned()
+    };
+    let tenants = json!({"tenants": [
+        {"name": "a", "tokenSha256": digest("token-a"), "memoryBytes": "8Mi", "pinnedBytes": "1Mi"},
+        {"name": "b", "tokenSha256": digest("token-b"), "memoryBytes": "8Mi", "pinnedBytes": "1Mi"}]});
+    cp.create(
+        &format!("/api/v1/namespaces/{ns}/secrets"),
+        &json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "pool-tenants", "namespace": ns},
+            "stringData": {"tenants.json": tenants.to_string()}}),
+    );
+    cp.create(
+        &format!("/apis/kvplane.io/v1alpha1/namespaces/{ns}/kvcaches"),
+        &json!({"apiVersion": "kvplane.io/v1alpha1", "kind": "KVCache", "metadata": {"name": "pool", "namespace": ns},
+            "spec": {"cache": {"replicas": 1}, "auth": {"tenantsSecretRef": "pool-tenants"}}}),
+    );
+    let sts_path = format!("/apis/apps/v1/namespaces/{ns}/statefulsets/pool-cache");
+    let sts = cp.wait_for("the cache StatefulSet", WAIT, || cp.request("GET", &sts_path, None).ok());
+    let pod = &sts["spec"]["template"]["spec"];
+    let args: Vec<String> = pod["containers"][0]["args"].as_array().unwrap().iter().map(|a| a.as_str().unwrap().to_owned()).collect();
+    assert!(args.contains(&"--tenants-file=/var/run/secrets/kvplane.io/tenants/tenants.json".to_string()), "{args:?}");
+    assert!(args.contains(&"--cluster-token-file=/var/run/secrets/kvplane.io/auth/token".to_string()), "{args:?}");
+    assert!(!args.iter().any(|a| a.starts_with("--token-file")), "{args:?}");
+
+    let root = tempfile::tempdir().unwrap();
+    assert_eq!(project_secrets(&cp, ns, pod, root.path()), ["pool-tenants", "pool-token"]);
+    let moved = root.path().to_str().unwrap();
+    const SECRETS: &str = "/var/run/secrets/kvplane.io";
+    let node_args: Vec<String> = args
+        .iter()
+        .filter(|a| !["--listen=", "--admin=", "--config="].iter().any(|p| a.starts_with(p)))
+        .map(|a| a.replace(SECRETS, moved))
+        .collect();
+    let mut cmd = crate::support::kvplane();
+    cmd.args(&node_args).args(["--listen", "127.0.0.1:0", "--admin", "none", "--memory", "16MiB"]);
+    let node = crate::support::NodeProcess::spawn(cmd);
+    let members = std::fs::read_to_string(root.path().join("auth/token")).unwrap();
+
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    runtime.block_on(async {
+        use bytes::Bytes;
+        use kvplane_client::{Client, ClientConfig, Endpoint};
+        let connect = |token: Option<&str>| {
+            let mut c = ClientConfig::new(Endpoint::Tcp(node.endpoint.clone()));
+            c.connections = 1;
+            c.timeout = WAIT;
+            c.token = token.map(str::to_owned);
+            Client::connect(c)
+        };
+        let a = connect(Some("token-a")).await.expect("tenant a connects");
+        let value = Bytes::from(vec![5u8; 4096]);
+        a.put(vec![(Bytes::from_static(b"k"), value.clone())]).await.unwrap().pop().unwrap().expect("a's PUT");
+        let b = connect(Some("token-b")).await.expect("tenant b connects");
+        assert!(b.get(vec![Bytes::from_static(b"k")]).await.unwrap().pop().unwrap().is_err(), "tenant b read tenant a's block");
+        assert!(!b.exists(vec![Bytes::from_static(b"k")]).await.unwrap()[0], "tenant b saw tenant a's key");
+        let anonymous = connect(None).await.err().expect("a client without a token is refused").to_string();
+        assert!(anonymous.contains("this node requires a bearer token"), "{anonymous}");
+        let cluster = connect(Some(members.trim_end())).await.expect("the members' token connects");
+        let tagged = Bytes::from_static(b"\x01ak");
+        assert_eq!(cluster.get(vec![tagged]).await.unwrap().pop().unwrap().expect("the cluster role reads the stored key"), value);
+    });
+    drop(node);
+    drop(op);
+}
+
 /// The CA a client of the pool trusts: the TLS Secret's `ca.crt`.
 fn secret_ca(cp: &ControlPlane, ns: &str) -> Vec<u8> {
     let secret = cp.get(&format!("/api/v1/namespaces/{ns}/secrets/pool-tls"));
