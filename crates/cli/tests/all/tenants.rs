@@ -552,3 +552,43 @@ fn cluster_mode_with_tenants_needs_the_cluster_token_and_a_world_readable_tenant
     assert!(said.contains(file.to_str().unwrap()) && said.contains("tenants.0.tokenSha256 (tenant \"a\")"), "{said}");
     assert!(!said.contains("reachable from other hosts"), "a tenants file is credentials: {said}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_at_its_max_connections_is_refused_naming_it_and_others_are_not() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("tenants.json");
+    let text = serde_json::json!({"tenants": [
+        {"name": "capped", "tokenSha256": digest("token-capped"), "memoryBytes": "1Mi", "pinnedBytes": "1Mi", "maxConnections": 1},
+        {"name": "free", "tokenSha256": digest("token-free"), "memoryBytes": "1Mi", "pinnedBytes": "1Mi"}]});
+    std::fs::write(&file, text.to_string()).unwrap();
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let (node, admin) = start(&["--tenants-file", file.to_str().unwrap()]);
+    let first = tcp(&node, "token-capped").await;
+    let second = connect(Endpoint::Tcp(node.endpoint.clone()), Some("token-capped"), false).await.err().expect("over maxConnections");
+    assert!(second.to_string().contains("tenant 'capped' already holds 1 connections, its maxConnections"), "{second}");
+    let _free: Vec<Client> = uncapped_connections(&node).await;
+    let m = metrics(&admin).await;
+    assert_eq!(series(&m, "kvplane_tenant_refusals_total", "tenant=\"capped\",quota=\"maxConnections\""), 1, "{m}");
+    assert_eq!(series(&m, "kvplane_tenant_connections", "tenant=\"capped\""), 1, "{m}");
+    // Its connection closed, the slot is free again.
+    drop(first);
+    let again = eventually("capped may connect once its connection closed", PATIENCE, || {
+        let endpoint = node.endpoint.clone();
+        tokio::task::block_in_place(|| {
+            tokio::runtime::Handle::current().block_on(async { connect(Endpoint::Tcp(endpoint), Some("token-capped"), false).await.ok() })
+        })
+    })
+    .await;
+    assert!(again.ping().await.is_ok());
+    drop(node);
+}
+
+/// Three connections of the uncapped tenant: none refused.
+async fn uncapped_connections(node: &NodeProcess) -> Vec<Client> {
+    let mut all = Vec::new();
+    for _ in 0..3 {
+        all.push(tcp(node, "token-free").await);
+    }
+    all
+}
