@@ -122,7 +122,10 @@ class Shape:
     output: int = 32
     concurrency: int = 4
     rate: float = 1.0
-    hit_prompts: int = 3  # fresh prompts per length for the prefix-cache-hit comparison
+    # Fresh prompts per length for the prefix-cache-hit comparison: 5, as
+    # with 3 the medians of one run moved by 30-70% on a machine shared
+    # with builds (one engine's 4k hits: 133, 64, 228 ms).
+    hit_prompts: int = 5
     # vLLM's KV space, in blocks (128 tokens on CPU).
     local_blocks: int = 288
     node_memory: str = "2GiB"
@@ -622,6 +625,9 @@ class Way:
             out[f"ttft_p50_{n}_s"] = median([r.ttft_s for r in ok if r.length == n])
             out[f"cold_{n}_s"] = median([r.ttft_s for r in self.cold if r.ok and r.length == n])
             out[f"hit_{n}_s"] = median([r.ttft_s for r in self.hit if r.ok and r.length == n])
+            # The best of them: other processes only ever add to a TTFT, so
+            # on a busy machine the minimum is the steadier comparison.
+            out[f"hit_min_{n}_s"] = min([r.ttft_s for r in self.hit if r.ok and r.length == n], default=math.nan)
             out[f"hit_cached_{n}"] = [r.cached_tokens for r in self.hit if r.length == n]
         return out
 
@@ -700,9 +706,11 @@ def goals(ways: dict[str, Way], shape: Shape) -> list[str]:
         s1, s2 = k1.summary(shape), k2.summary(shape)
         for m in shape.lengths:
             own, loaded = s1[f"hit_{m}_s"], s2[f"hit_{m}_s"]
+            own_min, loaded_min = s1[f"hit_min_{m}_s"], s2[f"hit_min_{m}_s"]
             out.append(
                 f"second engine loading from kvplane vs first engine's own prefix-cache hit at {m} tokens: "
-                f"{ms(loaded)} ms vs {ms(own)} ms = {loaded / own:.2f}x (goal <= 1.2x)"
+                f"{ms(loaded)} ms vs {ms(own)} ms = {loaded / own:.2f}x (goal <= 1.2x); "
+                f"best of {shape.hit_prompts}: {ms(loaded_min)} vs {ms(own_min)} ms = {loaded_min / own_min:.2f}x"
             )
         r1, r2 = s1[f"ttft_p50_{n}_s"], s2[f"ttft_p50_{n}_s"]
         out.append(
