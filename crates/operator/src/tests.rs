@@ -313,6 +313,7 @@ fn every_example_resolves() {
         ("aibrix-seed", include_str!("../../../examples/kvcache/aibrix-seed.yaml")),
         ("kvplane", include_str!("../../../examples/kvcache/kvplane.yaml")),
         ("kvplane-tls", include_str!("../../../examples/kvcache/kvplane-tls.yaml")),
+        ("kvplane-tenants", include_str!("../../../examples/kvcache/kvplane-tenants.yaml")),
         ("redis", include_str!("../../../examples/kvcache/redis.yaml")),
         ("vineyard", include_str!("../../../examples/kvcache/vineyard.yaml")),
         ("vineyard-tier", include_str!("../../../examples/kvcache/vineyard-tier.yaml")),
@@ -400,7 +401,10 @@ fn every_example_pool_listening_beyond_loopback_has_a_token() {
         let args: Vec<&str> = pod["containers"][0]["args"].as_array().unwrap().iter().map(|a| a.as_str().unwrap()).collect();
         if args.first() == Some(&"node") {
             assert!(args.iter().any(|a| a.starts_with("--listen=0.0.0.0")), "{name}: {args:?}");
-            assert!(args.iter().any(|a| a.starts_with("--token-file=")), "examples/kvcache/{name}.yaml renders an open node: {args:?}");
+            assert!(
+                args.iter().any(|a| a.starts_with("--token-file=") || a.starts_with("--tenants-file=")),
+                "examples/kvcache/{name}.yaml renders an open node: {args:?}"
+            );
         }
     }
 }
@@ -605,6 +609,42 @@ fn the_operators_etcd_with_tls_requires_client_certificates_and_only_the_pool_re
     assert_eq!(plain_etcd.policy, etcd.policy);
     let file: kvplane_config::NodeConfigFile = kvplane_config::from_json_strict(&plain.config.data.as_ref().unwrap()["node.json"]).unwrap();
     assert!(file.cluster.unwrap().etcd.is_none());
+}
+
+/// examples/kvcache/kvplane-tenants.yaml and its files agree: the tenants
+/// Secret holds a tenants file the node would take, the pool serves it,
+/// and the etcd Certificates write the Secrets `metadata.etcd.tls` names,
+/// for the names and usages docs/security.md asks of them.
+#[test]
+fn the_tenants_example_and_its_secrets_agree() {
+    let (pod, c) = cache_pod(include_str!("../../../examples/kvcache/kvplane-tenants.yaml"));
+    let docs = |text: &str| -> Vec<serde_yaml::Value> {
+        serde_yaml::Deserializer::from_str(text).map(|d| serde::Deserialize::deserialize(d).unwrap()).collect()
+    };
+    let secret = &docs(include_str!("../../../examples/kvcache/tenants/secret.yaml"))[0];
+    let tenants: kvplane_config::TenantsFile =
+        kvplane_config::from_json_strict(secret["stringData"]["tenants.json"].as_str().unwrap()).unwrap();
+    tenants.validate(false).unwrap();
+    assert_eq!(tenants.tenants.len(), 2);
+    let mounted = pod["volumes"].as_array().unwrap().iter().filter_map(|v| v["secret"]["secretName"].as_str()).collect::<Vec<_>>();
+    assert!(mounted.contains(&secret["metadata"]["name"].as_str().unwrap()), "{mounted:?}");
+    assert!(args_of(&pod).iter().any(|a| a.starts_with("--tenants-file=")), "{:?}", args_of(&pod));
+
+    let certificates = docs(include_str!("../../../examples/kvcache/tenants/etcd-certificates.yaml"));
+    let certificate = |secret: &str| {
+        certificates
+            .iter()
+            .find(|d| d["kind"] == "Certificate" && d["spec"]["secretName"] == secret)
+            .unwrap_or_else(|| panic!("no Certificate writes {secret}"))
+    };
+    let member = serde_json::to_value(c.etcd.as_ref().unwrap().members.spec.as_ref().unwrap().template.spec.as_ref().unwrap()).unwrap();
+    let members = certificate(named(&member["volumes"], "tls").unwrap()["secret"]["secretName"].as_str().unwrap());
+    let names: Vec<&str> = members["spec"]["dnsNames"].as_sequence().unwrap().iter().map(|n| n.as_str().unwrap()).collect();
+    assert_eq!(names, ["*.shared-kv-etcd.default.svc", "shared-kv-etcd-client.default.svc"]);
+    let usages: Vec<&str> = members["spec"]["usages"].as_sequence().unwrap().iter().map(|n| n.as_str().unwrap()).collect();
+    assert!(usages.contains(&"server auth") && usages.contains(&"client auth"), "{usages:?}");
+    let client = certificate(named(&pod["volumes"], "etcd-tls").unwrap()["secret"]["secretName"].as_str().unwrap());
+    assert_eq!(client["spec"]["issuerRef"], members["spec"]["issuerRef"]);
 }
 
 /// examples/kvcache/kvplane-tls.yaml and its engine pod agree: the pool
