@@ -457,7 +457,7 @@ async fn with_timeout<T>(
 /// (TLS 1.3 refuses a client certificate after the client's side of the
 /// handshake is done).
 async fn handshake<R, W>(
-    reader: &mut R,
+    reader: &mut BufReader<R>,
     writer: &mut W,
     endpoint: &Endpoint,
     token: Option<&str>,

@@ -10,8 +10,8 @@ use std::io::{self, IoSlice};
 use crate::{
     decode_body, Block, DecodeError, EncodedFrame, Frame, FrameHeader, Limits, Message, Meta, ProtocolError, Response, HEADER_LEN,
 };
-use bytes::{Bytes, BytesMut};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use bytes::{BufMut, Bytes, BytesMut};
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 
 /// Most segments handed to one `writev` (the kernel's `IOV_MAX` is 1024).
 const MAX_IOVECS: usize = 1024;
@@ -80,6 +80,110 @@ pub async fn read_bytes<R: AsyncRead + Unpin + ?Sized>(r: &mut R, len: usize) ->
     Ok(buf.freeze())
 }
 
+/// A block at least this long is read from the stream straight into the
+/// block once the receive buffer is empty (its tail too: filling the buffer
+/// for the tail would pull the next blocks into it, to be copied twice); a
+/// shorter one goes through the buffer. One system call per 16 KiB or more
+/// costs less than a second copy of it, while small blocks keep arriving
+/// many per system call through the buffer.
+pub const DIRECT_READ_BYTES: usize = 16 << 10;
+
+/// Most bytes one direct read asks for: a piece small enough to still be in
+/// the core's L2 cache when it is checksummed right after the kernel copied
+/// it. (A 2 MiB block read in one piece is checksummed from memory again;
+/// the system call per 256 KiB costs far less than that second trip.)
+pub const DIRECT_READ_PIECE_BYTES: usize = 256 << 10;
+
+/// Reads exactly `dst.len()` bytes into `dst` and returns their CRC-32C.
+///
+/// Bytes already in `r`'s buffer are copied out of it; once it is empty, a
+/// block of at least [`DIRECT_READ_BYTES`] is read from the stream straight
+/// into `dst`, at most [`DIRECT_READ_PIECE_BYTES`] per read.
+/// (`tokio::io::BufReader` bypasses its buffer only for a read at least as
+/// long as the whole buffer, so behind a 256 KiB buffer a 64 KiB block, and
+/// the last 256 KiB of every larger one, would be copied twice.) The checksum is computed piece by piece, each piece right after
+/// it landed and while it is still in cache, instead of in a second pass
+/// over a block that has left the cache by then (a 2 MiB block does not fit
+/// in L2).
+pub async fn read_block<R: AsyncRead + Unpin>(r: &mut BufReader<R>, dst: &mut [u8]) -> io::Result<u32> {
+    let len = dst.len();
+    let mut done = 0;
+    let mut crc = 0u32;
+    while done < len {
+        let rest = &mut dst[done..];
+        let n = if !r.buffer().is_empty() {
+            let buffered = r.buffer();
+            let n = buffered.len().min(rest.len());
+            rest[..n].copy_from_slice(&buffered[..n]);
+            r.consume(n);
+            n
+        } else if len >= DIRECT_READ_BYTES {
+            let piece = rest.len().min(DIRECT_READ_PIECE_BYTES);
+            r.get_mut().read(&mut rest[..piece]).await?
+        } else {
+            let available = r.fill_buf().await?;
+            let n = available.len().min(rest.len());
+            rest[..n].copy_from_slice(&available[..n]);
+            r.consume(n);
+            n
+        };
+        if n == 0 {
+            return Err(eof_in_block(done, len));
+        }
+        crc = crc32c::crc32c_append(crc, &dst[done..done + n]);
+        done += n;
+    }
+    Ok(crc)
+}
+
+/// As [`read_block`], appending the `len` bytes to `buf` (whose spare
+/// capacity they are read into, not zeroed first).
+async fn read_block_appended<R: AsyncRead + Unpin>(r: &mut BufReader<R>, buf: &mut BytesMut, len: usize) -> io::Result<u32> {
+    let start = buf.len();
+    let mut crc = 0u32;
+    while buf.len() - start < len {
+        let rest = len - (buf.len() - start);
+        let at = buf.len();
+        let n = if !r.buffer().is_empty() {
+            let buffered = r.buffer();
+            let n = buffered.len().min(rest);
+            buf.extend_from_slice(&buffered[..n]);
+            r.consume(n);
+            n
+        } else if len >= DIRECT_READ_BYTES {
+            r.get_mut().read_buf(&mut (&mut *buf).limit(rest.min(DIRECT_READ_PIECE_BYTES))).await?
+        } else {
+            let available = r.fill_buf().await?;
+            let n = available.len().min(rest);
+            buf.extend_from_slice(&available[..n]);
+            r.consume(n);
+            n
+        };
+        if n == 0 {
+            return Err(eof_in_block(buf.len() - start, len));
+        }
+        crc = crc32c::crc32c_append(crc, &buf[at..at + n]);
+    }
+    Ok(crc)
+}
+
+fn eof_in_block(done: usize, len: usize) -> io::Error {
+    io::Error::new(io::ErrorKind::UnexpectedEof, format!("stream ended {done} bytes into a {len}-byte block"))
+}
+
+/// Reads blocks of `lens` bytes, one after another, into one fresh buffer
+/// (one allocation for a whole GET answer), each as [`read_block`] does:
+/// past the receive buffer once it is empty, checksummed as it lands.
+/// Returns the buffer and each block's CRC-32C.
+async fn read_blocks<R: AsyncRead + Unpin>(r: &mut BufReader<R>, lens: &[usize]) -> io::Result<(Bytes, Vec<u32>)> {
+    let mut buf = BytesMut::with_capacity(lens.iter().sum());
+    let mut crcs = Vec::with_capacity(lens.len());
+    for &len in lens {
+        crcs.push(read_block_appended(r, &mut buf, len).await?);
+    }
+    Ok((buf.freeze(), crcs))
+}
+
 /// Reads and throws away `len` bytes: the rest of a frame that was refused
 /// after its header, so the next frame starts where the peer thinks it does.
 pub async fn skip<R: AsyncRead + Unpin + ?Sized>(r: &mut R, len: u64) -> io::Result<()> {
@@ -116,7 +220,7 @@ impl From<io::Error> for ReadError {
 /// in one receive buffer shared by that answer's blocks). A payload whose
 /// checksum fails becomes a per-key `bad-checksum` result rather than an
 /// error for the whole batch. `Ok(None)` on a clean end of stream.
-pub async fn read_frame<R: AsyncRead + Unpin + ?Sized>(r: &mut R, limits: &Limits) -> Result<Option<Frame>, ReadError> {
+pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut BufReader<R>, limits: &Limits) -> Result<Option<Frame>, ReadError> {
     match read_meta(r, limits).await? {
         None => Ok(None),
         Some((header, meta)) => read_payloads(r, &header, meta).await.map(Some),
@@ -148,17 +252,18 @@ pub async fn read_meta<R: AsyncRead + Unpin + ?Sized>(r: &mut R, limits: &Limits
 }
 
 /// The second half of [`read_frame`]: the payloads `meta` announces, into
-/// one buffer, each checked against its checksum.
-pub async fn read_payloads<R: AsyncRead + Unpin + ?Sized>(r: &mut R, header: &FrameHeader, meta: Meta) -> Result<Frame, ReadError> {
+/// one buffer, each checked against its checksum (computed as it is read,
+/// see [`read_block`]).
+pub async fn read_payloads<R: AsyncRead + Unpin>(r: &mut BufReader<R>, header: &FrameHeader, meta: Meta) -> Result<Frame, ReadError> {
     let fail = |error, fatal| ReadError::Decode(DecodeError { error, request_id: Some(header.request_id), fatal });
     let message = match meta {
         Meta::Complete(m) => m,
         Meta::Put(slots) => {
-            let mut payloads = read_bytes(r, header.payload_len() as usize).await?;
+            let lens: Vec<usize> = slots.iter().map(|s| s.len as usize).collect();
+            let (mut payloads, crcs) = read_blocks(r, &lens).await?;
             let mut entries = Vec::with_capacity(slots.len());
-            for (index, s) in slots.into_iter().enumerate() {
+            for (index, (s, actual)) in slots.into_iter().zip(crcs).enumerate() {
                 let data = payloads.split_to(s.len as usize);
-                let actual = crate::checksum(&data);
                 if actual != s.crc {
                     return Err(fail(ProtocolError::BadChecksum { index, expected: s.crc, actual }, false));
                 }
@@ -167,13 +272,15 @@ pub async fn read_payloads<R: AsyncRead + Unpin + ?Sized>(r: &mut R, header: &Fr
             Message::Request(crate::Request::Put { entries })
         }
         Meta::Get(slots) => {
-            let mut payloads = read_bytes(r, header.payload_len() as usize).await?;
+            let lens: Vec<usize> = slots.iter().map(|s| s.as_ref().map_or(0, |s| s.len as usize)).collect();
+            let (mut payloads, crcs) = read_blocks(r, &lens).await?;
             let results = slots
                 .into_iter()
-                .map(|slot| {
+                .zip(crcs)
+                .map(|(slot, actual)| {
                     let s = slot?;
                     let data = payloads.split_to(s.len as usize);
-                    if crate::checksum(&data) != s.crc {
+                    if actual != s.crc {
                         return Err(crate::ErrorCode::BadChecksum);
                     }
                     Ok(Block::with_crc(data, s.crc))
@@ -183,4 +290,87 @@ pub async fn read_payloads<R: AsyncRead + Unpin + ?Sized>(r: &mut R, header: &Fr
         }
     };
     Ok(Frame { request_id: header.request_id, message })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::task::{Context, Poll};
+    use tokio::io::ReadBuf;
+
+    /// A stream that hands out at most `chunk` bytes per read and records
+    /// how many bytes each read asked for.
+    struct Chunked {
+        data: Vec<u8>,
+        pos: usize,
+        chunk: usize,
+        asked: Vec<usize>,
+    }
+
+    impl AsyncRead for Chunked {
+        fn poll_read(mut self: std::pin::Pin<&mut Self>, _: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+            self.asked.push(buf.remaining());
+            let n = buf.remaining().min(self.chunk).min(self.data.len() - self.pos);
+            let (pos, end) = (self.pos, self.pos + n);
+            buf.put_slice(&self.data[pos..end]);
+            self.pos = end;
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    fn pattern(len: usize, seed: usize) -> Vec<u8> {
+        (0..len).map(|i| ((i * 31 + seed) % 251) as u8).collect()
+    }
+
+    const BUFFER: usize = 64 << 10;
+
+    #[tokio::test]
+    async fn read_block_reads_a_large_block_past_the_empty_buffer_and_checksums_what_it_read() {
+        let prefix = pattern(10_000, 0);
+        let blocks = [pattern(200_000, 1), pattern(4096, 2), pattern(17, 3), pattern(70_000, 4)];
+        let mut data = prefix.clone();
+        blocks.iter().for_each(|b| data.extend_from_slice(b));
+        let mut r = BufReader::with_capacity(BUFFER, Chunked { data, pos: 0, chunk: 10_000, asked: Vec::new() });
+        let mut head = vec![0u8; prefix.len()];
+        r.read_exact(&mut head).await.unwrap();
+        assert!(r.buffer().is_empty(), "the prefix was exactly the first read");
+        for (i, want) in blocks.iter().enumerate() {
+            let mut got = vec![0u8; want.len()];
+            let crc = read_block(&mut r, &mut got).await.unwrap();
+            assert_eq!(&got, want, "block {i}'s bytes");
+            assert_eq!(crc, crate::checksum(want), "block {i}'s checksum");
+        }
+        let asked = &r.get_ref().asked;
+        // The 200,000-byte block began with an empty buffer: read straight
+        // into it, one read per piece the stream had, to its end.
+        assert_eq!(asked[1], 200_000, "the block's first read went past the buffer: {asked:?}");
+        assert_eq!(asked[20], 10_000, "and so did its tail: {asked:?}");
+        let through_buffer = asked.iter().filter(|&&n| n == BUFFER).count();
+        assert!(through_buffer <= 3, "only the prefix and the small blocks went through the buffer: {asked:?}");
+    }
+
+    #[tokio::test]
+    async fn a_direct_read_asks_for_at_most_one_piece() {
+        let block = pattern(600_000, 6);
+        let mut r = BufReader::with_capacity(BUFFER, Chunked { data: block.clone(), pos: 0, chunk: usize::MAX, asked: Vec::new() });
+        let mut got = vec![0u8; block.len()];
+        assert_eq!(read_block(&mut r, &mut got).await.unwrap(), crate::checksum(&block));
+        assert_eq!(got, block);
+        let piece = DIRECT_READ_PIECE_BYTES;
+        assert_eq!(r.get_ref().asked, vec![piece, piece, 600_000 - 2 * piece]);
+    }
+
+    #[tokio::test]
+    async fn read_block_appends_and_reports_an_end_of_stream_inside_a_block() {
+        let data = pattern(50_000, 5);
+        let mut r = BufReader::with_capacity(BUFFER, Chunked { data: data.clone(), pos: 0, chunk: 7_000, asked: Vec::new() });
+        let (bytes, crcs) = read_blocks(&mut r, &[20_000, 0, 30_000]).await.unwrap();
+        assert_eq!(&bytes[..], &data[..]);
+        assert_eq!(crcs, vec![crate::checksum(&data[..20_000]), 0, crate::checksum(&data[20_000..])]);
+        let mut r = BufReader::with_capacity(BUFFER, Chunked { data, pos: 0, chunk: 7_000, asked: Vec::new() });
+        let mut dst = vec![0u8; 60_000];
+        let e = read_block(&mut r, &mut dst).await.unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof);
+        assert!(e.to_string().contains("50000 bytes into a 60000-byte block"), "{e}");
+    }
 }

@@ -12,9 +12,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use kvplane_protocol::io::{read_bytes, read_header, skip, write_frame};
+use kvplane_protocol::io::{read_block, read_bytes, read_header, skip, write_frame};
 use kvplane_protocol::{
-    checksum, decode_body, encode, Block, ErrorCode, Features, Frame, FrameHeader, HelloAck, KvError, Message, Meta, Opcode, PayloadSlot,
+    decode_body, encode, Block, ErrorCode, Features, Frame, FrameHeader, HelloAck, KvError, Message, Meta, Opcode, PayloadSlot,
     ProtocolError, Request, Response, ShmBlock, ShmGet, ShmPut, StatEntry, MAX_CLUSTER_WAIT_MS, MIN_VERSION, VERSION,
 };
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
@@ -286,25 +286,44 @@ where
     // Once told it is idle, the connection answers what still arrives within
     // the grace, then closes.
     let mut told_idle = false;
+    // One idle timer and one shutdown wait for the connection's life, not
+    // one of each per request: a timer armed and cancelled per request takes
+    // the timer wheel's lock twice, and a fresh `changed()` the shutdown
+    // channel's (shared by every connection) twice. The timer fires at most
+    // once per idle period and is pushed on to `last_frame + wait` when a
+    // frame came in meanwhile.
+    let mut last_frame = tokio::time::Instant::now();
+    let idle = tokio::time::sleep(idle_timeout);
+    tokio::pin!(idle);
+    let stop = shutdown.changed();
+    tokio::pin!(stop);
     loop {
         let wait = if told_idle { IDLE_CLOSE_GRACE.min(idle_timeout) } else { idle_timeout };
         // Waits for the first byte of the next frame without consuming it,
         // so an idle timeout never cuts a header in half.
         let next = tokio::select! {
-            r = tokio::time::timeout(wait, async { conn.reader.fill_buf().await.map(|b| b.is_empty()) }) => r,
-            _ = shutdown.changed() => return Ok(()),
+            biased;
+            r = conn.reader.fill_buf() => Some(r.map(|b| b.is_empty())),
+            () = &mut idle => None,
+            _ = &mut stop => return Ok(()),
         };
         match next {
-            Err(_) if told_idle => return Ok(()),
-            Err(_) => {
+            None if last_frame + wait > tokio::time::Instant::now() => {
+                idle.as_mut().reset(last_frame + wait);
+                continue;
+            }
+            None if told_idle => return Ok(()),
+            None => {
                 state.metrics.idle_closed.inc_by(1);
                 conn.tell_idle(idle_timeout).await?;
                 told_idle = true;
+                last_frame = tokio::time::Instant::now();
+                idle.as_mut().reset(last_frame + IDLE_CLOSE_GRACE.min(idle_timeout));
                 continue;
             }
-            Ok(Ok(true)) => return Ok(()),
-            Ok(Ok(false)) => {}
-            Ok(Err(e)) => return Err(e.into()),
+            Some(Ok(true)) => return Ok(()),
+            Some(Ok(false)) => {}
+            Some(Err(e)) => return Err(e.into()),
         }
         let header = match within(tokio::time::Instant::now() + state.frame_clock.grace, read_header(&mut conn.reader)).await {
             Ok(h) => h?,
@@ -316,7 +335,7 @@ where
             Some(Err(e)) => return conn.fatal(0, e).await,
         };
         match conn.serve_frame(header).await {
-            Ok(true) => {}
+            Ok(true) => last_frame = tokio::time::Instant::now(),
             Ok(false) => return Ok(()),
             Err(ConnectionEnd::Stalled) => {
                 return conn.stalled(header.request_id, &format!("a frame of {} bytes", header.frame_len())).await
@@ -549,9 +568,14 @@ where
         let mut staged = Vec::new();
         for slot in slots {
             let len = slot.len as usize;
-            // A block over the largest class is refused by the allocation
-            // below without reserving anything.
-            let reserved = if len <= max_block {
+            // A block whose bytes are all in the receive buffer already is
+            // filled without waiting: it never holds pool memory for bytes
+            // still to come, so it takes no share of the receive budget and
+            // needs no clock (a batch of small blocks then costs no
+            // semaphore or timer per block). A block over the largest class
+            // is refused by the allocation below without reserving anything.
+            let buffered = self.reader.buffer().len() >= len;
+            let reserved = if len <= max_block && !buffered {
                 within(deadline, self.state.receive_budget.reserve(&self.receive_share, len)).await?
             } else {
                 Default::default()
@@ -564,8 +588,13 @@ where
                     continue;
                 }
             };
-            within(deadline, self.reader.read_exact(block.as_mut_slice())).await??;
-            if checksum(&block) != slot.crc {
+            // Straight into the pool block, checksummed as it lands.
+            let crc = if buffered {
+                read_block(&mut self.reader, block.as_mut_slice()).await?
+            } else {
+                within(deadline, read_block(&mut self.reader, block.as_mut_slice())).await??
+            };
+            if crc != slot.crc {
                 self.state.metrics.checksum_failures.inc_by(1);
                 results.push(Err(ErrorCode::BadChecksum));
                 continue;
