@@ -905,6 +905,14 @@ fn the_operators_etcd_with_tls_runs_with_the_rendered_flags_and_its_pool_registe
         &json!({"apiVersion": "kvplane.io/v1alpha1", "kind": "KVCache", "metadata": {"name": "pool", "namespace": ns},
             "spec": {"cache": {"replicas": 1}, "metadata": {"etcd": {"tls": {"secretName": "etcd-members", "clientSecretName": "etcd-client"}}}}}),
     );
+    // The hardened example is one the API server takes (its schema and CEL rules).
+    let example: Value = serde_yaml::from_str(include_str!("../../../../examples/kvcache/kvplane-tenants.yaml")).unwrap();
+    cp.create("/apis/kvplane.io/v1alpha1/namespaces/default/kvcaches?dryRun=All", &example);
+    let bad = json!({"apiVersion": "kvplane.io/v1alpha1", "kind": "KVCache", "metadata": {"name": "bad", "namespace": ns},
+        "spec": {"metadata": {"etcd": {"tls": {"secretName": "m"}, "externalConnection": {"address": "etcd:2379"}}}}});
+    let refused = cp.request("POST", &format!("/apis/kvplane.io/v1alpha1/namespaces/{ns}/kvcaches?dryRun=All"), Some(&bad));
+    let refused = format!("{:?}", refused.expect_err("tls beside externalConnection"));
+    assert!(refused.contains("tls is for the etcd the operator runs"), "{refused}");
     let policy_path = format!("/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies/pool-etcd");
     let policy = cp.wait_for("the etcd NetworkPolicy", WAIT, || cp.request("GET", &policy_path, None).ok());
     assert_eq!(policy["spec"]["podSelector"]["matchLabels"]["kvplane.io/role"], "etcd", "{policy}");
