@@ -441,7 +441,12 @@ impl Tenants {
         let each = |f: &dyn Fn(&TenantAccount) -> u64| -> Vec<(TenantLabel, u64)> {
             all.iter().map(|a| (TenantLabel { tenant: a.name().to_string() }, f(a))).collect()
         };
-        gauges(e, "kvplane_tenant_bytes", "Bytes of the memory tier the tenant's blocks hold", &each(&|a| a.bytes()))?;
+        gauges(
+            e,
+            "kvplane_tenant_bytes",
+            "Bytes of the memory tier the tenant's blocks hold (each by its size class)",
+            &each(&|a| a.bytes()),
+        )?;
         gauges(
             e,
             "kvplane_tenant_pinned_bytes",
@@ -661,7 +666,7 @@ impl Scope {
 
 impl Tenant {
     /// Whether blocks of `lens` under `keys` (scoped) fit in the tenant's
-    /// memory quota. A block replacing one of the tenant's own is counted
+    /// memory quota, each counted by the pool memory it will take. A block replacing one of the tenant's own is counted
     /// as the difference, looked up only when the quick sum does not fit.
     fn fits<'k>(&self, cache: &BlockCache, blocks: impl Iterator<Item = (&'k Bytes, u32)> + Clone) -> Result<(), Refusal> {
         let account = &self.account;
@@ -670,11 +675,13 @@ impl Tenant {
             return Ok(());
         }
         let held = account.bytes();
-        let incoming: u64 = blocks.clone().map(|(_, len)| u64::from(len)).sum();
+        // Charged as the cache charges them: the pool memory each takes
+        // (its size class), not the bytes sent (see `cache/tenants.rs`).
+        let incoming: u64 = blocks.clone().map(|(_, len)| account.held_by(u64::from(len))).sum();
         if held.saturating_add(incoming) <= quota {
             return Ok(());
         }
-        let replaced: u64 = blocks.clone().filter_map(|(k, _)| cache.stored_len(k)).sum();
+        let replaced: u64 = blocks.clone().filter_map(|(k, _)| cache.stored_len(k)).map(|len| account.held_by(len)).sum();
         if held.saturating_add(incoming).saturating_sub(replaced) <= quota {
             return Ok(());
         }
@@ -683,7 +690,7 @@ impl Tenant {
         Err(refuse(
             ErrorCode::Capacity,
             format!(
-                "tenant '{}' holds {held} of its memoryBytes quota {quota}; this PUT of {n} blocks ({incoming} bytes) would pass it, \
+                "tenant '{}' holds {held} of its memoryBytes quota {quota}; this PUT of {n} blocks ({incoming} bytes of pool memory) would pass it, \
                  so none of them was stored: delete some of the tenant's blocks, or raise its memoryBytes in the tenants file",
                 self.name
             ),

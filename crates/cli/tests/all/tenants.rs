@@ -592,3 +592,47 @@ async fn uncapped_connections(node: &NodeProcess) -> Vec<Client> {
     }
     all
 }
+
+/// Found in review: a tenant was charged the bytes it sent, not the pool
+/// memory its blocks take. The pool carves blocks from size classes (at
+/// least 4 KiB, powers of two), so a 1-byte block holds 4 KiB of the
+/// memory tier: with 1-byte blocks a tenant of `memoryBytes: 64Ki` could
+/// hold 64 Mi of the pool and evict every other tenant's blocks. Now it is
+/// charged each block's size class, and its 17th 1-byte block is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_is_charged_the_pool_memory_its_blocks_take_not_the_bytes_it_sent() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("tenants.json");
+    write_tenants(&file, &[("tiny", "token-tiny", "64Ki", "64Ki"), ("victim", "token-victim", "8Mi", "1Mi")]);
+    let (node, admin) = start(&["--tenants-file", file.to_str().unwrap(), "--memory", "16MiB"]);
+    let tiny = tcp(&node, "token-tiny").await;
+    let victim = tcp(&node, "token-victim").await;
+    let len = 64 * KIB;
+    let victims = keys("victim", 64);
+    let blocks: Vec<(Bytes, Bytes)> = victims.iter().map(|k| (k.clone(), value(&String::from_utf8_lossy(k), len))).collect();
+    assert!(victim.put(blocks).await.unwrap().iter().all(Result::is_ok));
+    // 16 blocks of one byte take 16 x 4 KiB = 64 KiB of the pool: they fit.
+    let small = keys("tiny/fits", 16);
+    assert!(tiny.put(small.iter().map(|k| (k.clone(), Bytes::from_static(b"x"))).collect()).await.unwrap().iter().all(Result::is_ok));
+    let m = metrics(&admin).await;
+    assert_eq!(series(&m, "kvplane_tenant_bytes", "tenant=\"tiny\""), 64 * KIB as u64, "charged by size class: {m}");
+    // Then thousands more, as many as the pool has 4 KiB blocks.
+    let mut stored = 0;
+    for round in 0..5 {
+        let batch = keys(&format!("tiny/{round}"), 1024);
+        match tiny.put(batch.iter().map(|k| (k.clone(), Bytes::from_static(b"x"))).collect()).await {
+            Ok(results) => stored += results.iter().filter(|r| r.is_ok()).count(),
+            Err(e) => {
+                let said = e.to_string();
+                assert!(matches!(e, KvError::Capacity(_)), "{e:?}");
+                assert!(said.contains("tenant 'tiny' holds 65536 of its memoryBytes quota 65536"), "{said}");
+            }
+        }
+    }
+    let m = metrics(&admin).await;
+    assert_eq!(stored, 0, "tiny stored {stored} more 1-byte blocks past its quota: {m}");
+    assert!(series(&m, "kvplane_tenant_bytes", "tenant=\"tiny\"") <= 64 * KIB as u64, "{m}");
+    assert_eq!(series(&m, "kvplane_tenant_evictions_total", "tenant=\"victim\""), 0, "tiny evicted victim's blocks: {m}");
+    all_intact(&victim, &victims, len).await;
+    drop(node);
+}

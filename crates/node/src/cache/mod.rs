@@ -146,6 +146,10 @@ impl fmt::Debug for BlockCache {
 impl BlockCache {
     pub fn new(pool: Arc<MemoryPool>, config: CacheConfig) -> BlockCache {
         let shards = (0..config.shards.max(1)).map(|_| ShardSlot(Mutex::new(Shard::new(config.policy)))).collect();
+        if let Some(accounts) = &config.tenants {
+            // Tenants are charged the pool memory their blocks take.
+            accounts.set_min_block(pool.min_block_bytes() as u64);
+        }
         BlockCache {
             pool,
             policy: config.policy,

@@ -147,9 +147,9 @@ impl Shard {
             let (old_len, new_len) = (entry.block.len() as u64, block.len() as u64);
             self.bytes = self.bytes - old_len + new_len;
             if let Some(a) = &entry.account {
-                a.charge(new_len, old_len);
+                a.charge(Some(new_len), Some(old_len));
                 if entry.pin_until.is_some() {
-                    a.pin(new_len, old_len);
+                    a.pin(Some(new_len), Some(old_len));
                 }
             }
             entry.reads = reads;
@@ -170,7 +170,7 @@ impl Shard {
         };
         self.bytes += block.len() as u64;
         if let Some(a) = &account {
-            a.charge(block.len() as u64, 0);
+            a.charge(Some(block.len() as u64), None);
         }
         self.nodes[idx as usize].entry = Some(Entry { key, hash, block, pin_until: None, freq: 0, in_main: false, reads, account });
         let nodes = &self.nodes;
@@ -243,7 +243,7 @@ impl Shard {
             None => {
                 self.pinned += 1;
                 if let Some(a) = &entry.account {
-                    a.pin(entry.block.len() as u64, 0);
+                    a.pin(Some(entry.block.len() as u64), None);
                 }
             }
         }
@@ -270,7 +270,7 @@ impl Shard {
                 entry.pin_until = None;
                 self.pinned -= 1;
                 if let Some(a) = &entry.account {
-                    a.pin(0, entry.block.len() as u64);
+                    a.pin(None, Some(entry.block.len() as u64));
                 }
             }
         }
@@ -293,9 +293,9 @@ impl Shard {
             self.pinned -= 1;
         }
         if let Some(a) = &entry.account {
-            a.charge(0, entry.block.len() as u64);
+            a.charge(None, Some(entry.block.len() as u64));
             if entry.pin_until.is_some() {
-                a.pin(0, entry.block.len() as u64);
+                a.pin(None, Some(entry.block.len() as u64));
             }
         }
         Some(entry)

@@ -1,6 +1,12 @@
 //! Per-tenant accounting: what each tenant's blocks hold of the memory
 //! tier, kept exact by the shards themselves.
 //!
+//! A block is charged the pool memory it takes — its size class (a power
+//! of two, at least the pool's smallest class), not the bytes it carries:
+//! a 1-byte block holds a 4 KiB block of the pool, and a tenant charged
+//! one byte for it could hold 4096 times its quota in 1-byte blocks and
+//! evict every other tenant's (`TenantAccount::held_by`).
+//!
 //! A key belongs to the tenant its tag names (see `crate::tenants`: every
 //! key a tenant stores starts with its tag). Each entry holds its
 //! tenant's [`TenantAccount`], looked up once when the key is first
@@ -40,6 +46,8 @@ pub struct TenantAccount {
     /// transitions keep [`TenantAccounts::over`] counting such accounts.
     over: AtomicBool,
     over_count: Arc<AtomicUsize>,
+    /// The pool's smallest size class (see [`TenantAccount::held_by`]).
+    min_block: Arc<AtomicU64>,
     /// GET and GET_SHM keys found / not found, counted by the tenant's
     /// connections.
     pub hits: AtomicU64,
@@ -89,7 +97,19 @@ impl TenantAccount {
         self.over.load(Ordering::Relaxed)
     }
 
-    pub(super) fn charge(&self, add: u64, sub: u64) {
+    /// The pool memory a block of `len` bytes takes, which is what the
+    /// tenant is charged for it: the size class the pool carves it from
+    /// (the next power of two, at least the smallest class; see
+    /// `memory::MemoryPool`).
+    pub fn held_by(&self, len: u64) -> u64 {
+        len.max(1).checked_next_power_of_two().unwrap_or(u64::MAX).max(self.min_block.load(Ordering::Relaxed))
+    }
+
+    /// Charges a block of `add_len` bytes stored and one of `sub_len` gone
+    /// (block lengths, charged by [`TenantAccount::held_by`]; `None`: no
+    /// block, since a block of 0 bytes still takes a block of the pool).
+    pub(super) fn charge(&self, add_len: Option<u64>, sub_len: Option<u64>) {
+        let (add, sub) = (self.class_of(add_len), self.class_of(sub_len));
         if add == sub {
             return;
         }
@@ -101,12 +121,19 @@ impl TenantAccount {
         self.settle();
     }
 
-    pub(super) fn pin(&self, add: u64, sub: u64) {
+    /// As [`TenantAccount::charge`], for the pinned bytes.
+    pub(super) fn pin(&self, add_len: Option<u64>, sub_len: Option<u64>) {
+        let (add, sub) = (self.class_of(add_len), self.class_of(sub_len));
         if add >= sub {
             self.pinned.fetch_add(add - sub, Ordering::Relaxed);
         } else {
             self.pinned.fetch_sub(sub - add, Ordering::Relaxed);
         }
+    }
+
+    /// [`TenantAccount::held_by`], with 0 for no block.
+    fn class_of(&self, len: Option<u64>) -> u64 {
+        len.map_or(0, |len| self.held_by(len))
     }
 
     /// Brings `over` (and the count of accounts over quota) in line with
@@ -134,6 +161,9 @@ impl TenantAccount {
 pub struct TenantAccounts {
     by_tag: RwLock<HashMap<Box<[u8]>, Arc<TenantAccount>>>,
     over: Arc<AtomicUsize>,
+    /// The pool's smallest size class, set by the cache built on them
+    /// ([`TenantAccounts::set_min_block`]); every account shares it.
+    min_block: Arc<AtomicU64>,
 }
 
 impl TenantAccounts {
@@ -153,6 +183,7 @@ impl TenantAccounts {
                 pinned: AtomicU64::new(0),
                 over: AtomicBool::new(false),
                 over_count: Arc::clone(&self.over),
+                min_block: Arc::clone(&self.min_block),
                 hits: AtomicU64::new(0),
                 misses: AtomicU64::new(0),
                 evictions: AtomicU64::new(0),
@@ -173,6 +204,13 @@ impl TenantAccounts {
             return Some(Arc::clone(a));
         }
         Some(self.account(tag, name))
+    }
+
+    /// Sets the pool's smallest size class, which every block takes at
+    /// least: the cache does, when built on these accounts and its pool,
+    /// before anything is stored.
+    pub fn set_min_block(&self, bytes: u64) {
+        self.min_block.store(bytes, Ordering::Relaxed);
     }
 
     /// Whether some tenant holds more than its memory quota: one load, so

@@ -529,22 +529,26 @@ fn tkey(name: &str, i: u64) -> Bytes {
 
 #[test]
 fn tenant_accounts_stay_exact_through_insert_replace_remove_pin_expiry_and_eviction() {
+    // Charged the pool memory each block takes, its size class (4 KiB
+    // at least, powers of two), not its length: a block of 0 or 1000
+    // bytes holds 4 KiB of the pool.
+    let class = |len: u64| len.max(BLOCK as u64).next_power_of_two();
     for policy in POLICIES {
         let (cache, accounts, clock) = tenanted(policy);
         let a = accounts.account(b"\x01a", "a");
         put(&cache, &tkey("a", 1), 1000, 1).unwrap();
-        put(&cache, &tkey("a", 2), 3000, 2).unwrap();
-        put(&cache, &tkey("b", 1), 500, 3).unwrap();
+        put(&cache, &tkey("a", 2), 5000, 2).unwrap();
+        put(&cache, &tkey("b", 1), 0, 3).unwrap();
         let b = accounts.account(b"\x01b", "b");
-        assert_eq!((a.bytes(), b.bytes()), (4000, 500), "{policy}: insert");
-        put(&cache, &tkey("a", 1), 200, 4).unwrap();
-        assert_eq!(a.bytes(), 3200, "{policy}: a replacement charges the difference");
+        assert_eq!((a.bytes(), b.bytes()), (4 * KIB as u64 + 8 * KIB as u64, 4 * KIB as u64), "{policy}: insert, by size class");
+        put(&cache, &tkey("a", 1), 9000, 4).unwrap();
+        assert_eq!(a.bytes(), 24 * KIB as u64, "{policy}: a replacement charges the difference");
         assert_eq!(cache.match_prefix(&[tkey("a", 1), tkey("a", 2)], Some(Duration::from_secs(5))), 2);
-        assert_eq!(a.pinned_bytes(), 3200, "{policy}: pins");
+        assert_eq!(a.pinned_bytes(), 24 * KIB as u64, "{policy}: pins");
         put(&cache, &tkey("a", 1), 700, 5).unwrap();
-        assert_eq!((a.bytes(), a.pinned_bytes()), (3700, 3700), "{policy}: a pinned replacement");
+        assert_eq!((a.bytes(), a.pinned_bytes()), (12 * KIB as u64, 12 * KIB as u64), "{policy}: a pinned replacement");
         assert!(cache.remove(&tkey("a", 1)));
-        assert_eq!((a.bytes(), a.pinned_bytes()), (3000, 3000), "{policy}: remove");
+        assert_eq!((a.bytes(), a.pinned_bytes()), (8 * KIB as u64, 8 * KIB as u64), "{policy}: remove");
         clock.advance(Duration::from_secs(6));
         cache.expire_pins();
         assert_eq!(a.pinned_bytes(), 0, "{policy}: expiry");
@@ -554,9 +558,9 @@ fn tenant_accounts_stay_exact_through_insert_replace_remove_pin_expiry_and_evict
         }
         assert_eq!(a.bytes(), 0, "{policy}: eviction");
         assert_eq!(a.evictions.load(std::sync::atomic::Ordering::Relaxed), 1);
-        let stored: u64 = cache.entries().iter().map(|(_, blk)| blk.len() as u64).sum();
-        assert_eq!(a.bytes() + b.bytes(), stored, "{policy}: the accounts add up to what is stored");
-        assert_eq!(b.bytes(), cache.stats().bytes_stored);
+        let stored: u64 = cache.entries().iter().map(|(_, blk)| class(blk.len() as u64)).sum();
+        assert_eq!(a.bytes() + b.bytes(), stored, "{policy}: the accounts add up to the pool memory stored blocks take");
+        assert_eq!(b.bytes(), cache.pool().stats().used_bytes as u64, "{policy}: what the pool says its blocks hold");
     }
 }
 
