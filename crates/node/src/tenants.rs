@@ -194,6 +194,15 @@ pub struct Refusal {
     pub close: bool,
 }
 
+impl Refusal {
+    /// Whether a HELLO refused so is a failed handshake of its peer (a
+    /// missing or wrong token), counted towards throttling it; a tenant at
+    /// its `maxConnections` presented a good token and is not.
+    pub fn counts_against_peer(&self) -> bool {
+        self.code == ErrorCode::Unauthorized
+    }
+}
+
 fn refuse(code: ErrorCode, message: String) -> Refusal {
     Refusal { code, message, close: false }
 }

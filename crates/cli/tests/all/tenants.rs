@@ -636,3 +636,32 @@ async fn a_tenant_is_charged_the_pool_memory_its_blocks_take_not_the_bytes_it_se
     all_intact(&victim, &victims, len).await;
     drop(node);
 }
+
+/// Found in review: a connection refused for its tenant's maxConnections
+/// counted as a failed handshake of its peer, so a tenant retrying at its
+/// cap (a good token, told `retry later`) locked its peer address out for a
+/// minute (--max-handshake-failures), and with it every other tenant
+/// connecting from there (one host's engines, one Unix-socket uid).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_retrying_at_its_max_connections_does_not_lock_its_peer_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("tenants.json");
+    let text = serde_json::json!({"tenants": [
+        {"name": "capped", "tokenSha256": digest("token-capped"), "memoryBytes": "1Mi", "pinnedBytes": "1Mi", "maxConnections": 1},
+        {"name": "other", "tokenSha256": digest("token-other"), "memoryBytes": "1Mi", "pinnedBytes": "1Mi"}]});
+    std::fs::write(&file, text.to_string()).unwrap();
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let (node, admin) = start(&["--tenants-file", file.to_str().unwrap(), "--max-handshake-failures", "3"]);
+    let _held = tcp(&node, "token-capped").await;
+    for _ in 0..5 {
+        let e = connect(Endpoint::Tcp(node.endpoint.clone()), Some("token-capped"), false).await.err().expect("over maxConnections");
+        assert!(e.to_string().contains("its maxConnections"), "{e}");
+    }
+    let other = connect(Endpoint::Tcp(node.endpoint.clone()), Some("token-other"), false).await;
+    assert!(other.is_ok(), "another tenant on the same peer was locked out: {}", other.err().unwrap());
+    let m = metrics(&admin).await;
+    assert_eq!(series(&m, "kvplane_tenant_refusals_total", "tenant=\"capped\",quota=\"maxConnections\""), 5, "{m}");
+    assert_eq!(series(&m, "kvplane_handshake_failures_total", ""), 0, "{m}");
+    drop(node);
+}

@@ -211,6 +211,10 @@ enum ConnectionEnd {
     /// The peer did not complete a valid handshake (counted per peer).
     #[error("handshake failed: {0}")]
     HandshakeFailed(String),
+    /// Refused at HELLO although its credentials were good (a tenant at
+    /// its maxConnections): not counted against the peer.
+    #[error("refused: {0}")]
+    Busy(String),
     /// A frame did not arrive within its frame clock.
     #[error("a frame stalled")]
     Stalled,
@@ -427,6 +431,14 @@ where
                 Ok(scope) => self.scope = scope,
                 Err(refused) => {
                     self.send_error(header.request_id, refused.code, refused.message.clone()).await?;
+                    // A good token over its tenant's maxConnections is no
+                    // failed handshake: counted against the peer, a tenant
+                    // retrying at its cap would lock out every tenant that
+                    // connects from the same address (or Unix uid).
+                    if !refused.counts_against_peer() {
+                        self.state.metrics.connections_refused.inc_by(1);
+                        return Err(ConnectionEnd::Busy(refused.message));
+                    }
                     return Err(ConnectionEnd::Refused(refused.message));
                 }
             }
