@@ -3,8 +3,13 @@
 //!
 //! Each call is a pyo3 coroutine (`experimental-async`): awaiting it checks
 //! the keys and exports the buffers (on the event loop's thread, attached
-//! to the interpreter), spawns the call as one task on the process's I/O
-//! runtime ([`crate::runtime`]) and awaits that task's `JoinHandle`. The
+//! to the interpreter), spawns the call as one task on an I/O runtime and
+//! awaits that task's `JoinHandle`. A node client's runtime has one worker
+//! thread ([`crate::aio_runtime`]): the call's task and the reads of every
+//! pooled connection its batch is split over run there, so an answer wakes
+//! no second worker (with two workers a 16 x 64 KiB GET cost a third more
+//! than the sync client's). A cluster client stays on the shared
+//! two-worker runtime ([`crate::runtime`]), as the sync one does. The
 //! loop's thread never waits for the network and no Python thread is used:
 //! when the task finishes, its waker (pyo3's) hands the event loop the
 //! result through `loop.call_soon_threadsafe`, one wake-up per call however
@@ -32,9 +37,10 @@
 
 use std::future::{poll_fn, Future};
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
-use std::task::Poll;
-use std::time::Duration;
+use std::task::{Context, Poll, Wake, Waker};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kvplane_client::{Client as NodeClient, ClientConfig, ClusterClient, ClusterClientConfig, Endpoint, KvError};
@@ -45,7 +51,8 @@ use tokio::runtime::Runtime;
 use tokio::task::JoinHandle;
 
 use crate::{
-    export, key_of, kv_error, no_overlap, put_failure, raise, runtime, same_length, show, Borrowed, Exports, GetFailure, MemberRow, Target,
+    aio_runtime, export, key_of, kv_error, no_overlap, put_failure, raise, runtime, same_length, show, Borrowed, Exports, GetFailure,
+    MemberRow, Target,
 };
 
 /// What a client connects with (the constructor's checked options).
@@ -132,6 +139,62 @@ enum Failed {
     Call(KvError),
 }
 
+/// Wake-ups of event loops running on I/O threads now (see [`LoopWaker`]).
+static WAKING: AtomicUsize = AtomicUsize::new(0);
+/// The longest the atexit hook waits for wake-ups in progress (each takes
+/// microseconds once it has the GIL, which the hook releases to let it).
+const EXIT_WAIT_LIMIT: Duration = Duration::from_secs(2);
+
+/// pyo3's waker of a call's coroutine, as the call's task sees it.
+///
+/// Waking pyo3's waker calls `loop.call_soon_threadsafe` from the I/O
+/// thread the task finished on, and that call releases the GIL while it
+/// writes to the loop's self-pipe. The loop's thread can take the GIL
+/// then, finish the call (its result is already there), return from
+/// `asyncio.run` and start finalizing the interpreter; the I/O thread,
+/// taking the GIL back, is then ended by Python (`PyThread_exit_thread`)
+/// in the middle of Rust frames, and the process aborts ("Fatal Python
+/// error: Aborted" at the exit of scripts/bench-python's asyncio client,
+/// 3 runs in 10). So each wake-up is counted while it runs, and an atexit
+/// hook, which Python runs before it finalizes, waits (GIL released) until
+/// none is running. The wake-up that resumed a program's last call is
+/// counted before that call could return, so the hook waits for it. Later
+/// wake-ups are not refused: an atexit handler that runs after this one
+/// may still await kvplane.aio calls, and must not hang.
+struct LoopWaker(Waker);
+
+impl Wake for LoopWaker {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        WAKING.fetch_add(1, Ordering::SeqCst);
+        self.0.wake_by_ref();
+        WAKING.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Registers the hook that [`LoopWaker`] needs with `atexit` (once, at the
+/// module's import). It is a closure, not a function of the module, so the
+/// module's names (and its stubs) stay as they are.
+pub(crate) fn register_exit_hook(py: Python<'_>) -> PyResult<()> {
+    let hook = pyo3::types::PyCFunction::new_closure(py, Some(c"_kvplane_aio_exit"), None, |args, _kwargs| {
+        args.py().detach(|| {
+            let start = Instant::now();
+            while WAKING.load(Ordering::SeqCst) > 0 && start.elapsed() < EXIT_WAIT_LIMIT {
+                std::thread::sleep(Duration::from_micros(100));
+            }
+        });
+        let left = WAKING.load(Ordering::SeqCst);
+        if left > 0 {
+            eprintln!("kvplane.aio: {left} event-loop wake-up(s) still running at exit after {EXIT_WAIT_LIMIT:?}");
+        }
+    })?;
+    py.import("atexit")?.call_method1("register", (hook,))?;
+    Ok(())
+}
+
 /// Aborts the task when the coroutine's future is dropped without having
 /// waited for it (a coroutine closed while pending).
 struct AbortOnDrop<T>(JoinHandle<T>);
@@ -164,8 +227,19 @@ where
         }
         call(shared).await.map_err(Failed::Call)
     }));
+    // The task wakes the loop through a LoopWaker (made once per waker
+    // pyo3 hands this future); a cancellation comes on the loop's thread.
+    let mut guarded: Option<(Waker, Waker)> = None;
     let outcome = poll_fn(|cx| {
-        if let Poll::Ready(joined) = Pin::new(&mut task.0).poll(cx) {
+        let waker = match &guarded {
+            Some((inner, outer)) if inner.will_wake(cx.waker()) => outer.clone(),
+            _ => {
+                let outer = Waker::from(Arc::new(LoopWaker(cx.waker().clone())));
+                guarded = Some((cx.waker().clone(), outer.clone()));
+                outer
+            }
+        };
+        if let Poll::Ready(joined) = Pin::new(&mut task.0).poll(&mut Context::from_waker(&waker)) {
             return Poll::Ready(Ok(joined));
         }
         cancel.poll_cancelled(cx).map(Err)
@@ -318,7 +392,7 @@ impl AsyncClient {
             shared_memory,
         };
         let shared = Shared {
-            rt: std::mem::ManuallyDrop::new(runtime()?),
+            rt: std::mem::ManuallyDrop::new(if cluster { runtime()? } else { aio_runtime()? }),
             target: std::mem::ManuallyDrop::new(tokio::sync::OnceCell::new()),
             spec,
             what: if cluster { format!("the cluster of {}", endpoints.join(", ")) } else { endpoints.join(", ") },
