@@ -61,6 +61,7 @@ not share keys with the page interface.
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import threading
 import time
@@ -255,7 +256,9 @@ class KVPlaneHiCacheStorage(HiCacheStorage):
         starts = host_indices[::page_size].tolist()
         cache = self._page_views
         try:
-            return [v for start in starts for v in cache[start]]
+            # The common case, every page slot seen before: one pass in C
+            # (a comprehension costs twice as much, ~2 us per 32 pages).
+            return list(itertools.chain.from_iterable(map(cache.__getitem__, starts)))
         except KeyError:
             pass
         missing = [i for i, start in enumerate(starts) if start not in cache]
@@ -428,6 +431,11 @@ class _Pages:
     def whole(self, lengths: list[int | None]) -> list[bool]:
         """Per page: every block read at its full length."""
         k, sizes = self.per_page, self.sizes
+        pages = len(lengths) // k
+        if lengths == sizes * pages:
+            # Every page whole, the common case: one list comparison in C
+            # instead of a slice per page (~3 us per 32 pages).
+            return [True] * pages
         return [lengths[i : i + k] == sizes for i in range(0, len(lengths), k)]
 
     def partial(self, lengths: list[int | None]) -> list[bool]:
