@@ -177,11 +177,28 @@ pub enum Scope {
 /// A tenant's connection, counted against its `maxConnections` until
 /// dropped.
 #[derive(Debug)]
-pub struct Admitted(Arc<Tenant>);
+pub struct Admitted {
+    tenant: Arc<Tenant>,
+    /// What the PUT being served reserved of the tenant's memory quota
+    /// (a connection serves one request at a time), given back when it is
+    /// answered ([`Scope::count_answer`]) or the connection ends.
+    reserved: AtomicU64,
+}
+
+impl Admitted {
+    fn new(tenant: Arc<Tenant>) -> Admitted {
+        Admitted { tenant, reserved: AtomicU64::new(0) }
+    }
+
+    fn release(&self) {
+        self.tenant.account.release(self.reserved.swap(0, Ordering::Relaxed));
+    }
+}
 
 impl Drop for Admitted {
     fn drop(&mut self) {
-        self.0.connections.fetch_sub(1, Ordering::Relaxed);
+        self.release();
+        self.tenant.connections.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -431,7 +448,7 @@ impl Tenants {
             return Err(refuse(ErrorCode::Unauthorized, "wrong bearer token".into()));
         };
         let held = tenant.connections.fetch_add(1, Ordering::Relaxed);
-        let admitted = Admitted(Arc::clone(tenant));
+        let admitted = Admitted::new(Arc::clone(tenant));
         let max = tenant.max_connections.load(Ordering::Relaxed);
         if held >= max {
             tenant.account.refused_connections.fetch_add(1, Ordering::Relaxed);
@@ -546,7 +563,7 @@ impl Scope {
     /// The tenant's account, for a tenant's connection.
     pub fn account(&self) -> Option<&Arc<TenantAccount>> {
         match self {
-            Scope::Tenant(a) => Some(&a.0.account),
+            Scope::Tenant(a) => Some(&a.tenant.account),
             _ => None,
         }
     }
@@ -571,7 +588,11 @@ impl Scope {
     /// block is read); a MATCH_PREFIX with a lease while the tenant's
     /// pinned bytes are at its `pinnedBytes`.
     pub fn admit(&self, meta: Meta, cache: &BlockCache, tenants: Option<&Tenants>, node_max_key: u32) -> Result<Meta, Refusal> {
-        let Scope::Tenant(Admitted(tenant)) = self else { return Ok(meta) };
+        let Scope::Tenant(admitted) = self else { return Ok(meta) };
+        // Whatever an earlier request left reserved (each is released when
+        // answered; this is only the backstop).
+        admitted.release();
+        let tenant = &admitted.tenant;
         if tenant.revoked() {
             let file = tenants.map_or_else(String::new, |t| format!(" {}", t.file().display()));
             return Err(Refusal {
@@ -610,7 +631,8 @@ impl Scope {
                 for s in slots.iter_mut() {
                     s.key = scope(&s.key)?;
                 }
-                tenant.fits(cache, slots.iter().map(|s| (&s.key, s.len)))?;
+                let reserved = tenant.fits(cache, slots.iter().map(|s| (&s.key, s.len)))?;
+                admitted.reserved.store(reserved, Ordering::Relaxed);
                 Meta::Put(slots)
             }
             Meta::Complete(Message::Request(mut request)) => {
@@ -628,7 +650,8 @@ impl Scope {
                         for e in entries.iter_mut() {
                             e.key = scope(&e.key)?;
                         }
-                        tenant.fits(cache, entries.iter().map(|e| (&e.key, e.len)))?;
+                        let reserved = tenant.fits(cache, entries.iter().map(|e| (&e.key, e.len)))?;
+                        admitted.reserved.store(reserved, Ordering::Relaxed);
                     }
                     Request::GetShm { entries } => {
                         for e in entries.iter_mut() {
@@ -653,11 +676,16 @@ impl Scope {
         })
     }
 
-    /// Counts a GET's (or GET_SHM's) hits and misses on the tenant's
-    /// account: atomics of an `Arc` the connection holds, no lookup.
+    /// Called with every answer to a request [`Scope::admit`] let in,
+    /// before it is sent: gives back what a PUT reserved of the tenant's
+    /// quota (its blocks are stored, and counted, by now), and counts a
+    /// GET's (or GET_SHM's) hits and misses on the tenant's account:
+    /// atomics of an `Arc` the connection holds, no lookup.
     pub fn count_answer(&self, response: &kvplane_protocol::Response) {
         use kvplane_protocol::Response;
-        let Some(account) = self.account() else { return };
+        let Scope::Tenant(admitted) = self else { return };
+        admitted.release();
+        let account = &admitted.tenant.account;
         let (mut hits, mut misses) = (0u64, 0u64);
         let mut tally = |found: bool, not_found: bool| {
             hits += u64::from(found);
@@ -675,32 +703,42 @@ impl Scope {
 
 impl Tenant {
     /// Whether blocks of `lens` under `keys` (scoped) fit in the tenant's
-    /// memory quota, each counted by the pool memory it will take. A block replacing one of the tenant's own is counted
-    /// as the difference, looked up only when the quick sum does not fit.
-    fn fits<'k>(&self, cache: &BlockCache, blocks: impl Iterator<Item = (&'k Bytes, u32)> + Clone) -> Result<(), Refusal> {
+    /// memory quota, each counted by the pool memory it will take, beside
+    /// what its other PUTs in flight reserved; if so, reserves them and
+    /// returns what it reserved. A block replacing one of the tenant's own
+    /// is counted as the difference, looked up only when the quick sum
+    /// does not fit.
+    fn fits<'k>(&self, cache: &BlockCache, blocks: impl Iterator<Item = (&'k Bytes, u32)> + Clone) -> Result<u64, Refusal> {
         let account = &self.account;
         let quota = account.memory_quota();
         if quota == UNLIMITED {
-            return Ok(());
+            return Ok(0);
         }
-        let held = account.bytes();
         // Charged as the cache charges them: the pool memory each takes
         // (its size class), not the bytes sent (see `cache/tenants.rs`).
         let incoming: u64 = blocks.clone().map(|(_, len)| account.held_by(u64::from(len))).sum();
-        if held.saturating_add(incoming) <= quota {
-            return Ok(());
+        // Reserved until the PUT is answered, so that the tenant's PUTs in
+        // flight on other connections count (see `TenantAccount::reserve`).
+        if account.reserve(incoming, quota) {
+            return Ok(incoming);
         }
         let replaced: u64 = blocks.clone().filter_map(|(k, _)| cache.stored_len(k)).map(|len| account.held_by(len)).sum();
-        if held.saturating_add(incoming).saturating_sub(replaced) <= quota {
-            return Ok(());
+        let grows = incoming.saturating_sub(replaced);
+        if account.reserve(grows, quota) {
+            return Ok(grows);
         }
         account.refused_memory.fetch_add(1, Ordering::Relaxed);
         let n = blocks.count();
+        let held = account.bytes();
+        let pending = match account.reserved() {
+            0 => String::new(),
+            r => format!(" (and its PUTs in flight {r} more)"),
+        };
         Err(refuse(
             ErrorCode::Capacity,
             format!(
-                "tenant '{}' holds {held} of its memoryBytes quota {quota}; this PUT of {n} blocks ({incoming} bytes of pool memory) would pass it, \
-                 so none of them was stored: delete some of the tenant's blocks, or raise its memoryBytes in the tenants file",
+                "tenant '{}' holds {held} of its memoryBytes quota {quota}{pending}; this PUT of {n} blocks ({incoming} bytes of pool memory) \
+                 would pass it, so none of them was stored: delete some of the tenant's blocks, or raise its memoryBytes in the tenants file",
                 self.name
             ),
         ))
@@ -774,7 +812,7 @@ mod tests {
 
     fn tenant_of(scope: Result<Scope, Refusal>) -> Result<String, String> {
         match scope {
-            Ok(Scope::Tenant(a)) => Ok(a.0.name.clone()),
+            Ok(Scope::Tenant(a)) => Ok(a.tenant.name.clone()),
             Ok(Scope::Cluster) => Ok("<cluster>".into()),
             Ok(Scope::Open) => Ok("<open>".into()),
             Err(r) => Err(r.message),
@@ -793,7 +831,7 @@ mod tests {
         assert_eq!(tenant_of(t.authenticate(None)), Err("this node requires a bearer token".into()));
         // A reload: b's token changes, c arrives; a's Arc (and connections) stay.
         let a_before = match t.authenticate(Some("ta")) {
-            Ok(Scope::Tenant(a)) => Arc::clone(&a.0),
+            Ok(Scope::Tenant(a)) => Arc::clone(&a.tenant),
             _ => unreachable!(),
         };
         config(dir.path(), &[("a", "ta"), ("b", "tb2"), ("c", "tc3")], None, None);

@@ -665,3 +665,66 @@ async fn a_tenant_retrying_at_its_max_connections_does_not_lock_its_peer_out() {
     assert_eq!(series(&m, "kvplane_handshake_failures_total", ""), 0, "{m}");
     drop(node);
 }
+
+/// Found in review: memoryBytes was checked per PUT against what was
+/// stored, so PUTs of one tenant in flight at once on several connections
+/// each fit and together passed the quota by all they carried (16
+/// connections x 1 MiB against a quota of 1 MiB). Now a PUT reserves its
+/// bytes at the door until it is answered, and the next PUT counts them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_puts_of_one_tenant_stay_within_its_quota() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("tenants.json");
+    write_tenants(&file, &[("q", "token-q", "1Mi", "1Mi")]);
+    let (node, admin) = start(&["--tenants-file", file.to_str().unwrap(), "--memory", "64MiB"]);
+    let len = 64 * KIB;
+    let mut clients = Vec::new();
+    for _ in 0..16 {
+        clients.push(tcp(&node, "token-q").await);
+    }
+    // Each PUT alone fits the quota exactly; they are sent at once.
+    let batches: Vec<Vec<(Bytes, Bytes)>> =
+        (0..clients.len()).map(|c| keys(&format!("q/{c}"), 16).into_iter().map(|k| (k, value("q", len))).collect()).collect();
+    let start = std::sync::Arc::new(tokio::sync::Barrier::new(clients.len()));
+    let puts: Vec<_> = clients
+        .into_iter()
+        .zip(batches)
+        .map(|(client, batch)| {
+            let start = std::sync::Arc::clone(&start);
+            tokio::spawn(async move {
+                start.wait().await;
+                client.put(batch).await
+            })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for p in puts {
+        answers.push(p.await.unwrap());
+    }
+    let stored: usize = answers.iter().filter_map(|a| a.as_ref().ok()).map(|r| r.iter().filter(|x| x.is_ok()).count()).sum();
+    for a in &answers {
+        if let Err(e) = a {
+            assert!(e.to_string().contains("memoryBytes quota 1048576"), "{e}");
+        }
+    }
+    let m = metrics(&admin).await;
+    let held = series(&m, "kvplane_tenant_bytes", "tenant=\"q\"");
+    assert!(held <= 1 << 20, "16 concurrent PUTs took q to {held} bytes ({stored} blocks) past its quota of 1 MiB: {m}");
+    assert_eq!(stored, 16, "the quota's worth, one PUT's, was stored");
+    // Every reservation was given back: with its blocks deleted, q's
+    // quota is all free again for one more PUT of 1 MiB.
+    let q = tcp(&node, "token-q").await;
+    let mine: Vec<Bytes> = (0..16).flat_map(|c| keys(&format!("q/{c}"), 16)).collect();
+    assert_eq!(q.delete(mine).await.unwrap().iter().filter(|d| **d).count(), 16);
+    let again: Vec<(Bytes, Bytes)> = keys("q/again", 16).into_iter().map(|k| (k, value("q", len))).collect();
+    assert!(q.put(again.clone()).await.unwrap().iter().all(Result::is_ok), "a reservation of the concurrent PUTs was never released");
+    // A PUT gives its reservation back when answered, not at its
+    // connection's next request: q, idle after storing half of its quota,
+    // leaves the other half to a second connection.
+    assert_eq!(q.delete(again.iter().map(|(k, _)| k.clone()).collect()).await.unwrap().iter().filter(|d| **d).count(), 16);
+    assert!(q.put(again[..8].to_vec()).await.unwrap().iter().all(Result::is_ok));
+    let q2 = tcp(&node, "token-q").await;
+    let other_half = q2.put(again[8..].to_vec()).await;
+    assert!(other_half.as_ref().is_ok_and(|r| r.iter().all(Result::is_ok)), "{other_half:?}");
+    drop(node);
+}

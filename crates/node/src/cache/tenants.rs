@@ -48,6 +48,9 @@ pub struct TenantAccount {
     over_count: Arc<AtomicUsize>,
     /// The pool's smallest size class (see [`TenantAccount::held_by`]).
     min_block: Arc<AtomicU64>,
+    /// Bytes the tenant's PUTs in flight were let in with and have not
+    /// been answered yet (see [`TenantAccount::reserve`]).
+    reserved: AtomicU64,
     /// GET and GET_SHM keys found / not found, counted by the tenant's
     /// connections.
     pub hits: AtomicU64,
@@ -82,6 +85,36 @@ impl TenantAccount {
 
     pub fn pinned_quota(&self) -> u64 {
         self.pinned_quota.load(Ordering::Relaxed)
+    }
+
+    /// Bytes reserved by the tenant's PUTs in flight.
+    pub fn reserved(&self) -> u64 {
+        self.reserved.load(Ordering::Relaxed)
+    }
+
+    /// Reserves `bytes` for a PUT if what the tenant holds, what its other
+    /// PUTs in flight reserved and `bytes` stay within `quota`. Reserved
+    /// first and checked after, so two PUTs racing on two connections
+    /// cannot both pass by counting without the other: each PUT checked
+    /// against what is stored alone let 16 connections of a 1 MiB tenant
+    /// store 8 MiB at once. A PUT racing another may be refused where it
+    /// would just have fitted, never let in past the quota. Released by
+    /// [`TenantAccount::release`] once the PUT is answered (its blocks are
+    /// then counted in [`TenantAccount::bytes`]).
+    pub fn reserve(&self, bytes: u64, quota: u64) -> bool {
+        let before = self.reserved.fetch_add(bytes, Ordering::Relaxed);
+        if self.bytes().saturating_add(before).saturating_add(bytes) <= quota {
+            return true;
+        }
+        self.reserved.fetch_sub(bytes, Ordering::Relaxed);
+        false
+    }
+
+    /// Gives back what [`TenantAccount::reserve`] took.
+    pub fn release(&self, bytes: u64) {
+        if bytes > 0 {
+            self.reserved.fetch_sub(bytes, Ordering::Relaxed);
+        }
     }
 
     /// Sets both quotas ([`UNLIMITED`]: none), as a reload does.
@@ -184,6 +217,7 @@ impl TenantAccounts {
                 over: AtomicBool::new(false),
                 over_count: Arc::clone(&self.over),
                 min_block: Arc::clone(&self.min_block),
+                reserved: AtomicU64::new(0),
                 hits: AtomicU64::new(0),
                 misses: AtomicU64::new(0),
                 evictions: AtomicU64::new(0),
