@@ -8,7 +8,7 @@
 use std::io::{self, IoSlice};
 
 use crate::{
-    decode_body, Block, DecodeError, EncodedFrame, Frame, FrameHeader, Limits, Message, Meta, ProtocolError, Response, HEADER_LEN,
+    decode_body, Block, Checksum, DecodeError, EncodedFrame, Frame, FrameHeader, Limits, Message, Meta, ProtocolError, Response, HEADER_LEN,
 };
 use bytes::{BufMut, Bytes, BytesMut};
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
@@ -108,7 +108,7 @@ pub const DIRECT_READ_PIECE_BYTES: usize = 256 << 10;
 pub async fn read_block<R: AsyncRead + Unpin>(r: &mut BufReader<R>, dst: &mut [u8]) -> io::Result<u32> {
     let len = dst.len();
     let mut done = 0;
-    let mut crc = 0u32;
+    let mut crc = Checksum::new();
     while done < len {
         let rest = &mut dst[done..];
         let n = if !r.buffer().is_empty() {
@@ -130,17 +130,17 @@ pub async fn read_block<R: AsyncRead + Unpin>(r: &mut BufReader<R>, dst: &mut [u
         if n == 0 {
             return Err(eof_in_block(done, len));
         }
-        crc = crc32c::crc32c_append(crc, &dst[done..done + n]);
+        crc.update(&dst[done..done + n]);
         done += n;
     }
-    Ok(crc)
+    Ok(crc.finish())
 }
 
 /// As [`read_block`], appending the `len` bytes to `buf` (whose spare
 /// capacity they are read into, not zeroed first).
 async fn read_block_appended<R: AsyncRead + Unpin>(r: &mut BufReader<R>, buf: &mut BytesMut, len: usize) -> io::Result<u32> {
     let start = buf.len();
-    let mut crc = 0u32;
+    let mut crc = Checksum::new();
     while buf.len() - start < len {
         let rest = len - (buf.len() - start);
         let at = buf.len();
@@ -162,9 +162,9 @@ async fn read_block_appended<R: AsyncRead + Unpin>(r: &mut BufReader<R>, buf: &m
         if n == 0 {
             return Err(eof_in_block(buf.len() - start, len));
         }
-        crc = crc32c::crc32c_append(crc, &buf[at..at + n]);
+        crc.update(&buf[at..at + n]);
     }
-    Ok(crc)
+    Ok(crc.finish())
 }
 
 fn eof_in_block(done: usize, len: usize) -> io::Error {
@@ -347,6 +347,20 @@ mod tests {
         assert_eq!(asked[20], 10_000, "and so did its tail: {asked:?}");
         let through_buffer = asked.iter().filter(|&&n| n == BUFFER).count();
         assert!(through_buffer <= 3, "only the prefix and the small blocks went through the buffer: {asked:?}");
+    }
+
+    /// The wire's checksum is CRC-32C whichever implementation computes it:
+    /// the node's shared-memory and RDMA paths use the `crc32c` crate.
+    #[test]
+    fn checksum_is_the_reference_crc32c_at_every_size_and_in_pieces() {
+        for len in [0, 1, 7, 8, 63, 64, 255, 256, 4095, 4096, 65_537, 300_001] {
+            let data = pattern(len + 3, len);
+            let data = &data[3..]; // unaligned
+            assert_eq!(crate::checksum(data), crc32c::crc32c(data), "{len} bytes");
+            let mut pieces = Checksum::new();
+            data.chunks(1000).for_each(|p| pieces.update(p));
+            assert_eq!(pieces.finish(), crc32c::crc32c(data), "{len} bytes in pieces");
+        }
     }
 
     #[tokio::test]

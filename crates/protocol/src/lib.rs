@@ -29,4 +29,6 @@ pub use error::{DecodeError, ErrorCode, ProtocolError};
 pub use frame::{Features, FrameHeader, Opcode, HEADER_LEN, MAGIC, MIN_VERSION, VERSION};
 pub use kv_error::{ErrorKind, KvError};
 pub use limits::*;
-pub use message::{checksum, Block, Frame, Hello, HelloAck, Message, PutEntry, Request, Response, ShmBlock, ShmGet, ShmPut, StatEntry};
+pub use message::{
+    checksum, Block, Checksum, Frame, Hello, HelloAck, Message, PutEntry, Request, Response, ShmBlock, ShmGet, ShmPut, StatEntry,
+};

@@ -43,10 +43,38 @@ impl Block {
     }
 }
 
-/// CRC-32C of a payload: hardware-accelerated (SSE 4.2 / ARMv8 CRC), so it
-/// costs a small fraction of copying the same bytes.
+/// CRC-32C of a payload: carry-less-multiply folding (crc-fast; the
+/// `crc32c` crate's SSE 4.2 loop measured 11-25 GB/s on one core against
+/// crc-fast's 26-58 GB/s from 4 KiB to 256 KiB), so it costs a small
+/// fraction of copying the same bytes. Every block crosses it twice on a
+/// PUT (the client computes, the node verifies), once on a GET.
 pub fn checksum(data: &[u8]) -> u32 {
-    crc32c::crc32c(data)
+    crc_fast::checksum(crc_fast::CrcAlgorithm::Crc32Iscsi, data) as u32
+}
+
+/// [`checksum`] of a block that arrives piece by piece: `update` each piece
+/// as it lands (while it is still in cache), then `finish`.
+#[derive(Clone)]
+pub struct Checksum(crc_fast::Digest);
+
+impl Checksum {
+    pub fn new() -> Checksum {
+        Checksum(crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi))
+    }
+
+    pub fn update(&mut self, piece: &[u8]) {
+        self.0.update(piece);
+    }
+
+    pub fn finish(&self) -> u32 {
+        self.0.finalize() as u32
+    }
+}
+
+impl Default for Checksum {
+    fn default() -> Self {
+        Checksum::new()
+    }
 }
 
 /// One key and its payload in a PUT.

@@ -172,7 +172,7 @@ impl Block {
         match self.known_crc() {
             Some(crc) => crc,
             None => {
-                let crc = crc32c::crc32c(self.as_slice());
+                let crc = kvplane_protocol::checksum(self.as_slice());
                 self.set_crc(crc);
                 crc
             }
