@@ -521,6 +521,13 @@ impl Tenants {
         counter(e, "kvplane_tenants_reloads", "Tenants files loaded again after they changed", self.reloads.load(Ordering::Relaxed))?;
         counter(
             e,
+            "kvplane_tenants_fruitless_eviction_passes",
+            "Evictions that looked for a block of a tenant over its quota and found none evictable (pinned or being read); \
+             such a look is not repeated within 50 ms",
+            self.accounts.fruitless_passes.load(Ordering::Relaxed),
+        )?;
+        counter(
+            e,
             "kvplane_tenants_reload_failures",
             "Tenants file reloads that failed (the tenants loaded before stayed in force)",
             self.reload_failures.load(Ordering::Relaxed),

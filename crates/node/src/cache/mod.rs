@@ -36,7 +36,7 @@ use std::fmt;
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
@@ -130,6 +130,9 @@ pub struct BlockCache {
     /// Next shard to evict from.
     cursor: AtomicUsize,
     clock: Arc<dyn Clock>,
+    /// The clock's reading when the cache was made: what the tenants'
+    /// over-quota pass times count from.
+    epoch: Instant,
     tenants: Option<Arc<TenantAccounts>>,
 }
 
@@ -156,6 +159,7 @@ impl BlockCache {
             hasher: foldhash::fast::RandomState::default(),
             shards,
             cursor: AtomicUsize::new(0),
+            epoch: config.clock.now(),
             clock: config.clock,
             tenants: config.tenants,
         }
@@ -346,12 +350,18 @@ impl BlockCache {
         let n = self.shards.len();
         let start = self.cursor.fetch_add(1, Ordering::Relaxed) % n;
         let now = self.clock.now();
-        if self.tenants.as_ref().is_some_and(|t| t.any_over_quota()) {
-            for i in 0..n {
-                let victim = lock(&self.shards[(start + i) % n]).evict_over_quota(now);
-                if victim.is_some() {
-                    return victim;
+        if let Some(tenants) = self.tenants.as_ref().filter(|t| t.any_over_quota()) {
+            // Not again right after a pass that found nothing: it walked
+            // every entry (see `tenants::OVER_QUOTA_RETRY`).
+            let at = u64::try_from(now.saturating_duration_since(self.epoch).as_nanos()).unwrap_or(u64::MAX);
+            if tenants.over_quota_pass_due(at) {
+                for i in 0..n {
+                    let victim = lock(&self.shards[(start + i) % n]).evict_over_quota(now);
+                    if victim.is_some() {
+                        return victim;
+                    }
                 }
+                tenants.over_quota_pass_fruitless(at);
             }
         }
         for i in 0..n {

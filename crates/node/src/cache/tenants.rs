@@ -27,9 +27,20 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
+use std::time::Duration;
 
 /// A quota of "none".
 pub const UNLIMITED: u64 = u64::MAX;
+
+/// After an over-quota eviction pass found nothing to evict (every block
+/// of the tenants over their quota pinned or being read), how long
+/// eviction keeps to the policy's order alone before such a pass looks
+/// again. A pass that finds nothing has walked every entry of every shard:
+/// repeated for every eviction, a tenant that got over its quota (a
+/// read-through, a lowered quota) and pinned its blocks would make each
+/// PUT on the node cost a walk of the whole cache. Counted in
+/// `kvplane_tenants_fruitless_eviction_passes`.
+pub const OVER_QUOTA_RETRY: Duration = Duration::from_millis(50);
 
 /// One tenant's share of the cache and its counters. Shared (an `Arc`) by
 /// the tenant's entries, its connections and `/metrics`; it outlives a
@@ -197,6 +208,12 @@ pub struct TenantAccounts {
     /// The pool's smallest size class, set by the cache built on them
     /// ([`TenantAccounts::set_min_block`]); every account shares it.
     min_block: Arc<AtomicU64>,
+    /// When (the cache's clock, nanoseconds from its start, plus 1; 0:
+    /// never) an over-quota pass last found nothing (see
+    /// [`OVER_QUOTA_RETRY`]).
+    fruitless_at: AtomicU64,
+    /// Over-quota eviction passes that found nothing to evict.
+    pub fruitless_passes: AtomicU64,
 }
 
 impl TenantAccounts {
@@ -251,6 +268,22 @@ impl TenantAccounts {
     /// eviction asks it every time.
     pub fn any_over_quota(&self) -> bool {
         self.over.load(Ordering::Relaxed) > 0
+    }
+
+    /// Whether eviction should look among the blocks of tenants over their
+    /// quota at `now` (nanoseconds of the cache's clock): not within
+    /// [`OVER_QUOTA_RETRY`] of a look that found nothing.
+    pub(super) fn over_quota_pass_due(&self, now: u64) -> bool {
+        match self.fruitless_at.load(Ordering::Relaxed) {
+            0 => true,
+            at => now.saturating_sub(at - 1) >= OVER_QUOTA_RETRY.as_nanos() as u64,
+        }
+    }
+
+    /// Records an over-quota pass at `now` that found nothing to evict.
+    pub(super) fn over_quota_pass_fruitless(&self, now: u64) {
+        self.fruitless_at.store(now.saturating_add(1), Ordering::Relaxed);
+        self.fruitless_passes.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Every account, in name order (for `/metrics`).

@@ -602,3 +602,40 @@ fn eviction_takes_from_a_tenant_over_its_quota_first() {
         );
     }
 }
+
+/// Found in review: while a tenant was over its quota with every block
+/// pinned, each eviction first walked every entry of every shard looking
+/// for one of its blocks, found none, and only then took the policy's
+/// victim: a tenant over its quota (a read-through, a lowered quota) that
+/// pinned its blocks made every PUT on the node pay a walk of the cache.
+/// A pass that finds nothing is not repeated within `OVER_QUOTA_RETRY`.
+#[test]
+fn a_fruitless_over_quota_pass_is_not_repeated_for_every_eviction() {
+    for policy in POLICIES {
+        let (cache, accounts, clock) = tenanted(policy);
+        let over = accounts.account(b"\x04over", "over");
+        for i in 0..16 {
+            put_ok(&cache, &tkey("over", i), 1);
+        }
+        let chain: Vec<Bytes> = (0..16).map(|i| tkey("over", i)).collect();
+        assert_eq!(cache.match_prefix(&chain, Some(Duration::from_secs(60))), 16);
+        over.set_quotas(BLOCK as u64, MIB as u64);
+        assert!(accounts.any_over_quota());
+        // Another tenant's PUTs fill the pool and go on: each needs an eviction.
+        for i in 0..(2 * SLOTS) {
+            put_ok(&cache, &tkey("other", i), 2);
+        }
+        let passes = || accounts.fruitless_passes.load(std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(passes(), 1, "{policy}: one fruitless pass, not one per eviction");
+        assert_eq!(over.bytes(), 16 * BLOCK as u64, "{policy}: the pinned blocks stay");
+        // Once the retry interval passed, eviction looks again.
+        clock.advance(super::tenants::OVER_QUOTA_RETRY);
+        put_ok(&cache, &tkey("other", 100_000), 3);
+        assert_eq!(passes(), 2, "{policy}");
+        // The pins ran out: the next pass finds the over-quota blocks.
+        clock.advance(Duration::from_secs(61) + super::tenants::OVER_QUOTA_RETRY);
+        put_ok(&cache, &tkey("other", 100_001), 4);
+        assert_eq!(over.bytes(), 15 * BLOCK as u64, "{policy}: over's block went first");
+        assert_eq!(passes(), 2, "{policy}");
+    }
+}
