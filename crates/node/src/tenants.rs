@@ -57,7 +57,9 @@
 //! refused at their next request (`unauthorized`, then closed); a tenant
 //! whose quotas changed keeps its connections and gets the new quotas at
 //! once. A tenant's account (bytes, counters) is kept by name across
-//! reloads, and after a removal for as long as its blocks remain.
+//! reloads, and after a removal for as long as its blocks remain, with
+//! quotas of 0 (its blocks are evicted first). A tenant added again under
+//! a removed one's name has its namespace, and so its blocks.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -366,9 +368,12 @@ impl Tenants {
         for t in old.iter() {
             if !next.iter().any(|n| Arc::ptr_eq(n, t)) {
                 t.revoked.store(true, Ordering::Relaxed);
-                // Its blocks stay counted, without a quota.
+                // Removed (not only a new token): its blocks stay counted,
+                // with quotas of 0, so that they are what eviction takes
+                // first; no connection can read them any more, and they
+                // should not outlive the blocks of tenants still served.
                 if !next.iter().any(|n| n.name == t.name) {
-                    t.account.set_quotas(UNLIMITED, UNLIMITED);
+                    t.account.set_quotas(0, 0);
                 }
             }
         }

@@ -728,3 +728,81 @@ async fn concurrent_puts_of_one_tenant_stay_within_its_quota() {
     assert!(other_half.as_ref().is_ok_and(|r| r.iter().all(Result::is_ok)), "{other_half:?}");
     drop(node);
 }
+
+/// The key limit at its edge: a tenant of the longest name (63 bytes, a
+/// tag of 64) stores and reads a key of the node's limit less 64 (its
+/// tagged form exactly the node's limit); one byte more is refused
+/// `invalid` naming the tenant's limit, and nothing is stored for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_longest_key_fits_the_node_limit_with_its_tag_and_one_more_byte_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("tenants.json");
+    let long_name = "n".repeat(63);
+    write_tenants(&file, &[(long_name.as_str(), "token-long", "1Mi", "1Mi")]);
+    let (node, _admin) = start(&["--tenants-file", file.to_str().unwrap()]);
+    let t = tcp(&node, "token-long").await;
+    let limit = kvplane_protocol::DEFAULT_MAX_KEY_BYTES as usize - 64;
+    let longest = Bytes::from(vec![b'k'; limit]);
+    assert!(t.put(vec![(longest.clone(), Bytes::from_static(b"v"))]).await.unwrap()[0].is_ok());
+    assert_eq!(t.get(vec![longest.clone()]).await.unwrap()[0].as_ref().unwrap(), &Bytes::from_static(b"v"));
+    let over = Bytes::from(vec![b'k'; limit + 1]);
+    let refused = match t.put(vec![(over.clone(), Bytes::from_static(b"v"))]).await {
+        Ok(r) => r.into_iter().next().unwrap().expect_err("a key past the tenant's limit is refused"),
+        Err(e) => e,
+    };
+    assert!(matches!(refused, KvError::Invalid(_)) && refused.to_string().contains(&limit.to_string()), "{refused:?}");
+    assert!(!t.exists(vec![longest.slice(..limit - 1)]).await.unwrap()[0]);
+    drop(node);
+}
+
+/// Found in review: a tenant removed from the file kept its blocks with
+/// no quota, so eviction took them in the policy's order like any other
+/// tenant's: blocks no connection can read any more outlived the blocks
+/// of tenants still served. A removed tenant's quotas are now 0, so its
+/// blocks are the first eviction takes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_tenants_blocks_are_evicted_before_a_served_tenants() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("tenants.json");
+    write_tenants(&file, &[("stay", "token-stay", "64Mi", "1Mi"), ("gone", "token-gone", "64Mi", "1Mi")]);
+    let (node, admin) = start(&["--tenants-file", file.to_str().unwrap(), "--memory", "16MiB", "--tenants-reload-interval", "100ms"]);
+    let stay = tcp(&node, "token-stay").await;
+    let gone = tcp(&node, "token-gone").await;
+    let len = 64 * KIB;
+    // stay's blocks first, so that in the policy's order they would go first.
+    let old = keys("stay/old", 64);
+    assert!(stay.put(old.iter().map(|k| (k.clone(), value("stay", len))).collect()).await.unwrap().iter().all(Result::is_ok));
+    let gone_keys = keys("gone", 64);
+    assert!(gone.put(gone_keys.iter().map(|k| (k.clone(), value("gone", len))).collect()).await.unwrap().iter().all(Result::is_ok));
+    drop(gone);
+    write_tenants(&file, &[("stay", "token-stay", "64Mi", "1Mi")]);
+    eventually("the reload that removes gone", PATIENCE, || {
+        let endpoint = node.endpoint.clone();
+        tokio::task::block_in_place(|| {
+            tokio::runtime::Handle::current()
+                .block_on(async { connect(Endpoint::Tcp(endpoint), Some("token-gone"), false).await.err().map(|_| ()) })
+        })
+    })
+    .await;
+    // stay fills the memory: room comes from gone's blocks until none is left.
+    let mut i = 0;
+    let mut m;
+    loop {
+        let put = stay.put(vec![(Bytes::from(format!("stay/new/{i}")), value("stay", len))]).await.unwrap();
+        assert!(put[0].is_ok(), "{put:?}");
+        i += 1;
+        m = metrics(&admin).await;
+        if series(&m, "kvplane_tenant_bytes", "tenant=\"gone\"") == 0 {
+            break;
+        }
+        assert!(i < 400, "gone's blocks were never evicted: {m}");
+    }
+    assert_eq!(series(&m, "kvplane_tenant_evictions_total", "tenant=\"gone\""), 64, "{m}");
+    assert_eq!(
+        series(&m, "kvplane_tenant_evictions_total", "tenant=\"stay\""),
+        0,
+        "stay lost blocks while a removed tenant's remained: {m}"
+    );
+    assert!(stay.exists(old).await.unwrap().iter().all(|p| *p), "stay's oldest blocks are all still there");
+    drop(node);
+}
