@@ -192,6 +192,10 @@ impl Admitted {
         Admitted { tenant, reserved: AtomicU64::new(0) }
     }
 
+    fn hold(&self, reserved: u64) {
+        self.reserved.store(reserved, Ordering::Relaxed);
+    }
+
     fn release(&self) {
         self.tenant.account.release(self.reserved.swap(0, Ordering::Relaxed));
     }
@@ -643,8 +647,7 @@ impl Scope {
                 for s in slots.iter_mut() {
                     s.key = scope(&s.key)?;
                 }
-                let reserved = tenant.fits(cache, slots.iter().map(|s| (&s.key, s.len)))?;
-                admitted.reserved.store(reserved, Ordering::Relaxed);
+                admitted.hold(tenant.fits(cache, slots.iter().map(|s| (&s.key, s.len)))?);
                 Meta::Put(slots)
             }
             Meta::Complete(Message::Request(mut request)) => {
@@ -662,8 +665,7 @@ impl Scope {
                         for e in entries.iter_mut() {
                             e.key = scope(&e.key)?;
                         }
-                        let reserved = tenant.fits(cache, entries.iter().map(|e| (&e.key, e.len)))?;
-                        admitted.reserved.store(reserved, Ordering::Relaxed);
+                        admitted.hold(tenant.fits(cache, entries.iter().map(|e| (&e.key, e.len)))?);
                     }
                     Request::GetShm { entries } => {
                         for e in entries.iter_mut() {
@@ -717,9 +719,9 @@ impl Tenant {
     /// Whether blocks of `lens` under `keys` (scoped) fit in the tenant's
     /// memory quota, each counted by the pool memory it will take, beside
     /// what its other PUTs in flight reserved; if so, reserves them and
-    /// returns what it reserved. A block replacing one of the tenant's own
-    /// is counted as the difference, looked up only when the quick sum
-    /// does not fit.
+    /// returns what it reserved. A PUT replacing blocks of the tenant's
+    /// own is let in on the difference (looked up only when the quick sum
+    /// does not fit), with all it brings reserved.
     fn fits<'k>(&self, cache: &BlockCache, blocks: impl Iterator<Item = (&'k Bytes, u32)> + Clone) -> Result<u64, Refusal> {
         let account = &self.account;
         let quota = account.memory_quota();
@@ -734,10 +736,17 @@ impl Tenant {
         if account.reserve(incoming, quota) {
             return Ok(incoming);
         }
+        // The blocks it replaces are freed: a credit. All it brings stays
+        // reserved, the credit only lets it in: the replaced block is
+        // freed as the PUT lands, before the rest of its blocks have, and a
+        // reservation of the difference alone let the next PUT in on that
+        // moment (16 connections replacing one block stored 1 MiB + 4 KiB
+        // against 1 MiB). What is left: a PUT that reads a replaced
+        // block's size before another PUT of the tenant replaces it, and
+        // the tenant's bytes after, may pass the quota by that block.
         let replaced: u64 = blocks.clone().filter_map(|(k, _)| cache.stored_len(k)).map(|len| account.held_by(len)).sum();
-        let grows = incoming.saturating_sub(replaced);
-        if account.reserve(grows, quota) {
-            return Ok(grows);
+        if account.reserve(incoming, quota.saturating_add(replaced)) {
+            return Ok(incoming);
         }
         account.refused_memory.fetch_add(1, Ordering::Relaxed);
         let n = blocks.count();

@@ -806,3 +806,51 @@ async fn a_removed_tenants_blocks_are_evicted_before_a_served_tenants() {
     assert!(stay.exists(old).await.unwrap().iter().all(|p| *p), "stay's oldest blocks are all still there");
     drop(node);
 }
+
+/// Found in review: a PUT that replaces one of the tenant's blocks is let
+/// in on the difference, and it reserved only the difference: once its
+/// replacement had landed (512 KiB freed) and before its new block had,
+/// the next PUT fitted on that moment. 16 connections of a 1 MiB tenant
+/// holding one 512 KiB block, each sending a PUT of that key (4 KiB) and
+/// a new 512 KiB block, stored 1 MiB + 4 KiB (2 PUTs let in). A PUT now
+/// reserves all it brings; the credit only lets it in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_puts_cannot_each_take_the_credit_of_the_block_they_replace() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("tenants.json");
+    write_tenants(&file, &[("q", "token-q", "1Mi", "1Mi")]);
+    let (node, admin) = start(&["--tenants-file", file.to_str().unwrap(), "--memory", "64MiB"]);
+    let big = 512 * KIB;
+    let shared = Bytes::from_static(b"q/replaced");
+    let q = tcp(&node, "token-q").await;
+    assert!(q.put(vec![(shared.clone(), value("q/replaced", big))]).await.unwrap()[0].is_ok());
+    let mut clients = Vec::new();
+    for _ in 0..16 {
+        clients.push(tcp(&node, "token-q").await);
+    }
+    let start = std::sync::Arc::new(tokio::sync::Barrier::new(clients.len()));
+    let puts: Vec<_> = clients
+        .into_iter()
+        .enumerate()
+        .map(|(c, client)| {
+            let start = std::sync::Arc::clone(&start);
+            let batch = vec![(shared.clone(), value("small", 4 * KIB)), (Bytes::from(format!("q/new/{c}")), value("q/new", big))];
+            tokio::spawn(async move {
+                start.wait().await;
+                client.put(batch).await
+            })
+        })
+        .collect();
+    let mut let_in = 0;
+    for p in puts {
+        match p.await.unwrap() {
+            Ok(r) => let_in += usize::from(r.iter().all(Result::is_ok)),
+            Err(e) => assert!(matches!(e, KvError::Capacity(_)), "{e:?}"),
+        }
+    }
+    let m = metrics(&admin).await;
+    let held = series(&m, "kvplane_tenant_bytes", "tenant=\"q\"");
+    assert!(held <= 1 << 20, "{let_in} PUTs that each took the credit of one replaced block took q to {held} bytes: {m}");
+    assert!(let_in >= 1, "one of them fits");
+    drop(node);
+}

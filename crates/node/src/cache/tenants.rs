@@ -112,6 +112,8 @@ impl TenantAccount {
     /// would just have fitted, never let in past the quota. Released by
     /// [`TenantAccount::release`] once the PUT is answered (its blocks are
     /// then counted in [`TenantAccount::bytes`]).
+    /// `quota` is the tenant's, plus what the blocks the PUT replaces
+    /// free (the PUT still reserves all it brings: see `Tenant::fits`).
     pub fn reserve(&self, bytes: u64, quota: u64) -> bool {
         let before = self.reserved.fetch_add(bytes, Ordering::Relaxed);
         if self.bytes().saturating_add(before).saturating_add(bytes) <= quota {
