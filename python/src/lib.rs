@@ -56,26 +56,8 @@ const IO_THREADS: usize = 2;
 /// threads that do not exist there.
 static RUNTIME: Mutex<Option<(u32, Arc<Runtime>)>> = Mutex::new(None);
 
-/// The runtime of the asyncio node clients (`kvplane.aio.Client` of one
-/// node), tagged as [`RUNTIME`] is: one worker thread, so that a call's
-/// task and the reads of every connection it spreads over run on the same
-/// thread, as a sync node client's do on the caller's (see `Inner::run`).
-/// On the two-worker runtime the answers of a batch split over the pool
-/// woke the other worker and the call's task in turn: a 16 x 64 KiB GET
-/// took 504 us against the sync client's 369 us (medians, release build).
-static AIO_RUNTIME: Mutex<Option<(u32, Arc<Runtime>)>> = Mutex::new(None);
-
 fn runtime() -> PyResult<Arc<Runtime>> {
-    runtime_in(&RUNTIME, IO_THREADS, "kvplane-io")
-}
-
-/// The asyncio node clients' runtime (see [`AIO_RUNTIME`]).
-pub(crate) fn aio_runtime() -> PyResult<Arc<Runtime>> {
-    runtime_in(&AIO_RUNTIME, 1, "kvplane-aio")
-}
-
-fn runtime_in(static_slot: &Mutex<Option<(u32, Arc<Runtime>)>>, threads: usize, name: &str) -> PyResult<Arc<Runtime>> {
-    let mut slot = static_slot.lock().unwrap_or_else(|p| p.into_inner());
+    let mut slot = RUNTIME.lock().unwrap_or_else(|p| p.into_inner());
     let pid = std::process::id();
     match slot.take() {
         Some((p, rt)) if p == pid => {
@@ -86,11 +68,11 @@ fn runtime_in(static_slot: &Mutex<Option<(u32, Arc<Runtime>)>>, threads: usize, 
         None => {}
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(threads)
-        .thread_name(name)
+        .worker_threads(IO_THREADS)
+        .thread_name("kvplane-io")
         .enable_all()
         .build()
-        .map_err(|e| raise("Internal", format!("starting the I/O runtime {name}: {e}"), None, None))?;
+        .map_err(|e| raise("Internal", format!("starting the I/O runtime: {e}"), None, None))?;
     let rt = Arc::new(rt);
     *slot = Some((pid, Arc::clone(&rt)));
     Ok(rt)
