@@ -658,7 +658,7 @@ impl Scope {
                     Request::MatchPrefix { keys, lease_ms } => {
                         scope_all(keys)?;
                         if *lease_ms > 0 {
-                            tenant.may_pin(cache)?;
+                            tenant.may_pin(cache, keys)?;
                         }
                     }
                     Request::PutShm { entries } => {
@@ -765,25 +765,52 @@ impl Tenant {
         ))
     }
 
-    /// Whether the tenant may pin more: not while its pinned bytes are at
-    /// its `pinnedBytes` (counted once the pins that ran out are cleared).
-    fn may_pin(&self, cache: &BlockCache) -> Result<(), Refusal> {
+    /// Whether the tenant may pin more, and how far: not while its pinned
+    /// bytes are at its `pinnedBytes` (counted once the pins that ran out
+    /// are cleared; a lease on blocks all pinned already still is), and a
+    /// lease's chain only as far as the quota has room for: `keys` is cut
+    /// before the first block in memory that would pass it (an answer that
+    /// matches fewer, counted as a refusal). Before, a lease asked for
+    /// below the quota pinned the whole chain: a tenant of `pinnedBytes:
+    /// 64Ki` pinned 4 MiB, 64 blocks of its own, in one MATCH_PREFIX.
+    /// Cut here, not only where the cache pins (`TenantAccount::try_pin`),
+    /// because a chain the cache ends early is read through from the
+    /// second tier from there on. A key not in memory ends what can be
+    /// known here; the cache holds the rest to the quota.
+    fn may_pin(&self, cache: &BlockCache, keys: &mut Vec<Bytes>) -> Result<(), Refusal> {
         let account = &self.account;
         let quota = account.pinned_quota();
-        if quota == UNLIMITED || account.pinned_bytes() < quota {
+        if quota == UNLIMITED {
             return Ok(());
         }
-        cache.expire_pins();
+        if account.pinned_bytes() >= quota {
+            cache.expire_pins();
+        }
         let pinned = account.pinned_bytes();
-        if pinned < quota {
+        let room = quota.saturating_sub(pinned);
+        let mut used = 0u64;
+        let mut fit = keys.len();
+        for (i, k) in keys.iter().enumerate() {
+            let Some((len, pinned_already)) = cache.pin_state(k) else { break };
+            used = used.saturating_add(if pinned_already { 0 } else { account.held_by(len) });
+            if used > room {
+                fit = i;
+                break;
+            }
+        }
+        if fit == keys.len() {
             return Ok(());
         }
         account.refused_pinned.fetch_add(1, Ordering::Relaxed);
+        if fit > 0 {
+            keys.truncate(fit);
+            return Ok(());
+        }
         Err(refuse(
             ErrorCode::Capacity,
             format!(
-                "tenant '{}' holds {pinned} of its pinnedBytes quota {quota} under prefix leases; this MATCH_PREFIX asks for a lease: \
-                 ask without one (lease 0), wait for the leases to end, or raise its pinnedBytes in the tenants file",
+                "tenant '{}' holds {pinned} of its pinnedBytes quota {quota} under prefix leases; this MATCH_PREFIX asks for a lease \
+                 of more than the rest: ask without one (lease 0), wait for the leases to end, or raise its pinnedBytes in the tenants file",
                 self.name
             ),
         ))

@@ -236,14 +236,18 @@ async fn a_put_or_a_pin_past_the_tenants_quota_is_refused_naming_it() {
     let other: Vec<(Bytes, Bytes)> = keys("r", 8).into_iter().map(|k| (k, value("r", len))).collect();
     assert!(r.put(other).await.unwrap().iter().all(Result::is_ok), "tenant r's PUTs fit its own quota");
 
-    // Pins: the first lease takes q to its pinnedBytes, the next is refused.
-    assert_eq!(q.match_prefix(names[..2].to_vec(), Duration::from_secs(10)).await.unwrap().matched, 2);
+    // Pins: the first lease's chain is pinned as far as q's pinnedBytes
+    // (one 64 KiB block of the two), the next lease is refused, a lease
+    // on the block pinned already is served.
+    assert_eq!(q.match_prefix(names[..2].to_vec(), Duration::from_secs(10)).await.unwrap().matched, 1);
     let pin = q.match_prefix(names[2..4].to_vec(), Duration::from_secs(10)).await.expect_err("a pin past pinnedBytes is refused");
-    assert!(pin.to_string().contains("tenant 'q' holds 131072 of its pinnedBytes quota 65536"), "{pin}");
+    assert!(pin.to_string().contains("tenant 'q' holds 65536 of its pinnedBytes quota 65536"), "{pin}");
+    assert_eq!(q.match_prefix(names[..1].to_vec(), Duration::from_secs(10)).await.unwrap().matched, 1, "a pinned block's lease renewed");
     assert_eq!(q.match_prefix(names[2..4].to_vec(), Duration::ZERO).await.unwrap().matched, 2, "a match without a lease is served");
     let m = metrics(&admin).await;
+    assert_eq!(series(&m, "kvplane_tenant_pinned_bytes", "tenant=\"q\""), 65536, "{m}");
     assert_eq!(series(&m, "kvplane_tenant_refusals_total", "tenant=\"q\",quota=\"memoryBytes\""), 1, "{m}");
-    assert_eq!(series(&m, "kvplane_tenant_refusals_total", "tenant=\"q\",quota=\"pinnedBytes\""), 1, "{m}");
+    assert_eq!(series(&m, "kvplane_tenant_refusals_total", "tenant=\"q\",quota=\"pinnedBytes\""), 2, "one lease cut, one refused: {m}");
     assert_eq!(series(&m, "kvplane_tenant_bytes", "tenant=\"q\""), 4 * len as u64, "{m}");
     assert_eq!(series(&m, "kvplane_tenant_memory_quota_bytes", "tenant=\"q\""), 262_144, "{m}");
     drop(node);
@@ -853,4 +857,64 @@ async fn concurrent_puts_cannot_each_take_the_credit_of_the_block_they_replace()
     assert!(held <= 1 << 20, "{let_in} PUTs that each took the credit of one replaced block took q to {held} bytes: {m}");
     assert!(let_in >= 1, "one of them fits");
     drop(node);
+}
+
+/// Found in review: pinnedBytes was checked per MATCH_PREFIX before its
+/// lease, which then pinned the whole chain: a tenant of `pinnedBytes:
+/// 64Ki` pinned 4 MiB (64 blocks of its own) in one request. The chain is
+/// now pinned only as far as the quota has room, in memory and through a
+/// real redis second tier (blocks read through are held to it too).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_lease_pins_a_chain_only_as_far_as_the_tenants_pinned_quota() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("tenants.json");
+    write_tenants(&file, &[("q", "token-q", "4Mi", "256Ki")]);
+    let (node, admin) = start(&["--tenants-file", file.to_str().unwrap()]);
+    let q = tcp(&node, "token-q").await;
+    let names = keys("q", 64);
+    assert!(q.put(names.iter().map(|k| (k.clone(), value("q", 64 * KIB))).collect()).await.unwrap().iter().all(Result::is_ok));
+    let matched = q.match_prefix(names.clone(), Duration::from_secs(30)).await.unwrap().matched;
+    let m = metrics(&admin).await;
+    let pinned = series(&m, "kvplane_tenant_pinned_bytes", "tenant=\"q\"");
+    assert!(pinned <= 256 * KIB as u64, "one lease pinned {pinned} bytes ({matched} blocks) against a pinnedBytes of 256 KiB: {m}");
+    assert_eq!(matched, 4, "the chain as far as the quota: 4 blocks of 64 KiB");
+    drop(node);
+
+    // The same chain read through from a real redis by a fresh node.
+    let redis = kvplane_tests::redis::RedisServer::start(&[]);
+    let config = redis_config(dir.path(), &redis.endpoint());
+    let spawn = || {
+        let mut cmd = support::kvplane();
+        cmd.args(["node", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0", "--memory", "64MiB"])
+            .args(["--tenants-file", file.to_str().unwrap(), "--config", config.to_str().unwrap()])
+            .env("KVPLANE_CACHE_DIR", dir.path().join("cache"));
+        let node = NodeProcess::spawn(cmd);
+        let admin = node
+            .log
+            .lock()
+            .unwrap()
+            .iter()
+            .find_map(|l| l.split("admin http://").nth(1).map(|r| r.split('/').next().unwrap().to_string()))
+            .expect("the admin address");
+        (node, admin)
+    };
+    let (first, _) = spawn();
+    let q = tcp(&first, "token-q").await;
+    assert!(q.put(names.iter().map(|k| (k.clone(), value("q", 64 * KIB))).collect()).await.unwrap().iter().all(Result::is_ok));
+    drop(q);
+    assert!(first.sigterm_and_wait().success());
+    let (second, admin) = spawn();
+    let q = tcp(&second, "token-q").await;
+    let matched = q.match_prefix(names.clone(), Duration::from_secs(30)).await.unwrap().matched;
+    let m = metrics(&admin).await;
+    let pinned = series(&m, "kvplane_tenant_pinned_bytes", "tenant=\"q\"");
+    assert!(pinned <= 256 * KIB as u64, "read through, one lease pinned {pinned} bytes ({matched} blocks): {m}");
+    assert_eq!(matched, 4, "read through, the chain as far as the quota");
+    // The lease renewed: what is pinned is matched again, and the rest of
+    // the chain, in memory now, is not read through again from redis.
+    let hits = |stats: Vec<(String, u64)>| stats.iter().find(|(n, _)| n == "backend_hits").map_or(0, |(_, v)| *v);
+    let before = hits(q.stats().await.unwrap());
+    assert_eq!(q.match_prefix(names.clone(), Duration::from_secs(30)).await.unwrap().matched, 4);
+    assert_eq!(hits(q.stats().await.unwrap()), before, "a lease cut at the quota read the rest of its chain from redis");
+    drop(second);
 }

@@ -270,6 +270,15 @@ impl BlockCache {
         self.shard(hash).stored_len(hash, key)
     }
 
+    /// The length of the block stored under `key` and whether an
+    /// unexpired pin holds it, if it is stored: what a lease on it would
+    /// add to its tenant's pinned bytes (nothing, if pinned already).
+    pub fn pin_state(&self, key: &[u8]) -> Option<(u64, bool)> {
+        let hash = self.hash(key);
+        let now = self.clock.now();
+        self.shard(hash).pin_state(hash, key, now)
+    }
+
     /// True when the key was present.
     pub fn remove(&self, key: &[u8]) -> bool {
         let hash = self.hash(key);

@@ -115,6 +115,12 @@ impl Shard {
         self.find(hash, key).map(|idx| self.nodes[idx as usize].size())
     }
 
+    pub(super) fn pin_state(&self, hash: u64, key: &[u8], now: Instant) -> Option<(u64, bool)> {
+        let node = &self.nodes[self.find(hash, key)? as usize];
+        let entry = node.entry.as_ref()?;
+        Some((entry.block.len() as u64, entry.pin_until.is_some_and(|until| until > now)))
+    }
+
     pub(super) fn contains(&self, hash: u64, key: &[u8]) -> bool {
         self.find(hash, key).is_some()
     }
@@ -241,10 +247,14 @@ impl Shard {
             Some(current) if current >= until => return true,
             Some(_) => {}
             None => {
-                self.pinned += 1;
+                // A tenant's chain is pinned only as far as its pinnedBytes:
+                // the match ends at the block that would pass it.
                 if let Some(a) = &entry.account {
-                    a.pin(Some(entry.block.len() as u64), None);
+                    if !a.try_pin(entry.block.len() as u64) {
+                        return false;
+                    }
                 }
+                self.pinned += 1;
             }
         }
         entry.pin_until = Some(until);

@@ -167,6 +167,24 @@ impl TenantAccount {
         self.settle();
     }
 
+    /// Pins a block of `len` bytes if the tenant's pinned bytes stay
+    /// within its `pinnedBytes`; a block that would pass it is refused
+    /// (counted in `refused_pinned`) and the MATCH_PREFIX whose lease
+    /// asked for it matches up to the block before. The server cuts a
+    /// lease's keys to what fits before it reaches the cache (see
+    /// `Tenant::may_pin`); this is exact for what that could not know:
+    /// blocks read through from the second tier, leases racing on other
+    /// connections.
+    pub(super) fn try_pin(&self, len: u64) -> bool {
+        let held = self.held_by(len);
+        if self.pinned_bytes().saturating_add(held) > self.pinned_quota() {
+            self.refused_pinned.fetch_add(1, Ordering::Relaxed);
+            return false;
+        }
+        self.pinned.fetch_add(held, Ordering::Relaxed);
+        true
+    }
+
     /// As [`TenantAccount::charge`], for the pinned bytes.
     pub(super) fn pin(&self, add_len: Option<u64>, sub_len: Option<u64>) {
         let (add, sub) = (self.class_of(add_len), self.class_of(sub_len));
