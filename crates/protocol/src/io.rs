@@ -101,10 +101,12 @@ pub const DIRECT_READ_PIECE_BYTES: usize = 256 << 10;
 /// into `dst`, at most [`DIRECT_READ_PIECE_BYTES`] per read.
 /// (`tokio::io::BufReader` bypasses its buffer only for a read at least as
 /// long as the whole buffer, so behind a 256 KiB buffer a 64 KiB block, and
-/// the last 256 KiB of every larger one, would be copied twice.) The checksum is computed piece by piece, each piece right after
-/// it landed and while it is still in cache, instead of in a second pass
-/// over a block that has left the cache by then (a 2 MiB block does not fit
-/// in L2).
+/// the last 256 KiB of every larger one, would be copied twice.)
+///
+/// The checksum is computed piece by piece, each piece right after it
+/// landed and while it is still in cache, instead of in a second pass over
+/// a block that has left the cache by then (a 2 MiB block does not fit in
+/// L2).
 pub async fn read_block<R: AsyncRead + Unpin>(r: &mut BufReader<R>, dst: &mut [u8]) -> io::Result<u32> {
     let len = dst.len();
     let mut done = 0;
