@@ -197,6 +197,26 @@ def test_a_program_exits_cleanly_right_after_its_last_call(unique: str) -> None:
         node.stop()
 
 
+def stop_and_wait(pid: int) -> None:
+    """SIGSTOP `pid` and wait until every one of its threads is stopped:
+    the signal is delivered asynchronously, so a thread running on another
+    core can still answer a request sent right after `kill` returns."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                # The state follows the parenthesised command name.
+                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+        if states and all(s in ("T", "t") for s in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} not stopped within {DEADLINE_S} s: thread states {states}"
+        time.sleep(0.001)
+
+
 def test_the_event_loop_runs_while_a_call_waits(unique: str) -> None:
     """A node frozen by SIGSTOP: the call waits, the loop keeps running
     other coroutines; SIGCONT and the call completes."""
@@ -206,7 +226,7 @@ def test_the_event_loop_runs_while_a_call_waits(unique: str) -> None:
         async def main() -> None:
             async with kvplane.aio.Client(node.endpoint, timeout=DEADLINE_S) as kv:
                 await kv.put(f"{unique}k", b"v")
-                os.kill(node.proc.pid, signal.SIGSTOP)
+                stop_and_wait(node.proc.pid)
                 try:
                     call = asyncio.create_task(kv.get(f"{unique}k"))
                     turns = 0
