@@ -723,6 +723,53 @@ fn project_secrets(cp: &ControlPlane, ns: &str, pod: &Value, root: &std::path::P
     projected
 }
 
+/// A node run as a rendered cache pod would be: the pod's `args` with the
+/// Secret paths moved onto `root` (where [`project_secrets`] wrote them)
+/// and `--config` onto `node_json` written there, on loopback. Returns once
+/// it is registered in etcd (STATS `cluster_registered` 1), failing with
+/// its log and `etcd_log()` after [`WAIT`].
+fn rendered_node_registers(args: &[String], node_json: &str, root: &std::path::Path, etcd_log: impl Fn() -> String) {
+    let moved = root.to_str().unwrap();
+    let config_file = root.join("node.json");
+    std::fs::write(&config_file, node_json).unwrap();
+    let node_args: Vec<String> = args
+        .iter()
+        .filter(|a| !["--listen=", "--admin="].iter().any(|p| a.starts_with(p)))
+        .map(|a| {
+            if a.starts_with("--config=") {
+                format!("--config={}", config_file.display())
+            } else {
+                a.replace("/var/run/secrets/kvplane.io", moved)
+            }
+        })
+        .collect();
+    let mut cmd = crate::support::kvplane();
+    cmd.args(&node_args).args(["--listen", "127.0.0.1:0", "--admin", "none", "--memory", "16MiB"]).env("POD_NAME", "pool-cache-0");
+    let node = crate::support::NodeProcess::spawn(cmd);
+    let token = std::fs::read_to_string(root.join("auth/token")).unwrap();
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    runtime.block_on(async {
+        let mut config = kvplane_client::ClientConfig::new(kvplane_client::Endpoint::Tcp(node.endpoint.clone()));
+        config.token = Some(token);
+        config.connections = 1;
+        let client = kvplane_client::Client::connect(config).await.expect("the node with its token");
+        let started = Instant::now();
+        loop {
+            let stats = client.stats().await.expect("STATS");
+            if stats.iter().any(|(n, v)| n == "cluster_registered" && *v == 1) {
+                break;
+            }
+            assert!(
+                started.elapsed() < WAIT,
+                "not registered in etcd within {WAIT:?}; node log:\n{}\netcd log:\n{}",
+                node.log.lock().unwrap().join("\n"),
+                etcd_log()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+}
+
 /// Issue 21, item 3: a KVCache whose metadata is an external etcd with TLS
 /// (client certificates required) and an etcd user renders cache pods that
 /// register in it. A real etcd on loopback (`--client-cert-auth`, auth
@@ -810,46 +857,7 @@ fn a_kvcache_with_an_external_etcd_over_tls_with_a_user_renders_pods_that_regist
     let config = cp.get(&format!("/api/v1/namespaces/{ns}/configmaps/pool-config"));
     let node_json = config["data"]["node.json"].as_str().unwrap().replace("/var/run/secrets/kvplane.io", moved);
     assert!(node_json.contains(&format!("https://{address}")), "{node_json}");
-    let config_file = root.path().join("node.json");
-    std::fs::write(&config_file, &node_json).unwrap();
-
-    let node_args: Vec<String> = args
-        .iter()
-        .filter(|a| !["--listen=", "--admin="].iter().any(|p| a.starts_with(p)))
-        .map(|a| {
-            if a.starts_with("--config=") {
-                format!("--config={}", config_file.display())
-            } else {
-                a.replace("/var/run/secrets/kvplane.io", moved)
-            }
-        })
-        .collect();
-    let mut cmd = crate::support::kvplane();
-    cmd.args(&node_args).args(["--listen", "127.0.0.1:0", "--admin", "none", "--memory", "16MiB"]).env("POD_NAME", "pool-cache-0");
-    let node = crate::support::NodeProcess::spawn(cmd);
-    let token = std::fs::read_to_string(root.path().join("auth/token")).unwrap();
-    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    runtime.block_on(async {
-        let mut config = kvplane_client::ClientConfig::new(kvplane_client::Endpoint::Tcp(node.endpoint.clone()));
-        config.token = Some(token);
-        config.connections = 1;
-        let client = kvplane_client::Client::connect(config).await.expect("the node with its token");
-        let started = Instant::now();
-        loop {
-            let stats = client.stats().await.expect("STATS");
-            if stats.iter().any(|(n, v)| n == "cluster_registered" && *v == 1) {
-                break;
-            }
-            assert!(
-                started.elapsed() < WAIT,
-                "not registered in etcd within {WAIT:?}; node log:\n{}\netcd log:\n{}",
-                node.log.lock().unwrap().join("\n"),
-                etcd.log()
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    });
-    drop(node);
+    rendered_node_registers(&args, &node_json, root.path(), || etcd.log());
     drop(op);
 }
 
@@ -947,44 +955,6 @@ fn the_operators_etcd_with_tls_runs_with_the_rendered_flags_and_its_pool_registe
     let node_json = config["data"]["node.json"].as_str().unwrap();
     assert!(node_json.contains(&service), "{node_json}");
     let node_json = node_json.replace("/var/run/secrets/kvplane.io", moved).replace(&service, &etcd.endpoint());
-    let config_file = root.path().join("node.json");
-    std::fs::write(&config_file, &node_json).unwrap();
-    let node_args: Vec<String> = args
-        .iter()
-        .filter(|a| !["--listen=", "--admin="].iter().any(|p| a.starts_with(p)))
-        .map(|a| {
-            if a.starts_with("--config=") {
-                format!("--config={}", config_file.display())
-            } else {
-                a.replace("/var/run/secrets/kvplane.io", moved)
-            }
-        })
-        .collect();
-    let mut cmd = crate::support::kvplane();
-    cmd.args(&node_args).args(["--listen", "127.0.0.1:0", "--admin", "none", "--memory", "16MiB"]).env("POD_NAME", "pool-cache-0");
-    let node = crate::support::NodeProcess::spawn(cmd);
-    let token = std::fs::read_to_string(root.path().join("auth/token")).unwrap();
-    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    runtime.block_on(async {
-        let mut config = kvplane_client::ClientConfig::new(kvplane_client::Endpoint::Tcp(node.endpoint.clone()));
-        config.token = Some(token);
-        config.connections = 1;
-        let client = kvplane_client::Client::connect(config).await.expect("the node with its token");
-        let started = Instant::now();
-        loop {
-            let stats = client.stats().await.expect("STATS");
-            if stats.iter().any(|(n, v)| n == "cluster_registered" && *v == 1) {
-                break;
-            }
-            assert!(
-                started.elapsed() < WAIT,
-                "not registered in etcd within {WAIT:?}; node log:\n{}\netcd log:\n{}",
-                node.log.lock().unwrap().join("\n"),
-                etcd.log()
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    });
-    drop(node);
+    rendered_node_registers(&args, &node_json, root.path(), || etcd.log());
     drop(op);
 }

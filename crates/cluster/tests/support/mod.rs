@@ -372,6 +372,23 @@ pub struct TlsEtcd {
     dir: tempfile::TempDir,
 }
 
+/// The flags of a one-member etcd on loopback in `dir`, serving its
+/// clients on `listen` (advertised as `https://` on `client`) and its peer
+/// port `peer` over `peer_scheme`; TLS files are the caller's to add.
+fn loopback_member_args(dir: &tempfile::TempDir, listen: &str, client: u16, peer: u16, peer_scheme: &str) -> Vec<String> {
+    vec![
+        "--name=tls0".to_string(),
+        format!("--data-dir={}", dir.path().join("data").display()),
+        format!("--listen-client-urls={listen}"),
+        format!("--advertise-client-urls=https://127.0.0.1:{client}"),
+        format!("--listen-peer-urls={peer_scheme}://127.0.0.1:{peer}"),
+        format!("--initial-advertise-peer-urls={peer_scheme}://127.0.0.1:{peer}"),
+        format!("--initial-cluster=tls0={peer_scheme}://127.0.0.1:{peer}"),
+        "--unsafe-no-fsync".to_string(),
+        "--log-level=warn".to_string(),
+    ]
+}
+
 impl TlsEtcd {
     /// Start it with the PEM files given, and wait until its client port
     /// accepts connections (the caller's first call waits for the leader,
@@ -398,20 +415,12 @@ impl TlsEtcd {
             Some(p) => format!("https://127.0.0.1:{client},http://127.0.0.1:{p}"),
             None => format!("https://127.0.0.1:{client}"),
         };
-        let mut args = vec![
-            "--name=tls0".to_string(),
-            format!("--data-dir={}", dir.path().join("data").display()),
-            format!("--listen-client-urls={listen}"),
-            format!("--advertise-client-urls=https://127.0.0.1:{client}"),
-            format!("--listen-peer-urls=http://127.0.0.1:{peer}"),
-            format!("--initial-advertise-peer-urls=http://127.0.0.1:{peer}"),
-            format!("--initial-cluster=tls0=http://127.0.0.1:{peer}"),
+        let mut args = loopback_member_args(&dir, &listen, client, peer, "http");
+        args.extend([
             format!("--cert-file={}", cert.display()),
             format!("--key-file={}", key.display()),
             format!("--trusted-ca-file={}", ca.display()),
-            "--unsafe-no-fsync".to_string(),
-            "--log-level=warn".to_string(),
-        ];
+        ]);
         if client_cert_auth {
             args.push("--client-cert-auth".to_string());
         }
@@ -429,17 +438,7 @@ impl TlsEtcd {
         let ports = free_ports(2);
         let (client, peer) = (ports[0], ports[1]);
         let peer_scheme = if tls_flags.iter().any(|f| f.starts_with("--peer-cert-file=")) { "https" } else { "http" };
-        let mut args = vec![
-            "--name=tls0".to_string(),
-            format!("--data-dir={}", dir.path().join("data").display()),
-            format!("--listen-client-urls=https://127.0.0.1:{client}"),
-            format!("--advertise-client-urls=https://127.0.0.1:{client}"),
-            format!("--listen-peer-urls={peer_scheme}://127.0.0.1:{peer}"),
-            format!("--initial-advertise-peer-urls={peer_scheme}://127.0.0.1:{peer}"),
-            format!("--initial-cluster=tls0={peer_scheme}://127.0.0.1:{peer}"),
-            "--unsafe-no-fsync".to_string(),
-            "--log-level=warn".to_string(),
-        ];
+        let mut args = loopback_member_args(&dir, &format!("https://127.0.0.1:{client}"), client, peer, peer_scheme);
         args.extend(tls_flags.iter().cloned());
         let mut etcd = TlsEtcd { args, client, plain: None, child: None, dir };
         etcd.spawn();
