@@ -11,6 +11,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvplane_tests::control_plane::{ControlPlane, Options};
+
+use crate::tls::{Ca, Use};
 use serde_json::{json, Value};
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -517,8 +519,6 @@ fn unbase64(text: &str) -> Vec<u8> {
 /// plaintext client and a TLS client without the token, each saying why.
 #[test]
 fn a_kvcache_with_tls_renders_pods_whose_node_serves_tls_and_refuses_plaintext() {
-    use rcgen::{BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose};
-
     let cp = ControlPlane::start(Options { version: "1.34", scheduling: true });
     let ns = "tls";
     cp.create_namespace(ns);
@@ -528,21 +528,13 @@ fn a_kvcache_with_tls_renders_pods_whose_node_serves_tls_and_refuses_plaintext()
     wait_crd(&cp, &op);
 
     // The Secret a cert-manager Certificate would write: tls.crt, tls.key, ca.crt.
-    let ca_key = KeyPair::generate().unwrap();
-    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca_params.distinguished_name.push(DnType::CommonName, "kvplane-test-ca");
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::DigitalSignature];
-    let ca_pem = ca_params.self_signed(&ca_key).unwrap().pem();
-    let issuer = Issuer::new(ca_params, ca_key);
-    let key = KeyPair::generate().unwrap();
-    let mut params = CertificateParams::new(vec!["pool-rpc.tls.svc".to_string(), "127.0.0.1".to_string()]).unwrap();
-    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
-    let cert_pem = params.signed_by(&key, &issuer).unwrap().pem();
+    let ca = Ca::new("kvplane-test-ca");
+    let (cert_pem, key_pem) = ca.sign(&["pool-rpc.tls.svc", "127.0.0.1"], None, Use::Server, false);
+    let ca_pem = ca.pem.clone();
     cp.create(
         &format!("/api/v1/namespaces/{ns}/secrets"),
         &json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "pool-tls", "namespace": ns}, "type": "kubernetes.io/tls",
-            "stringData": {"tls.crt": cert_pem, "tls.key": key.serialize_pem(), "ca.crt": ca_pem}}),
+            "stringData": {"tls.crt": cert_pem, "tls.key": key_pem, "ca.crt": ca_pem}}),
     );
     cp.create(
         &format!("/apis/kvplane.io/v1alpha1/namespaces/{ns}/kvcaches"),
@@ -780,31 +772,13 @@ fn rendered_node_registers(args: &[String], node_json: &str, root: &std::path::P
 /// the TLS test above), and registers: STATS cluster_registered is 1.
 #[test]
 fn a_kvcache_with_an_external_etcd_over_tls_with_a_user_renders_pods_that_register_in_it() {
-    use rcgen::{BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose};
-
     let dir = tempfile::tempdir().unwrap();
-    let ca_key = KeyPair::generate().unwrap();
-    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca_params.distinguished_name.push(DnType::CommonName, "etcd-ca");
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::DigitalSignature];
-    let ca_pem = ca_params.self_signed(&ca_key).unwrap().pem();
-    let issuer = Issuer::new(ca_params, ca_key);
-    let issue = |names: Vec<String>, cn: Option<&str>, usages: Vec<ExtendedKeyUsagePurpose>| {
-        let key = KeyPair::generate().unwrap();
-        let mut params = CertificateParams::new(names).unwrap();
-        params.distinguished_name = rcgen::DistinguishedName::new();
-        if let Some(cn) = cn {
-            params.distinguished_name.push(DnType::CommonName, cn);
-        }
-        params.extended_key_usages = usages;
-        (params.signed_by(&key, &issuer).unwrap().pem(), key.serialize_pem())
-    };
+    let ca = Ca::new("etcd-ca");
+    let ca_pem = ca.pem.clone();
     // etcd's gateway presents etcd's own certificate to its gRPC port: client use too.
-    let both = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
-    let (server_crt, server_key) = issue(vec!["127.0.0.1".into()], Some("etcd-server"), both);
+    let (server_crt, server_key) = ca.sign(&["127.0.0.1"], Some("etcd-server"), Use::Both, false);
     // No Common Name: etcd's gateway refuses one once auth is enabled.
-    let (client_crt, client_key) = issue(Vec::new(), None, vec![ExtendedKeyUsagePurpose::ClientAuth]);
+    let (client_crt, client_key) = ca.sign(&[], None, Use::Client, false);
     let write = |name: &str, text: &str| {
         let path = dir.path().join(name);
         std::fs::write(&path, text).unwrap();
@@ -871,28 +845,13 @@ fn a_kvcache_with_an_external_etcd_over_tls_with_a_user_renders_pods_that_regist
 /// the pool's pods reach the members (no network plugin enforces it here).
 #[test]
 fn the_operators_etcd_with_tls_runs_with_the_rendered_flags_and_its_pool_registers() {
-    use rcgen::{BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose};
-
     let ns = "optls";
-    let ca_key = KeyPair::generate().unwrap();
-    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca_params.distinguished_name.push(DnType::CommonName, "pool-etcd-ca");
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::DigitalSignature];
-    let ca_pem = ca_params.self_signed(&ca_key).unwrap().pem();
-    let issuer = Issuer::new(ca_params, ca_key);
-    let issue = |names: Vec<String>, usages: Vec<ExtendedKeyUsagePurpose>| {
-        let key = KeyPair::generate().unwrap();
-        let mut params = CertificateParams::new(names).unwrap();
-        params.extended_key_usages = usages;
-        (params.signed_by(&key, &issuer).unwrap().pem(), key.serialize_pem())
-    };
+    let ca = Ca::new("pool-etcd-ca");
+    let ca_pem = ca.pem.clone();
     // What docs/security.md asks of the members' Certificate: the Service
     // names, both usages. 127.0.0.1 because the test moves them there.
-    let member_names = vec![format!("*.pool-etcd.{ns}.svc"), format!("pool-etcd-client.{ns}.svc"), "127.0.0.1".into()];
-    let both = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
-    let (member_crt, member_key) = issue(member_names, both);
-    let (client_crt, client_key) = issue(Vec::new(), vec![ExtendedKeyUsagePurpose::ClientAuth]);
+    let (member_crt, member_key) = ca.sign(&["*.pool-etcd.optls.svc", "pool-etcd-client.optls.svc", "127.0.0.1"], None, Use::Both, false);
+    let (client_crt, client_key) = ca.sign(&[], None, Use::Client, false);
 
     let cp = ControlPlane::start(Options { version: "1.34", scheduling: true });
     cp.create_namespace(ns);

@@ -16,10 +16,10 @@ use crate::support::{run, text, NodeProcess};
 
 const PATIENCE: Duration = Duration::from_secs(30);
 
-/// A certificate authority of the test's own.
-struct Ca {
+/// A certificate authority of the test's own (the operator tests' too).
+pub struct Ca {
     issuer: Issuer<'static, KeyPair>,
-    pem: String,
+    pub pem: String,
 }
 
 /// A certificate and its key, as PEM files in the test's directory.
@@ -28,7 +28,7 @@ struct Issued {
     key: PathBuf,
 }
 
-enum Use {
+pub enum Use {
     Server,
     Client,
     /// A cluster member's: it serves, and presents it to its peers.
@@ -36,7 +36,7 @@ enum Use {
 }
 
 impl Ca {
-    fn new(name: &str) -> Ca {
+    pub fn new(name: &str) -> Ca {
         let key = KeyPair::generate().expect("generating a CA key");
         let mut params = CertificateParams::new(Vec::<String>::new()).expect("CA params");
         params.distinguished_name.push(DnType::CommonName, name);
@@ -55,9 +55,23 @@ impl Ca {
     /// A certificate for `names` (DNS names or IP addresses), expired a
     /// year ago when `expired`, written as `NAME.crt` and `NAME.key`.
     fn issue(&self, dir: &Path, name: &str, names: &[&str], usage: Use, expired: bool) -> Issued {
+        let (cert, key) = self.sign(names, Some(name), usage, expired);
+        let issued = Issued { cert: dir.join(format!("{name}.crt")), key: dir.join(format!("{name}.key")) };
+        std::fs::write(&issued.cert, cert).unwrap();
+        std::fs::write(&issued.key, key).unwrap();
+        issued
+    }
+
+    /// A certificate for `names` with Common Name `cn` (none: an empty
+    /// subject, as etcd's gateway wants of a user's client certificate),
+    /// as PEM: the certificate and its key.
+    pub fn sign(&self, names: &[&str], cn: Option<&str>, usage: Use, expired: bool) -> (String, String) {
         let key = KeyPair::generate().expect("generating a key");
         let mut params = CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>()).expect("params");
-        params.distinguished_name.push(DnType::CommonName, name);
+        params.distinguished_name = rcgen::DistinguishedName::new();
+        if let Some(cn) = cn {
+            params.distinguished_name.push(DnType::CommonName, cn);
+        }
         params.extended_key_usages = match usage {
             Use::Server => vec![ExtendedKeyUsagePurpose::ServerAuth],
             Use::Client => vec![ExtendedKeyUsagePurpose::ClientAuth],
@@ -68,10 +82,7 @@ impl Ca {
             params.not_after = rcgen::date_time_ymd(2021, 1, 1);
         }
         let cert = params.signed_by(&key, &self.issuer).expect("signing");
-        let issued = Issued { cert: dir.join(format!("{name}.crt")), key: dir.join(format!("{name}.key")) };
-        std::fs::write(&issued.cert, cert.pem()).unwrap();
-        std::fs::write(&issued.key, key.serialize_pem()).unwrap();
-        issued
+        (cert.pem(), key.serialize_pem())
     }
 }
 
