@@ -95,6 +95,13 @@ fn value(key: &str, len: usize) -> Bytes {
     Bytes::from((0..len).map(|i| seed.wrapping_add((i % 251) as u8)).collect::<Vec<u8>>())
 }
 
+/// Stores each of `keys` with `value(seed, len)`, failing the test unless
+/// every one was stored.
+async fn put_all(client: &Client, keys: &[Bytes], seed: &str, len: usize) {
+    let results = client.put(keys.iter().map(|k| (k.clone(), value(seed, len))).collect()).await.unwrap();
+    assert!(results.iter().all(Result::is_ok), "{seed}: {results:?}");
+}
+
 fn keys(prefix: &str, n: usize) -> Vec<Bytes> {
     (0..n).map(|i| Bytes::from(format!("{prefix}/{i}"))).collect()
 }
@@ -264,9 +271,9 @@ async fn eviction_takes_the_tenant_over_its_quota_first() {
     let len = 64 * KIB;
     // lean's blocks first, so that without quotas they would be evicted first.
     let lean_first = keys("lean/old", 32);
-    assert!(lean.put(lean_first.iter().map(|k| (k.clone(), value("lean", len))).collect()).await.unwrap().iter().all(Result::is_ok));
+    put_all(&lean, &lean_first, "lean", len).await;
     let hog_keys = keys("hog", 96);
-    assert!(hog.put(hog_keys.iter().map(|k| (k.clone(), value("hog", len))).collect()).await.unwrap().iter().all(Result::is_ok));
+    put_all(&hog, &hog_keys, "hog", len).await;
     // The hog's quota lowered below what it holds, by a reload.
     write_tenants(&file, &[("hog", "token-hog", "1Mi", "1Mi"), ("lean", "token-lean", "64Mi", "1Mi")]);
     let mut m = String::new();
@@ -775,9 +782,9 @@ async fn a_removed_tenants_blocks_are_evicted_before_a_served_tenants() {
     let len = 64 * KIB;
     // stay's blocks first, so that in the policy's order they would go first.
     let old = keys("stay/old", 64);
-    assert!(stay.put(old.iter().map(|k| (k.clone(), value("stay", len))).collect()).await.unwrap().iter().all(Result::is_ok));
+    put_all(&stay, &old, "stay", len).await;
     let gone_keys = keys("gone", 64);
-    assert!(gone.put(gone_keys.iter().map(|k| (k.clone(), value("gone", len))).collect()).await.unwrap().iter().all(Result::is_ok));
+    put_all(&gone, &gone_keys, "gone", len).await;
     drop(gone);
     write_tenants(&file, &[("stay", "token-stay", "64Mi", "1Mi")]);
     eventually("the reload that removes gone", PATIENCE, || {
@@ -872,7 +879,7 @@ async fn one_lease_pins_a_chain_only_as_far_as_the_tenants_pinned_quota() {
     let (node, admin) = start(&["--tenants-file", file.to_str().unwrap()]);
     let q = tcp(&node, "token-q").await;
     let names = keys("q", 64);
-    assert!(q.put(names.iter().map(|k| (k.clone(), value("q", 64 * KIB))).collect()).await.unwrap().iter().all(Result::is_ok));
+    put_all(&q, &names, "q", 64 * KIB).await;
     let matched = q.match_prefix(names.clone(), Duration::from_secs(30)).await.unwrap().matched;
     let m = metrics(&admin).await;
     let pinned = series(&m, "kvplane_tenant_pinned_bytes", "tenant=\"q\"");
@@ -900,7 +907,7 @@ async fn one_lease_pins_a_chain_only_as_far_as_the_tenants_pinned_quota() {
     };
     let (first, _) = spawn();
     let q = tcp(&first, "token-q").await;
-    assert!(q.put(names.iter().map(|k| (k.clone(), value("q", 64 * KIB))).collect()).await.unwrap().iter().all(Result::is_ok));
+    put_all(&q, &names, "q", 64 * KIB).await;
     drop(q);
     assert!(first.sigterm_and_wait().success());
     let (second, admin) = spawn();
