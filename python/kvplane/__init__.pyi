@@ -2,7 +2,7 @@
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import final, overload
 
 if sys.version_info >= (3, 12):
@@ -116,6 +116,35 @@ class Client:
         that buffer unwritten; bytes past a value's length are never touched;
         when a call raises, other buffers may already hold their values.
         """
+
+    def get_pages(
+        self,
+        pages: _HostPages,
+        hashes: Sequence[str],
+        host_indices: Buffer,
+        describe: Callable[[list[int]], tuple[Sequence[int], Sequence[int]]],
+    ) -> tuple[list[bool], list[int]]:
+        """Reads pages of a host memory pool straight into it, in one call
+        per batch: page ``i`` is ``hashes[i]`` at the pool's slots
+        ``host_indices[i * page_tokens:(i + 1) * page_tokens]`` (int64 or
+        int32, such as ``tensor.numpy()``); ``describe(starts)`` is asked
+        where the blocks of page slots not seen before lie. Answers per page
+        whether every block was read whole, and the pages read only in part.
+        ``Invalid`` for indices that are not pages of the pool (naming the
+        index), before any I/O. What the SGLang backend's page interface
+        calls (``kvplane.sglang_backend``).
+        """
+
+    def put_pages(
+        self,
+        pages: _HostPages,
+        hashes: Sequence[str],
+        host_indices: Buffer,
+        describe: Callable[[list[int]], tuple[Sequence[int], Sequence[int]]],
+    ) -> list[bool]:
+        """Stores the pages of ``get_pages``'s arguments that the node lacks
+        (one EXISTS, then one PUT sent from the pool's memory); per page,
+        whether it was already stored (and not sent)."""
 
     # A str is also a Sequence[str]: the first overload wins for it, as at
     # run time (a str or bytes is one key).
@@ -279,3 +308,31 @@ __all__ = [
     "GpuError",
     "GpuUnavailable",
 ]
+
+@final
+class _HostPages:
+    """``kvplane._native.HostPages`` (not exported from ``kvplane``): a host
+    memory pool of pages, each stored as ``len(block_sizes)`` node blocks
+    under ``{prefix}{page hash}{suffix}``; a page is ``page_tokens``
+    consecutive slots below ``tokens``. The buffers stay exported while it
+    lives. For ``Client.get_pages`` / ``put_pages``."""
+
+    def __new__(
+        cls,
+        regions: Sequence[Buffer],
+        *,
+        prefix: str,
+        suffixes: Sequence[str],
+        block_sizes: Sequence[int],
+        page_tokens: int,
+        tokens: int,
+    ) -> _HostPages: ...
+    def keys(self, hashes: Sequence[str]) -> list[str]:
+        """The keys of pages ``hashes``, block by block."""
+
+    @property
+    def per_page(self) -> int:
+        """Blocks per page."""
+
+    def __len__(self) -> int:
+        """Page slots described so far."""

@@ -50,7 +50,8 @@ use tokio::runtime::Runtime;
 use tokio::task::JoinHandle;
 
 use crate::{
-    export, key_of, kv_error, no_overlap, put_failure, raise, runtime, same_length, show, Borrowed, Exports, GetFailure, MemberRow, Target,
+    export, key_of, kv_error, lengths, no_overlap, put_failure, raise, runtime, same_length, show, Borrowed, Exports, GetFailure,
+    MemberRow, Target,
 };
 
 /// What a client connects with (the constructor's checked options).
@@ -430,7 +431,7 @@ impl AsyncClient {
         // Released here, attached, unless a task still holds a slice.
         drop(exports);
         let results = results?.map_err(|e| kv_error(&e, format!("put_from of {n} keys"), None, None))?;
-        put_failure(&keys, &results)
+        put_failure("put_from", &keys, &results)
     }
 
     /// `get_into` of the sync client: the value of `keys[i]` read into
@@ -478,19 +479,7 @@ impl AsyncClient {
         .expect("the task answers its outcome as its value");
         // Released here, attached, rather than on an I/O thread.
         drop(exports);
-        let outcome = values.map_err(GetFailure::Call).and_then(|values| {
-            values
-                .into_iter()
-                .enumerate()
-                .map(|(index, v)| match v {
-                    Ok(n) => Ok(Some(n)),
-                    Err(KvError::NotFound) => Ok(None),
-                    Err(KvError::Capacity(detail)) => Err(GetFailure::TooSmall { index, detail }),
-                    Err(e) => Err(GetFailure::Key(index, e)),
-                })
-                .collect()
-        });
-        outcome.map_err(|f| f.raise(&keys))
+        values.map_err(GetFailure::Call).and_then(lengths).map_err(|f| f.raise(&keys))
     }
 
     /// The value of `key` as new `bytes` (None when absent), or of a list

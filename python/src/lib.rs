@@ -28,6 +28,7 @@
 
 mod aio;
 mod device;
+mod pages;
 
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
@@ -80,10 +81,10 @@ fn runtime() -> PyResult<Arc<Runtime>> {
 
 // --- errors ------------------------------------------------------------------------
 
-/// What `put_from` (sync and async) raises for a batch whose keys were not
+/// What `put_from` (sync and async) and `put_pages` raise for a batch whose keys were not
 /// all stored: the first failed key's error, with its key and index, and
 /// how many others failed; `Ok` when every key was stored.
-pub(crate) fn put_failure<T>(keys: &[Bytes], results: &[Result<T, KvError>]) -> PyResult<()> {
+pub(crate) fn put_failure<T>(op: &str, keys: &[Bytes], results: &[Result<T, KvError>]) -> PyResult<()> {
     let mut failed = results.iter().enumerate().filter_map(|(i, r)| r.as_ref().err().map(|e| (i, e)));
     let Some((i, e)) = failed.next() else {
         return Ok(());
@@ -93,7 +94,7 @@ pub(crate) fn put_failure<T>(keys: &[Bytes], results: &[Result<T, KvError>]) -> 
         1 => ", and 1 other key failed".into(),
         m => format!(", and {m} other keys failed"),
     };
-    Err(kv_error(e, format!("put_from: key '{}' (keys[{i}]) was not stored{others}", show(&keys[i])), Some(&keys[i]), Some(i)))
+    Err(kv_error(e, format!("{op}: key '{}' (keys[{i}]) was not stored{others}", show(&keys[i])), Some(&keys[i]), Some(i)))
 }
 
 /// Builds an instance of `kvplane._errors.CLASS(message, key=..., index=...)`.
@@ -361,24 +362,45 @@ impl Drop for Inner {
 /// A member of a slot table as Python sees it: `(id, endpoint, state)`.
 type MemberRow = (String, String, String);
 
+/// The first two of `spans` (address, length) that share memory, in order
+/// of their indices; empty spans share none.
+pub(crate) fn first_overlap(spans: &[(usize, usize)]) -> Option<(usize, usize)> {
+    let mut order: Vec<usize> = (0..spans.len()).filter(|&i| spans[i].1 > 0).collect();
+    order.sort_unstable_by_key(|&i| spans[i].0);
+    order
+        .windows(2)
+        .find(|pair| spans[pair[0]].0 + spans[pair[0]].1 > spans[pair[1]].0)
+        .map(|pair| (pair[0].min(pair[1]), pair[0].max(pair[1])))
+}
+
 /// Refuses destinations that share memory (two views of one array, say):
 /// the client writes them as separate slices, which must not alias.
 fn no_overlap(dests: &[(usize, usize)], keys: &[Bytes]) -> PyResult<()> {
-    let mut order: Vec<usize> = (0..dests.len()).filter(|&i| dests[i].1 > 0).collect();
-    order.sort_unstable_by_key(|&i| dests[i].0);
-    for pair in order.windows(2) {
-        let (a, b) = (pair[0], pair[1]);
-        if dests[a].0 + dests[a].1 > dests[b].0 {
-            let (first, second) = (a.min(b), a.max(b));
-            return Err(raise(
-                "OverlappingBuffers",
-                format!("get_into: buffers[{first}] and buffers[{second}] share memory; each key needs a buffer of its own"),
-                Some(&keys[second]),
-                Some(second),
-            ));
-        }
+    match first_overlap(dests) {
+        None => Ok(()),
+        Some((first, second)) => Err(raise(
+            "OverlappingBuffers",
+            format!("get_into: buffers[{first}] and buffers[{second}] share memory; each key needs a buffer of its own"),
+            Some(&keys[second]),
+            Some(second),
+        )),
     }
-    Ok(())
+}
+
+/// A `get_into`'s answers as Python sees them: per key the bytes written,
+/// or None when absent; a value longer than its buffer, or any other
+/// key's error, fails the call.
+fn lengths(values: Vec<Result<usize, KvError>>) -> Result<Vec<Option<usize>>, GetFailure> {
+    values
+        .into_iter()
+        .enumerate()
+        .map(|(index, v)| match v {
+            Ok(n) => Ok(Some(n)),
+            Err(KvError::NotFound) => Ok(None),
+            Err(KvError::Capacity(detail)) => Err(GetFailure::TooSmall { index, detail }),
+            Err(e) => Err(GetFailure::Key(index, e)),
+        })
+        .collect()
 }
 
 /// Why a `get_into` failed.
@@ -593,7 +615,7 @@ impl Client {
         // Released here, with the GIL, unless a task still holds a slice.
         drop(exports);
         let results = results.map_err(|e| kv_error(&e, format!("put_from of {n} keys"), None, None))?;
-        put_failure(&keys, &results)
+        put_failure("put_from", &keys, &results)
     }
 
     /// Reads the value of `keys[i]` into `buffers[i]` and answers, per key,
@@ -634,19 +656,106 @@ impl Client {
                     inner.target.get_into(request, &mut slices).await
                 })
                 .map_err(GetFailure::Call)?;
-            values
-                .into_iter()
-                .enumerate()
-                .map(|(index, v)| match v {
-                    Ok(n) => Ok(Some(n)),
-                    Err(KvError::NotFound) => Ok(None),
-                    Err(KvError::Capacity(detail)) => Err(GetFailure::TooSmall { index, detail }),
-                    Err(e) => Err(GetFailure::Key(index, e)),
-                })
-                .collect()
+            lengths(values)
         });
         drop(exports);
         outcome.map_err(|f| f.raise(&keys))
+    }
+
+    /// Reads pages of a host memory pool (`kvplane._native.HostPages`)
+    /// straight into it: page `i` is `hashes[i]`, at the pool's slots
+    /// `host_indices[i * page_tokens:(i + 1) * page_tokens]` (a buffer of
+    /// int64 or int32, such as `tensor.numpy()`); `describe(starts)` is
+    /// asked where the blocks of page slots not seen before lie (see
+    /// `HostPages`). One call per batch: the keys, the indices and the
+    /// blocks' memory are worked out here, not in Python.
+    ///
+    /// Answers `(whole, partial)`: per page, whether every block was read
+    /// at its full size; and the pages read only in part (some block
+    /// there and not all, or one of another length; a block longer than
+    /// its place in the pool is not written). `Invalid` for indices that
+    /// are not pages of the pool (naming the index) or two pages of one
+    /// slot, before any I/O; a key's other error fails the call as in
+    /// `get_into`.
+    #[allow(unsafe_code)]
+    fn get_pages(
+        &self,
+        py: Python<'_>,
+        pages: &Bound<'_, pages::HostPages>,
+        hashes: Vec<Bound<'_, PyAny>>,
+        host_indices: &Bound<'_, PyAny>,
+        describe: &Bound<'_, PyAny>,
+    ) -> PyResult<(Vec<bool>, Vec<usize>)> {
+        let inner = self.inner()?;
+        let table = pages.get();
+        if hashes.is_empty() {
+            return Ok((Vec::new(), Vec::new()));
+        }
+        let batch = table.batch(py, &hashes, host_indices, describe)?;
+        let request = batch.keys.clone();
+        let blocks = batch.blocks;
+        // `pages` (a reference the caller holds for the call) keeps the
+        // pool's buffers exported until this returns.
+        let answers = py.detach(|| {
+            inner.run(|inner| async move {
+                let mut slices: Vec<&mut [u8]> = blocks
+                    .iter()
+                    // SAFETY: each (addr, len) lies inside one of the pool's
+                    // exported, writable buffers (checked when its slot was
+                    // learnt), which stay exported while `pages` lives, past
+                    // this call; no two overlap (checked by `batch`), so
+                    // these are disjoint exclusive slices for the call.
+                    .map(|&(addr, len)| unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) })
+                    .collect();
+                inner.target.get_into(request, &mut slices).await
+            })
+        });
+        let answers = answers.map_err(|e| GetFailure::Call(e).raise(&batch.keys))?;
+        if let Some((i, Err(e))) =
+            answers.iter().enumerate().find(|(_, a)| matches!(a, Err(e) if !matches!(e, KvError::NotFound | KvError::Capacity(_))))
+        {
+            return Err(GetFailure::Key(i, e.clone()).raise(&batch.keys));
+        }
+        Ok(pages::whole_pages(&answers, table.block_sizes()))
+    }
+
+    /// Stores pages of a host memory pool that the node lacks, sent from
+    /// the pool's memory: the pages of `get_pages` (same arguments), one
+    /// EXISTS of their blocks, then one PUT of the blocks of every page not
+    /// wholly stored. Answers, per page, whether it was already stored
+    /// (and so not sent). Raises as `put_from` when a block was not stored.
+    fn put_pages(
+        &self,
+        py: Python<'_>,
+        pages: &Bound<'_, pages::HostPages>,
+        hashes: Vec<Bound<'_, PyAny>>,
+        host_indices: &Bound<'_, PyAny>,
+        describe: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<bool>> {
+        let inner = self.inner()?;
+        let table = pages.get();
+        if hashes.is_empty() {
+            return Ok(Vec::new());
+        }
+        let batch = table.batch(py, &hashes, host_indices, describe)?;
+        let k = table.per_page_blocks();
+        let values: Vec<Bytes> = batch.blocks.iter().map(|&b| table.block_bytes(b)).collect();
+        let keys = batch.keys;
+        let (present, sent, results) = py
+            .detach(|| {
+                inner.run(move |inner| async move {
+                    let there = inner.target.exists(keys.clone()).await?;
+                    let present: Vec<bool> = there.chunks_exact(k).map(|page| page.iter().all(|&b| b)).collect();
+                    let entries: Vec<(Bytes, Bytes)> =
+                        keys.into_iter().zip(values).enumerate().filter(|(i, _)| !present[i / k]).map(|(_, entry)| entry).collect();
+                    let sent: Vec<Bytes> = entries.iter().map(|(key, _)| key.clone()).collect();
+                    let results = if entries.is_empty() { Vec::new() } else { inner.target.put(entries).await? };
+                    Ok::<_, KvError>((present, sent, results))
+                })
+            })
+            .map_err(|e| kv_error(&e, format!("put_pages of {} pages", hashes.len()), None, None))?;
+        put_failure("put_pages", &sent, &results)?;
+        Ok(present)
     }
 
     /// The value of `key` (a `str` or `bytes`) as a new `bytes` object, or
@@ -835,6 +944,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // added under a name of its own, which kvplane/aio.py imports.
     m.add("AsyncClient", m.py().get_type::<aio::AsyncClient>())?;
     m.add_class::<device::DeviceClient>()?;
+    m.add_class::<pages::HostPages>()?;
     m.add_function(wrap_pyfunction!(device::gpu_unavailable_reason, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     aio::register_exit_hook(m.py())?;

@@ -112,10 +112,12 @@ def main(a: argparse.Namespace) -> None:
         if backend.batch_get_v1(hashes, into) != [True] * a.batch:
             raise SystemExit(f"batch_get_v1 missed pages: {backend.stats()}")
 
-    # The same keys into the same memory, made once.
+    # The same keys into the same memory, made once (where the backend's
+    # HostPages reads each page's blocks to: SGLang's page metadata).
     pages = backend._pages
-    keys = pages.keys(backend._prefix, hashes)
-    views = backend._views(pages, hashes, into)
+    keys = backend._keys(hashes)
+    ptrs, sizes = backend._describe(into[:: a.page].tolist())
+    views = [backend._regions.view(p, n) for p, n in zip(ptrs, sizes)]
     client = kvplane.Client(a.endpoint)
     want = pages.sizes * a.batch
 

@@ -217,6 +217,37 @@ def test_a_page_counts_only_whole_and_batch_exists_pins_the_match(node: Node, st
     assert inner(store).stats()["failed_get_incomplete-page"] == 1
 
 
+def test_page_keys_are_built_natively_as_the_module_documents(store: HiCacheStorage, pool, client) -> None:
+    b = inner(store)
+    keys = hashes("native-keys", 3)
+    idx = fill(pool, 3, seed=11)
+    assert store.batch_set_v1(keys, idx) == [True] * 3
+    # {namespace}@sglang@{model}@{shard}@{layout}@{page hash}/{part}
+    documented = [f"@sglang@org-tiny-model@tp0/1@pp0/1@MHATokenToKVPoolHost/page_first/bfloat16/p{PAGE}/l{LAYERS}h{HEADS}d{HEAD_DIM}v{HEAD_DIM}@{h}/{j}" for h in keys for j in (0, 1)]
+    assert b._keys(keys) == documented
+    assert client.exists(documented) == [True] * 6, "the pages are stored under the documented keys"
+
+
+def test_a_page_whose_host_indices_are_not_a_page_of_the_pool_is_a_named_miss(store: HiCacheStorage, pool, caplog) -> None:
+    b = inner(store)
+    keys = hashes("outside", 2)
+    idx = fill(pool, 2, seed=12)
+    assert store.batch_set_v1(keys, idx) == [True] * 2
+    beyond = torch.arange(pool.size, pool.size + 2 * PAGE, dtype=torch.int64)
+    assert store.batch_get_v1(keys, beyond) == [False, False]
+    assert b.stats()["failed_get_Invalid"] == 1
+    assert f"host_indices[0] = {pool.size}: page 0 of {PAGE} slots from there lies outside the host pool's {pool.size} slots" in caplog.text
+    assert store.batch_set_v1(keys, beyond) == [False, False]
+    assert b.stats()["failed_set_Invalid"] == 1
+    # A page whose slots are not one run is refused the same way.
+    shuffled = idx.clone()
+    shuffled[[1, 2]] = shuffled[[2, 1]]
+    assert store.batch_get_v1(keys, shuffled) == [False, False]
+    assert b.stats()["failed_get_Invalid"] == 2
+    # The same pages at their own slots still load.
+    assert store.batch_get_v1(keys, pool.alloc(2 * PAGE)) == [True, True]
+
+
 def test_two_deployments_never_read_each_others_pages(node: Node) -> None:
     pool = host_pool()
     ours = backend(node.endpoint, pool)
