@@ -233,17 +233,17 @@ class KVPlaneHiCacheStorage(HiCacheStorage):
         for a page read whole."""
         if not keys:
             return []
-        start = time.perf_counter()
+        start = time.perf_counter() if self._metrics else 0.0
         got = self._run("get", [False] * len(keys), lambda c, pages: self._get_pages(c, pages, keys, host_indices))
-        self._count("get_pages", len(keys), "get_pages_read", sum(got))
+        # Pages asked and read are counted by HostPages (see stats).
         if self._metrics and any(got):
             self._prefetch.append((sum(got), time.perf_counter() - start))
         return got
 
     def _get_pages(self, client: kvplane.Client, pages: _Pages, keys: List[str], host_indices: torch.Tensor) -> List[bool]:
         assert self._host is not None, "made with the layout"
-        # One native call; numpy() views the tensor's memory (no copy).
-        whole, partial = client.get_pages(self._host, keys, host_indices.numpy(), self._describe)
+        # One native call, which reads the indices from the tensor's memory.
+        whole, partial = client.get_pages(self._host, keys, host_indices, self._describe)
         if partial:
             # Some parts of a page there and not others, or a part of
             # another length: evicted in part, or not this layout's bytes.
@@ -266,8 +266,7 @@ class KVPlaneHiCacheStorage(HiCacheStorage):
 
     def _set_pages(self, client: kvplane.Client, pages: _Pages, keys: List[str], host_indices: torch.Tensor) -> List[bool]:
         assert self._host is not None, "made with the layout"
-        present = client.put_pages(self._host, keys, host_indices.numpy(), self._describe)
-        self._count("set_pages", len(keys), "set_pages_present", sum(present))
+        client.put_pages(self._host, keys, host_indices, self._describe)
         return [True] * len(keys)
 
     # --- the flat-page interface (without interface_v1) ------------------------------
@@ -342,9 +341,13 @@ class KVPlaneHiCacheStorage(HiCacheStorage):
 
     def stats(self) -> dict[str, int]:
         """This backend's counters: pages asked for and found (``exists_*``),
-        read (``get_*``), stored and already present (``set_*``), and
-        ``failed_{op}_{reason}`` for every failure answered as a miss."""
-        return self._failures.snapshot()
+        asked of the node and read (``get_*``), stored and already present
+        (``set_*``), and ``failed_{op}_{reason}`` for every failure answered
+        as a miss."""
+        counts = self._failures.snapshot()
+        if self._host is not None:
+            counts.update(self._host.counts())
+        return counts
 
     def close(self) -> None:
         self._node.close()

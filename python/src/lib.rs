@@ -57,8 +57,10 @@ const IO_THREADS: usize = 2;
 /// threads that do not exist there.
 static RUNTIME: Mutex<Option<(u32, Arc<Runtime>)>> = Mutex::new(None);
 
-fn runtime() -> PyResult<Arc<Runtime>> {
-    let mut slot = RUNTIME.lock().unwrap_or_else(|p| p.into_inner());
+/// This process's runtime of `slot`, built by `build` the first time (and
+/// again in a forked child).
+fn process_runtime(slot: &Mutex<Option<(u32, Arc<Runtime>)>>, build: impl FnOnce() -> PyResult<Arc<Runtime>>) -> PyResult<Arc<Runtime>> {
+    let mut slot = slot.lock().unwrap_or_else(|p| p.into_inner());
     let pid = std::process::id();
     match slot.take() {
         Some((p, rt)) if p == pid => {
@@ -68,15 +70,21 @@ fn runtime() -> PyResult<Arc<Runtime>> {
         Some(inherited) => std::mem::forget(inherited),
         None => {}
     }
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(IO_THREADS)
-        .thread_name("kvplane-io")
-        .enable_all()
-        .build()
-        .map_err(|e| raise("Internal", format!("starting the I/O runtime: {e}"), None, None))?;
-    let rt = Arc::new(rt);
+    let rt = build()?;
     *slot = Some((pid, Arc::clone(&rt)));
     Ok(rt)
+}
+
+fn runtime() -> PyResult<Arc<Runtime>> {
+    process_runtime(&RUNTIME, || {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(IO_THREADS)
+            .thread_name("kvplane-io")
+            .enable_all()
+            .build()
+            .map(Arc::new)
+            .map_err(|e| raise("Internal", format!("starting the I/O runtime: {e}"), None, None))
+    })
 }
 
 // --- errors ------------------------------------------------------------------------
@@ -692,6 +700,7 @@ impl Client {
             return Ok((Vec::new(), Vec::new()));
         }
         let batch = table.batch(py, &hashes, host_indices, describe)?;
+        table.count(pages::Count::GetPages, hashes.len());
         let request = batch.keys.clone();
         let blocks = batch.blocks;
         // `pages` (a reference the caller holds for the call) keeps the
@@ -716,7 +725,9 @@ impl Client {
         {
             return Err(GetFailure::Key(i, e.clone()).raise(&batch.keys));
         }
-        Ok(pages::whole_pages(&answers, table.block_sizes()))
+        let (whole, partial) = pages::whole_pages(&answers, table.block_sizes());
+        table.count(pages::Count::GetPagesRead, whole.iter().filter(|&&w| w).count());
+        Ok((whole, partial))
     }
 
     /// Stores pages of a host memory pool that the node lacks, sent from
@@ -755,6 +766,8 @@ impl Client {
             })
             .map_err(|e| kv_error(&e, format!("put_pages of {} pages", hashes.len()), None, None))?;
         put_failure("put_pages", &sent, &results)?;
+        table.count(pages::Count::SetPages, present.len());
+        table.count(pages::Count::SetPagesPresent, present.iter().filter(|&&p| p).count());
         Ok(present)
     }
 

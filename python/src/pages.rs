@@ -23,12 +23,15 @@
 //! exporter can neither free nor move meanwhile.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
 use bytes::{BufMut, Bytes, BytesMut};
 use kvplane_client::KvError;
 use pyo3::buffer::{PyBuffer, PyUntypedBuffer};
+use pyo3::intern;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::PyString;
 
 use crate::{first_overlap, raise};
@@ -98,6 +101,26 @@ pub(crate) struct HostPages {
     tokens: usize,
     /// First host index of a page slot -> its blocks' addresses.
     slots: RwLock<HashMap<i64, Box<[usize]>>>,
+    /// Pages moved through it (see `counts`), counted here rather than by
+    /// the caller: a Python counter update right after a transfer cost the
+    /// SGLang backend 14-19 µs a batch.
+    counts: [AtomicU64; COUNTS.len()],
+}
+
+/// The names of `HostPages.counts()`, in the order of its counters.
+const COUNTS: [&str; 4] = ["get_pages", "get_pages_read", "set_pages", "set_pages_present"];
+
+/// A counter of `HostPages.counts()`.
+#[derive(Clone, Copy)]
+pub(crate) enum Count {
+    /// Pages asked of `get_pages` (whose indices were pages of the pool).
+    GetPages = 0,
+    /// Of those, pages read whole.
+    GetPagesRead = 1,
+    /// Pages stored by `put_pages` or found there.
+    SetPages = 2,
+    /// Of those, pages already stored (not sent).
+    SetPagesPresent = 3,
 }
 
 #[pymethods]
@@ -150,6 +173,7 @@ impl HostPages {
             page_tokens,
             tokens,
             slots: RwLock::new(HashMap::new()),
+            counts: Default::default(),
         })
     }
 
@@ -167,6 +191,13 @@ impl HostPages {
         self.block_sizes.len()
     }
 
+    /// Pages moved so far: asked of `get_pages` and read whole by it
+    /// (`get_pages`, `get_pages_read`), given to `put_pages` and found
+    /// already stored (`set_pages`, `set_pages_present`).
+    fn counts(&self) -> HashMap<&'static str, u64> {
+        COUNTS.iter().zip(&self.counts).map(|(&name, c)| (name, c.load(Ordering::Relaxed))).collect()
+    }
+
     /// How many page slots were learnt (described) so far.
     fn __len__(&self) -> usize {
         self.slots.read().unwrap_or_else(|p| p.into_inner()).len()
@@ -174,6 +205,11 @@ impl HostPages {
 }
 
 impl HostPages {
+    /// Adds `n` to a counter of `counts()`.
+    pub(crate) fn count(&self, counter: Count, n: usize) {
+        self.counts[counter as usize].fetch_add(n as u64, Ordering::Relaxed);
+    }
+
     pub(crate) fn per_page_blocks(&self) -> usize {
         self.block_sizes.len()
     }
@@ -217,9 +253,14 @@ impl HostPages {
     /// numpy view of SGLang's int64 tensor), checking that each page is
     /// `page_tokens` consecutive slots of the pool.
     fn page_starts(&self, py: Python<'_>, host_indices: &Bound<'_, PyAny>, pages: usize) -> PyResult<Vec<i64>> {
-        let indices: Vec<i64> = match PyBuffer::<i64>::get(host_indices) {
-            Ok(b) => b.to_vec(py)?,
-            Err(_) => match PyBuffer::<i32>::get(host_indices) {
+        // A tensor first: it exports no buffer, and a refused export costs
+        // an exception.
+        let indices: Vec<i64> = if host_indices.hasattr(intern!(py, "data_ptr"))? {
+            tensor_indices(py, host_indices)?
+        } else if let Ok(b) = PyBuffer::<i64>::get(host_indices) {
+            b.to_vec(py)?
+        } else {
+            match PyBuffer::<i32>::get(host_indices) {
                 Ok(b) => b.to_vec(py)?.into_iter().map(i64::from).collect(),
                 Err(e) => {
                     return Err(raise(
@@ -229,7 +270,7 @@ impl HostPages {
                         None,
                     ))
                 }
-            },
+            }
         };
         let pt = self.page_tokens;
         if indices.len() != pages * pt {
@@ -382,4 +423,51 @@ pub(crate) fn whole_pages(answers: &[Result<usize, KvError>], sizes: &[usize]) -
         whole.push(all);
     }
     (whole, partial)
+}
+
+/// `torch.int64` and `torch.int32`, looked up once.
+static TORCH_INDEX_DTYPES: PyOnceLock<(Py<PyAny>, Py<PyAny>)> = PyOnceLock::new();
+
+/// The values of a torch tensor of host indices (SGLang's own, as it hands
+/// them over), read from its memory: a contiguous CPU tensor of int64 or
+/// int32. Five cheap attribute reads instead of `tensor.numpy()`, which
+/// right after a transfer (its code out of the caches) cost 34-50 µs a
+/// batch against 13 µs for `data_ptr`, `numel` and `dtype`.
+#[allow(unsafe_code)]
+fn tensor_indices(py: Python<'_>, t: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+    let refuse = |why: String| raise("Invalid", format!("host_indices: a {} {why}", crate::type_name(t)), None, None);
+    let (int64, int32) = TORCH_INDEX_DTYPES.get_or_try_init(py, || -> PyResult<_> {
+        let torch = py.import("torch")?;
+        Ok((torch.getattr("int64")?.unbind(), torch.getattr("int32")?.unbind()))
+    })?;
+    if !t.getattr(intern!(py, "is_cpu"))?.extract::<bool>()? {
+        return Err(refuse("is not in host memory".into()));
+    }
+    let dtype = t.getattr(intern!(py, "dtype"))?;
+    let wide = dtype.is(int64.bind(py));
+    if !wide && !dtype.is(int32.bind(py)) {
+        return Err(refuse(format!("of {dtype} is not of int64 or int32")));
+    }
+    if !t.call_method0(intern!(py, "is_contiguous"))?.extract::<bool>()? {
+        return Err(refuse("is not contiguous".into()));
+    }
+    let n: usize = t.call_method0(intern!(py, "numel"))?.extract()?;
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let addr: usize = t.call_method0(intern!(py, "data_ptr"))?.extract()?;
+    let align = if wide { std::mem::align_of::<i64>() } else { std::mem::align_of::<i32>() };
+    if addr == 0 || addr % align != 0 {
+        return Err(refuse(format!("has its data at {addr:#x}, not aligned for its integers")));
+    }
+    // SAFETY: a contiguous CPU tensor of `n` elements of int64 (int32) has
+    // them at `data_ptr`, aligned (checked) and non-null; the caller holds
+    // the tensor for the call and the GIL is held while they are copied.
+    Ok(unsafe {
+        if wide {
+            std::slice::from_raw_parts(addr as *const i64, n).to_vec()
+        } else {
+            std::slice::from_raw_parts(addr as *const i32, n).iter().map(|&v| i64::from(v)).collect()
+        }
+    })
 }

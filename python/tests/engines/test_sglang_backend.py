@@ -248,6 +248,23 @@ def test_a_page_whose_host_indices_are_not_a_page_of_the_pool_is_a_named_miss(st
     assert store.batch_get_v1(keys, pool.alloc(2 * PAGE)) == [True, True]
 
 
+def test_host_indices_are_read_from_sglangs_tensor_itself(store: HiCacheStorage, pool) -> None:
+    b = inner(store)
+    keys = hashes("tensor", 2)
+    idx = fill(pool, 2, seed=13)
+    assert store.batch_set_v1(keys, idx) == [True] * 2
+    client, host = b._node.get(), b._host
+    into = pool.alloc(2 * PAGE)
+    assert client.get_pages(host, keys, into.to(torch.int32), b._describe) == ([True, True], [])
+    for i in range(2):
+        assert page_bytes(pool, into, i) == page_bytes(pool, idx, i)
+    with pytest.raises(kvplane.Invalid, match=r"host_indices: a Tensor of torch.float32 is not of int64 or int32"):
+        client.get_pages(host, keys, into.to(torch.float32), b._describe)
+    with pytest.raises(kvplane.Invalid, match=r"host_indices: a Tensor is not contiguous"):
+        client.get_pages(host, keys, torch.stack([into, into], 1)[:, 0], b._describe)
+    assert b.stats()["get_pages"] == 2 and b.stats()["get_pages_read"] == 2
+
+
 def test_two_deployments_never_read_each_others_pages(node: Node) -> None:
     pool = host_pool()
     ours = backend(node.endpoint, pool)
