@@ -3,13 +3,21 @@
 //!
 //! Each call is a pyo3 coroutine (`experimental-async`): awaiting it checks
 //! the keys and exports the buffers (on the event loop's thread, attached
-//! to the interpreter), spawns the call as one task on the process's I/O
-//! runtime ([`crate::runtime`]) and awaits that task's `JoinHandle`. (A
-//! runtime of one worker thread for node clients, so that a batch's
-//! stripes are read on the thread of its task, was tried: no difference in
-//! release builds on 2 loaded cores, 0.74-1.11 of the sync client against
-//! 0.74-0.98 at 16 x 64 KiB GET, medians of 1500 calls.) The
-//! loop's thread never waits for the network and no Python thread is used:
+//! to the interpreter), spawns the call as one task on an I/O runtime and
+//! awaits that task's `JoinHandle`. A node client's runtime is a
+//! current-thread one that a thread of its own drives
+//! ([`crate::aio_node_runtime`]), one per process: the call's task, its
+//! connection's reader and the I/O driver all run there, as they all run
+//! on the calling thread of a sync node client. On the process's
+//! multi-thread runtime ([`crate::runtime`], which cluster clients keep:
+//! their slot-table follower runs between calls) a node client's batched
+//! GET cost 0.67-0.74 of the sync client's at 16 x 64 KiB: with one
+//! connection, 2-3x the CPU time per call and 7 context switches against 2
+//! (perf: the worker threads parked and woke in `epoll_wait` and on their
+//! condition variable around every read, and each wake-up of the loop
+//! created and destroyed a Python thread state). The price: the asyncio
+//! node clients of a process share one I/O thread. The loop's thread never
+//! waits for the network and no Python thread is used:
 //! when the task finishes, its waker (pyo3's) hands the event loop the
 //! result through `loop.call_soon_threadsafe`, one wake-up per call however
 //! many frames the call exchanged. The task is spawned rather than polled
@@ -391,7 +399,7 @@ impl AsyncClient {
             shared_memory,
         };
         let shared = Shared {
-            rt: std::mem::ManuallyDrop::new(runtime()?),
+            rt: std::mem::ManuallyDrop::new(if cluster { runtime()? } else { crate::aio_node_runtime()? }),
             target: std::mem::ManuallyDrop::new(tokio::sync::OnceCell::new()),
             spec,
             what: if cluster { format!("the cluster of {}", endpoints.join(", ")) } else { endpoints.join(", ") },

@@ -57,6 +57,10 @@ const IO_THREADS: usize = 2;
 /// threads that do not exist there.
 static RUNTIME: Mutex<Option<(u32, Arc<Runtime>)>> = Mutex::new(None);
 
+/// The runtime of asyncio node clients (`kvplane.aio`), tagged like
+/// [`RUNTIME`].
+static AIO_NODE_RUNTIME: Mutex<Option<(u32, Arc<Runtime>)>> = Mutex::new(None);
+
 /// This process's runtime of `slot`, built by `build` the first time (and
 /// again in a forked child).
 fn process_runtime(slot: &Mutex<Option<(u32, Arc<Runtime>)>>, build: impl FnOnce() -> PyResult<Arc<Runtime>>) -> PyResult<Arc<Runtime>> {
@@ -84,6 +88,29 @@ fn runtime() -> PyResult<Arc<Runtime>> {
             .build()
             .map(Arc::new)
             .map_err(|e| raise("Internal", format!("starting the I/O runtime: {e}"), None, None))
+    })
+}
+
+/// The runtime asyncio node clients run on: a current-thread runtime that
+/// one thread of its own drives, so that a call's task, its connection's
+/// reader and the I/O driver share that thread, as they share the calling
+/// thread of a sync node client (see `aio.rs` for what the multi-thread
+/// runtime cost). The thread attaches to the interpreter once and stays
+/// detached: it keeps its Python thread state, so the wake-ups of event
+/// loops it makes (attached) do not create and destroy one each.
+pub(crate) fn aio_node_runtime() -> PyResult<Arc<Runtime>> {
+    process_runtime(&AIO_NODE_RUNTIME, || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map(Arc::new)
+            .map_err(|e| raise("Internal", format!("starting the asyncio I/O runtime: {e}"), None, None))?;
+        let driven = Arc::clone(&rt);
+        std::thread::Builder::new()
+            .name("kvplane-aio".into())
+            .spawn(move || Python::attach(|py| py.detach(|| driven.block_on(std::future::pending::<()>()))))
+            .map_err(|e| raise("Internal", format!("starting the asyncio I/O thread: {e}"), None, None))?;
+        Ok(rt)
     })
 }
 
