@@ -334,5 +334,10 @@ class _HostPages:
     def per_page(self) -> int:
         """Blocks per page."""
 
+    def counts(self) -> dict[str, int]:
+        """Pages moved so far: ``get_pages`` / ``get_pages_read`` (asked of
+        ``get_pages``, read whole), ``set_pages`` / ``set_pages_present``
+        (stored by ``put_pages`` or found there)."""
+
     def __len__(self) -> int:
         """Page slots described so far."""
