@@ -1,15 +1,30 @@
 //! One connection to a node: handshake, then pipelined requests.
 //!
-//! Writers take a short lock to put a whole frame on the socket; a reader task
-//! owns the read half and hands each answer to the caller waiting on its
-//! request id. Many callers can therefore have requests in flight on one
-//! connection, which is what keeps a small pool busy.
+//! Writers take a short lock to put a whole frame on the socket; one read
+//! loop reads every answer and hands it to the caller waiting on its request
+//! id. Many callers can therefore have requests in flight on one connection,
+//! which is what keeps a small pool busy.
+//!
+//! Who runs the read loop (see [`ReadSide`]): while a call's request is the
+//! only one in flight, that call polls the loop from its own task and so
+//! reads its own answer, as a bare socket client would; otherwise a
+//! background task does and wakes each caller with its answer. The hand-off
+//! from a reader task to the caller is a second task wake-up per request, on
+//! the round trip's critical path (after the answer arrived), which a single
+//! GET at a time pays in full. The loop is one future whoever polls it, so a
+//! call cancelled half-way through reading its answer leaves the loop where
+//! it was, and the next poller reads on from there: no half-read answer is
+//! ever taken for the next one.
 
 use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
+use futures::task::AtomicWaker;
 use kvplane_protocol::{
     decode_body, encode, ErrorCode, Features, Frame, FrameHeader, Hello, HelloAck, KvError, Limits, Message, Meta, Request, Response,
     ShmGet, ShmPut, HEADER_LEN, VERSION,
@@ -89,6 +104,127 @@ impl Shared {
     }
 }
 
+/// The read loop ([`read_loop`]): one future, polled by whichever party
+/// drives it now.
+type ReadLoop = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// No call drives the read loop: the background task does.
+const BACKGROUND: u64 = 0;
+
+/// The read loop and who drives it: the one call in flight, from its own
+/// task, or else the background task ([`drive_in_background`]).
+///
+/// A poll of the loop registers the poller's waker with the socket, and
+/// only the last poller's: so exactly one party polls it at a time, the one
+/// `driver` names, and every party checks that it is named while holding
+/// the loop's lock. A party named afterwards is woken once the name changed
+/// and so polls after any poll still in progress: it is the one the socket
+/// wakes next.
+struct ReadSide {
+    /// `None` once the loop has ended (the connection failed and every
+    /// waiter was answered with why, [`Shared::fail_all`]).
+    read_loop: Mutex<Option<ReadLoop>>,
+    /// [`BACKGROUND`], or the request id of the call that drives the loop.
+    /// A call is named when it registers its request as the only one in
+    /// flight; a second request in flight names the background task again
+    /// (pipelined answers are handed over as before), so that a caller
+    /// whose future is neither polled nor dropped holds up no one else.
+    driver: AtomicU64,
+    /// The driving call's waker: woken when the loop is taken from it.
+    driver_waker: AtomicWaker,
+    /// The background task's waker: woken when it is named again.
+    background: AtomicWaker,
+}
+
+/// What polling the read loop as one party found.
+enum Polled {
+    /// Another party drives the loop; it was not polled.
+    NotDriver,
+    /// The loop waits for bytes (the poller's waker is registered).
+    Pending,
+    /// The loop has ended.
+    Ended,
+}
+
+impl ReadSide {
+    fn new(read_loop: ReadLoop) -> ReadSide {
+        ReadSide {
+            read_loop: Mutex::new(Some(read_loop)),
+            driver: AtomicU64::new(BACKGROUND),
+            driver_waker: AtomicWaker::new(),
+            background: AtomicWaker::new(),
+        }
+    }
+
+    /// Polls the loop if `me` drives it (checked under the lock: see the
+    /// type's comment).
+    fn poll_as(&self, me: u64, cx: &mut Context<'_>) -> Polled {
+        let mut slot = self.read_loop.lock().unwrap_or_else(|e| e.into_inner());
+        if self.driver.load(Ordering::Acquire) != me {
+            return Polled::NotDriver;
+        }
+        let Some(read_loop) = slot.as_mut() else { return Polled::Ended };
+        match read_loop.as_mut().poll(cx) {
+            Poll::Ready(()) => {
+                *slot = None;
+                Polled::Ended
+            }
+            Poll::Pending => Polled::Pending,
+        }
+    }
+
+    /// Names the background task the driver again and wakes the call that
+    /// drove until now, which then waits for its answer to be handed over.
+    /// Called with the waiters' lock held, by a second request in flight.
+    fn take_from_caller(&self) -> bool {
+        self.driver.swap(BACKGROUND, Ordering::AcqRel) != BACKGROUND
+    }
+
+    /// After [`ReadSide::take_from_caller`] returned true, with no lock
+    /// held.
+    fn wake_after_taking(&self) {
+        self.driver_waker.wake();
+        self.background.wake();
+    }
+
+    /// `me` stops driving (its answer came, it timed out, or it was
+    /// cancelled): the background task drives from here, picking up the
+    /// loop where it is, half-way through a frame or not.
+    fn release(&self, me: u64) {
+        if self.driver.compare_exchange(me, BACKGROUND, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+            self.background.wake();
+        }
+    }
+}
+
+/// Drives the read loop whenever no call does, until it ends: it reads the
+/// answers of pipelined requests, and between calls notices what the node
+/// sends unasked (the idle notice, the connection's end) at once, so that
+/// the pool opens a new connection before the next call needs one.
+async fn drive_in_background(side: Arc<ReadSide>) {
+    std::future::poll_fn(|cx| {
+        side.background.register(cx.waker());
+        match side.poll_as(BACKGROUND, cx) {
+            Polled::Ended => Poll::Ready(()),
+            Polled::NotDriver | Polled::Pending => Poll::Pending,
+        }
+    })
+    .await;
+}
+
+/// A call named the driver of the read loop; dropped (the call answered,
+/// failed or cancelled), the background task drives again.
+struct Driving<'a> {
+    side: &'a ReadSide,
+    id: u64,
+}
+
+impl Drop for Driving<'_> {
+    fn drop(&mut self) {
+        self.side.release(self.id);
+    }
+}
+
 /// An open, authenticated connection.
 pub struct Connection {
     endpoint: Endpoint,
@@ -100,6 +236,8 @@ pub struct Connection {
     next_id: AtomicU64,
     ack: HelloAck,
     timeout: Duration,
+    read: Arc<ReadSide>,
+    /// [`drive_in_background`].
     reader: JoinHandle<()>,
     shm: Option<Arc<SharedMemory>>,
     /// A queue pair connected to the node's, when both ends offered RDMA.
@@ -191,7 +329,8 @@ impl Connection {
             close_reason: Mutex::new(None),
             broken: AtomicBool::new(false),
         });
-        let reader = tokio::spawn(read_loop(reader, Arc::clone(&shared), endpoint.clone()));
+        let read = Arc::new(ReadSide::new(Box::pin(read_loop(reader, Arc::clone(&shared), endpoint.clone()))));
+        let reader = tokio::spawn(drive_in_background(Arc::clone(&read)));
         let mut conn = Connection {
             endpoint: endpoint.clone(),
             writer: tokio::sync::Mutex::new(Some(writer)),
@@ -199,6 +338,7 @@ impl Connection {
             next_id: AtomicU64::new(1),
             ack,
             timeout,
+            read,
             reader,
             shm,
             rdma: None,
@@ -348,6 +488,12 @@ impl Connection {
         }
     }
 
+    /// Why new calls fail: the reason the read loop ended, if it has.
+    fn closed_error(&self) -> KvError {
+        let reason = self.shared.close_reason.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        reason.unwrap_or_else(|| KvError::Unavailable(format!("connection to {} is closed", self.endpoint)))
+    }
+
     async fn exchange(&self, request: Request, into: Option<Arc<Destinations>>) -> Result<Answer, KvError> {
         if self.shared.broken.load(Ordering::Acquire) {
             return Err(KvError::Unavailable(format!(
@@ -356,14 +502,34 @@ impl Connection {
             )));
         }
         if !self.is_open() {
-            let reason = self.shared.close_reason.lock().unwrap_or_else(|e| e.into_inner()).clone();
-            return Err(reason.unwrap_or_else(|| KvError::Unavailable(format!("connection to {} is closed", self.endpoint))));
+            return Err(self.closed_error());
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let encoded = encode(&Frame::request(id, request)).map_err(|e| KvError::Invalid(e.to_string()))?;
-        let (tx, rx) = oneshot::channel();
-        // Registered before the write, so the reader always finds the waiter.
-        self.shared.lock().insert(id, Waiter { tx, into });
+        let (tx, mut rx) = oneshot::channel();
+        // Registered before the write, so the reader always finds the waiter;
+        // and who drives the read loop is settled with it (see `ReadSide`).
+        let (alone, taken) = {
+            let mut waiters = self.shared.lock();
+            let alone = waiters.is_empty();
+            waiters.insert(id, Waiter { tx, into });
+            if alone {
+                self.read.driver.store(id, Ordering::Release);
+                (true, false)
+            } else {
+                (false, self.read.take_from_caller())
+            }
+        };
+        if taken {
+            self.read.wake_after_taking();
+        }
+        // On every way out of this call, the background task drives again.
+        let driving = alone.then(|| Driving { side: &self.read, id });
+        if self.shared.closed.load(Ordering::Acquire) {
+            // The loop ended before this waiter was in: nothing answers it.
+            self.shared.lock().remove(&id);
+            return Err(self.closed_error());
+        }
         // Writing has the same limit as waiting for the answer (the client's
         // timeout), counted from here and including the wait for the write
         // half: a node that stops reading (frozen, or its receive buffer
@@ -393,6 +559,11 @@ impl Connection {
             Ok(Ok(())) => {
                 *slot = Some(writer);
                 cut.disarm();
+                // The write half is free for the next request at once, not
+                // when this one is answered: that is what lets requests
+                // pipeline (held to the end of the call, it let one request
+                // at a time be in flight per connection).
+                drop(slot);
             }
             Ok(Err(e)) => {
                 drop(slot);
@@ -409,15 +580,39 @@ impl Connection {
                 return Err(too_slow("did not finish (the node is not reading; this connection is no longer used)"));
             }
         }
-        let answer = match tokio::time::timeout(self.timeout, rx).await {
-            Ok(Ok(answer)) => answer,
-            Ok(Err(_)) => Err(KvError::Unavailable(format!("connection to {} closed before the answer", self.endpoint))),
+        let lost = || KvError::Unavailable(format!("connection to {} closed before the answer", self.endpoint));
+        let wait = std::future::poll_fn(|cx| {
+            if alone {
+                self.read.driver_waker.register(cx.waker());
+                match self.read.poll_as(id, cx) {
+                    Polled::NotDriver => {}
+                    // Read here: no waker is registered with the channel, so
+                    // this task's own answer wakes no one.
+                    polled => match rx.try_recv() {
+                        Ok(answer) => return Poll::Ready(answer),
+                        Err(oneshot::error::TryRecvError::Closed) => return Poll::Ready(Err(lost())),
+                        Err(oneshot::error::TryRecvError::Empty) if matches!(polled, Polled::Ended) => {
+                            return Poll::Ready(Err(self.closed_error()))
+                        }
+                        // Still the driver: the socket wakes this task. If
+                        // the loop was taken meanwhile, its new driver hands
+                        // the answer over through the channel.
+                        Err(oneshot::error::TryRecvError::Empty) if self.read.driver.load(Ordering::Acquire) == id => return Poll::Pending,
+                        Err(oneshot::error::TryRecvError::Empty) => {}
+                    },
+                }
+            }
+            Pin::new(&mut rx).poll(cx).map(|r| r.unwrap_or_else(|_| Err(lost())))
+        });
+        let answer = match tokio::time::timeout(self.timeout, wait).await {
+            Ok(answer) => answer,
             Err(_) => {
                 self.shared.lock().remove(&id);
                 Err(KvError::Timeout(format!("{} did not answer request {id} within {:?}", self.endpoint, self.timeout)))
             }
-        }?;
-        match answer {
+        };
+        drop(driving);
+        match answer? {
             Answer::Response(Response::Error { code, message }) => Err(code.into_kv_error(message)),
             other => Ok(other),
         }
