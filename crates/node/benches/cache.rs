@@ -14,7 +14,15 @@
 //! (4 KiB each). Hit ratio is over block lookups. Op timings are medians of
 //! every `SAMPLE_EVERY`th call, measured in the same run.
 //!
-//! Run: `cargo bench -p kvplane-node --bench cache` (release; about half a minute).
+//! Then the batched paths against one call per key, in the shape of
+//! `scripts/bench-node`'s 4 KiB cell (8192 stored blocks, batches of 32 in
+//! the order a client walks them, 16 shards): `get_many` against `get`,
+//! and a PUT's pool allocations and inserts (`try_allocate_many` and
+//! `insert_many` against `allocate` and `insert`), replacing stored keys
+//! as the benchmark does; nanoseconds per key, median of the rounds.
+//!
+//! Run: `cargo bench -p kvplane-node --bench cache` (release; about half a
+//! minute), or `-- batch` for the batched paths alone.
 //! The traces are fixed by the seed; the cache's hash is keyed per process,
 //! so shard assignment, and with it the hit ratio, can move in the fourth
 //! digit between runs.
@@ -22,7 +30,7 @@
 use std::time::Instant;
 
 use bytes::Bytes;
-use kvplane_node::cache::{BlockCache, CacheConfig, EvictionPolicy};
+use kvplane_node::cache::{BlockCache, CacheConfig, EvictionPolicy, NewEntry};
 use kvplane_node::memory::{MemoryPool, PoolConfig};
 
 const BLOCK: usize = 4096;
@@ -51,6 +59,10 @@ const CHAT_MAX_BLOCKS: usize = 256;
 
 fn main() {
     let started = Instant::now();
+    if std::env::args().skip(1).any(|a| a == "batch") {
+        batched();
+        return;
+    }
     let zipf = zipf_trace();
     let chat = chat_trace();
     println!(
@@ -102,7 +114,87 @@ fn main() {
         }
     }
     println!();
+    batched();
+    println!();
     println!("total {:.1} s", started.elapsed().as_secs_f64());
+}
+
+const BATCH_KEYS: usize = 8192;
+const BATCH: usize = 32;
+const BATCH_ROUNDS: usize = 15;
+/// One batch's worth of work of the batched bench.
+type BatchOp<'a> = dyn Fn(&[Bytes]) + 'a;
+/// Bytes the batched bench sweeps its caches with (see `batched`).
+const SWEEP_BYTES: usize = 256 << 20;
+
+/// The batched paths against one call per key (see the module docs).
+fn batched() {
+    let pool = match MemoryPool::new(PoolConfig::new(256 << 20)) {
+        Ok(pool) => pool,
+        Err(err) => panic!("bench pool: {err}"),
+    };
+    let cache = BlockCache::new(pool, CacheConfig::default());
+    let keys: Vec<Bytes> = (0..BATCH_KEYS).map(|i| Bytes::from(format!("bench/{i:08}"))).collect();
+    let lens = [BLOCK; BATCH];
+    let put_one = |batch: &[Bytes]| {
+        for key in batch {
+            let block = cache.allocate(BLOCK).expect("room");
+            cache.insert(key.clone(), block.freeze(), 7);
+        }
+    };
+    let put_many = |batch: &[Bytes]| {
+        let mut blocks = Vec::with_capacity(BATCH);
+        assert_eq!(cache.pool().try_allocate_many(&lens[..batch.len()], &mut blocks), batch.len(), "room");
+        let entries = batch.iter().zip(blocks).map(|(key, b)| NewEntry { key: key.clone(), block: b.freeze(), crc: Some(7) });
+        cache.insert_many(entries.collect());
+    };
+    let get_one = |batch: &[Bytes]| {
+        let found: Vec<_> = batch.iter().map(|k| cache.get(k)).collect();
+        assert!(found.iter().all(Option::is_some));
+    };
+    let get_many = |batch: &[Bytes]| {
+        let found = cache.get_many(batch);
+        assert!(found.iter().all(Option::is_some));
+    };
+    put_one(&keys);
+    // Between two batches the node moves a batch's payload (128 KiB)
+    // through its caches; so does this, untimed, reading the next part of
+    // a buffer too large to stay in cache.
+    let sweep: Vec<u8> = (0..SWEEP_BYTES).map(|i| i as u8).collect();
+    let swept = std::cell::Cell::new(0usize);
+    let pollute = || {
+        let at = swept.get();
+        let part = &sweep[at..at + BATCH * BLOCK];
+        std::hint::black_box(part.iter().step_by(64).fold(0u8, |a, &b| a ^ b));
+        swept.set((at + BATCH * BLOCK) % (SWEEP_BYTES - BATCH * BLOCK));
+    };
+    // ns per key of one pass over every key in batches, the batches alone
+    // timed; the two ways alternate round by round, so a drift of the
+    // machine falls on both.
+    let pass = |op: &BatchOp| {
+        let mut nanos = 0u128;
+        for batch in keys.chunks(BATCH) {
+            pollute();
+            let t = Instant::now();
+            op(batch);
+            nanos += t.elapsed().as_nanos();
+        }
+        nanos as f64 / BATCH_KEYS as f64
+    };
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    println!(
+        "batches of {BATCH} over {BATCH_KEYS} stored blocks of {} KiB, 16 shards (ns per key, median of {BATCH_ROUNDS} rounds):",
+        BLOCK >> 10
+    );
+    let ops: [(&str, &BatchOp, &BatchOp); 2] = [("get", &get_one, &get_many), ("put", &put_one, &put_many)];
+    for (name, one, many) in ops {
+        let (ones, manys): (Vec<f64>, Vec<f64>) = (0..BATCH_ROUNDS).map(|_| (pass(one), pass(many))).unzip();
+        let (one, many) = (median(ones), median(manys));
+        println!("  {name}: one at a time {one:6.1}, batched {many:6.1} ({:.2}x)", one / many);
+    }
 }
 
 /// A cache plus the bookkeeping of one replay.

@@ -21,7 +21,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use kvplane_protocol::KvError;
 
-use crate::cache::{BlockCache, CachedBlock};
+use crate::cache::{BlockCache, CachedBlock, NewEntry};
 use crate::memory::{Block, BlockMut};
 use crate::tier::{SecondTier, TierSetup};
 
@@ -91,6 +91,31 @@ impl Store {
         }
     }
 
+    /// Pool blocks for `lens`, appended to `out` in order, taken together
+    /// while the pool has room and nothing needs evicting: how many were
+    /// appended (see [`MemoryPool::try_allocate_many`](crate::memory::MemoryPool::try_allocate_many)).
+    /// The caller allocates the rest one at a time ([`Store::allocate`]).
+    /// None with a second tier: it sees every allocation (the block sizes
+    /// it expects, what `on-evict` mode takes from an eviction).
+    pub(crate) fn try_allocate_many(&self, lens: &[usize], out: &mut Vec<BlockMut>) -> usize {
+        if self.tier.is_some() {
+            return 0;
+        }
+        self.cache.pool().try_allocate_many(lens, out)
+    }
+
+    /// [`Store::put`] of every entry; without a second tier the memory
+    /// tier takes them as one batch ([`BlockCache::insert_many`]).
+    pub(crate) async fn put_many(&self, entries: Vec<NewEntry>) {
+        if self.tier.is_some() {
+            for e in entries {
+                self.put(e.key, e.block, e.crc).await;
+            }
+            return;
+        }
+        self.cache.insert_many(entries);
+    }
+
     /// Whether a PUT's blocks go through [`Store::put_through`] (answered
     /// once the store holds them) rather than [`Store::put`].
     pub(crate) fn writes_through(&self) -> bool {
@@ -148,8 +173,8 @@ impl Store {
     pub(crate) async fn get(&self, keys: &[Bytes]) -> Vec<Result<Option<Found>, KvError>> {
         let mut results = Vec::with_capacity(keys.len());
         let mut missing = Vec::new();
-        for (i, k) in keys.iter().enumerate() {
-            match self.cache.get(k) {
+        for (i, (k, hit)) in keys.iter().zip(self.cache.get_many(keys)).enumerate() {
+            match hit {
                 Some(hit) => {
                     if let Some(tier) = &self.tier {
                         tier.read_hit(k, &hit).await;

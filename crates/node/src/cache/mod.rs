@@ -95,6 +95,16 @@ pub struct Evicted {
     pub reads: u32,
 }
 
+/// A block for [`BlockCache::insert_many`]: its key, and its CRC-32C when
+/// known (else computed from the stored bytes when first needed, as after
+/// [`BlockCache::insert_unchecked`]).
+#[derive(Debug)]
+pub struct NewEntry {
+    pub key: Bytes,
+    pub block: Block,
+    pub crc: Option<u32>,
+}
+
 impl CachedBlock {
     /// CRC-32C of the block: as given to [`BlockCache::insert`], or computed
     /// from its bytes on first use after [`BlockCache::insert_unchecked`]
@@ -239,6 +249,43 @@ impl BlockCache {
         drop(released);
     }
 
+    /// Stores (or replaces) every entry, as [`BlockCache::insert`] (or
+    /// [`BlockCache::insert_unchecked`] for an entry without a checksum)
+    /// one after another would, but takes each shard's lock once for the
+    /// batch and gives the replaced blocks back to the pool under one
+    /// acquisition of its lock ([`Block::release_all`]). One at a time, a
+    /// batch of 32 small blocks takes 32 shard locks and 32 pool locks.
+    ///
+    /// The entries are grouped by shard in a stable order, so within a shard
+    /// they arrive in batch order: a key given twice ends with its later
+    /// block, and each shard's queues (eviction keeps one order per shard)
+    /// see what one insert after another would have shown them.
+    pub fn insert_many(&self, entries: Vec<NewEntry>) {
+        let mut routed: Vec<(usize, u64, NewEntry, Option<Arc<TenantAccount>>)> = entries
+            .into_iter()
+            .map(|e| {
+                if let Some(crc) = e.crc {
+                    e.block.set_crc(crc);
+                }
+                let hash = self.hash(&e.key);
+                let account = self.account_of(&e.key);
+                (self.shard_index(hash), hash, e, account)
+            })
+            .collect();
+        routed.sort_by_key(|&(shard, ..)| shard);
+        let mut released = Vec::with_capacity(routed.len());
+        let mut routed = routed.into_iter().peekable();
+        while let Some((index, hash, first, account)) = routed.next() {
+            let mut shard = lock(&self.shards[index]);
+            released.extend(shard.insert(hash, first.key, first.block, account));
+            while let Some((_, hash, next, account)) = routed.next_if(|&(i, ..)| i == index) {
+                released.extend(shard.insert(hash, next.key, next.block, account));
+            }
+        }
+        // Outside every shard lock, as in `insert_unchecked`.
+        Block::release_all(released);
+    }
+
     /// As [`BlockCache::insert`], for a block read from the second tier:
     /// its `reads` stay at `u32::MAX`, so the tiering modes that copy read
     /// or evicted blocks into the second tier know it is there already.
@@ -254,6 +301,30 @@ impl BlockCache {
     pub fn get(&self, key: &[u8]) -> Option<CachedBlock> {
         let hash = self.hash(key);
         self.shard(hash).get(hash, key)
+    }
+
+    /// [`BlockCache::get`] of each key, answered in the keys' order, with
+    /// each shard's lock taken once for the batch and the lookups in one
+    /// shard overlapping their cache misses (see `Shard::get_many`). A key
+    /// given twice is looked up twice, in order, as one `get` after another.
+    pub fn get_many<K: AsRef<[u8]>>(&self, keys: &[K]) -> Vec<Option<CachedBlock>> {
+        let mut routed: Vec<(usize, u64, usize)> = keys
+            .iter()
+            .enumerate()
+            .map(|(i, k)| {
+                let hash = self.hash(k.as_ref());
+                (self.shard_index(hash), hash, i)
+            })
+            .collect();
+        routed.sort_by_key(|&(shard, ..)| shard);
+        let lookups: Vec<(u64, &[u8], usize)> = routed.iter().map(|&(_, hash, i)| (hash, keys[i].as_ref(), i)).collect();
+        let mut found: Vec<Option<CachedBlock>> = (0..keys.len()).map(|_| None).collect();
+        let mut start = 0;
+        for run in routed.chunk_by(|a, b| a.0 == b.0) {
+            lock(&self.shards[run[0].0]).get_many(&lookups[start..start + run.len()], &mut found);
+            start += run.len();
+        }
+        found
     }
 
     /// Presence only: no hit or miss counted, no access recorded, so probes
@@ -388,14 +459,18 @@ impl BlockCache {
         self.hasher.hash_one(key)
     }
 
-    /// The shard for `hash`. Takes bits 20..52 (multiply-shift, so any shard
-    /// count works), away from the low bits the shard's table indexes with
-    /// and the top 7 bits it tags with; taking those would leave every
-    /// key of a shard agreeing on them and degrade its table.
+    /// The shard for `hash`, locked.
     fn shard(&self, hash: u64) -> MutexGuard<'_, Shard> {
+        lock(&self.shards[self.shard_index(hash)])
+    }
+
+    /// Which shard holds `hash`. Takes bits 20..52 (multiply-shift, so any
+    /// shard count works), away from the low bits the shard's table indexes
+    /// with and the top 7 bits it tags with; taking those would leave every
+    /// key of a shard agreeing on them and degrade its table.
+    fn shard_index(&self, hash: u64) -> usize {
         let mid = (hash >> 20) & 0xffff_ffff;
-        let idx = ((mid * self.shards.len() as u64) >> 32) as usize;
-        lock(&self.shards[idx])
+        ((mid * self.shards.len() as u64) >> 32) as usize
     }
 }
 

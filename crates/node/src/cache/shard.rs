@@ -17,7 +17,23 @@ use super::policy::{EvictionPolicy, Policy};
 use super::stats::{CacheStats, Counters};
 use super::tenants::TenantAccount;
 use super::{CachedBlock, Evicted};
-use crate::memory::Block;
+use crate::memory::{prefetch, Block};
+
+/// Keys [`Shard::get_many`] looks up together: enough to overlap the misses
+/// of a batch's keys in one shard (a batch of 32 over 16 shards puts two or
+/// three in each), few enough that the candidates stay on the stack.
+const LOOKUP_PASS: usize = 16;
+
+/// Asks the CPU to bring all of `object`'s cache lines in (a node spans two
+/// or three), without waiting for them.
+fn prefetch_object<T>(object: &T) {
+    const LINE: usize = 64;
+    let start = (object as *const T).cast::<u8>();
+    let size = std::mem::size_of::<T>();
+    for at in (0..size).step_by(LINE).chain([size.saturating_sub(1)]) {
+        prefetch(start.wrapping_add(at));
+    }
+}
 
 /// A cached block and what the cache knows about it.
 pub(super) struct Entry {
@@ -103,12 +119,53 @@ impl Shard {
             self.counters.misses += 1;
             return None;
         };
+        self.hit(idx)
+    }
+
+    /// A GET's hit on the entry in slot `idx`: counted, recorded for the
+    /// policy, its block shared with the reader.
+    fn hit(&mut self, idx: u32) -> Option<CachedBlock> {
         let entry = self.nodes[idx as usize].entry.as_mut()?;
         entry.reads = entry.reads.saturating_add(1);
         let found = CachedBlock { block: entry.block.clone(), reads: entry.reads };
         self.policy.touch(&mut self.nodes, idx);
         self.counters.hits += 1;
         Some(found)
+    }
+
+    /// [`Shard::get`] of each `(hash, key, place)` of `lookups`, answered
+    /// into `found[place]` in order, in passes over [`LOOKUP_PASS`] keys at
+    /// a time so that the cache misses of different keys overlap. One key
+    /// after another, a lookup waits on four or five misses in a row (the
+    /// table's control bytes and slot, the slot's node, the key's bytes,
+    /// the block's count), and the count's atomic increment keeps the next
+    /// key's loads from starting early. Here the first pass finds each
+    /// key's first candidate (its hash tag matches) and prefetches its
+    /// node, the second prefetches the candidates' key bytes and block
+    /// counts, the third checks each candidate and takes the hit; a key
+    /// whose first candidate is not it goes the one-key way (a later
+    /// candidate, or a miss). Nothing here inserts or removes, so a slot
+    /// found in the first pass still holds its entry in the third.
+    pub(super) fn get_many(&mut self, lookups: &[(u64, &[u8], usize)], found: &mut [Option<CachedBlock>]) {
+        for pass in lookups.chunks(LOOKUP_PASS) {
+            let mut first = [NIL; LOOKUP_PASS];
+            for (slot, &(hash, ..)) in first.iter_mut().zip(pass) {
+                if let Some(&idx) = self.table.iter_hash(hash).next() {
+                    *slot = idx;
+                    prefetch_object(&self.nodes[idx as usize]);
+                }
+            }
+            for &idx in first.iter().take(pass.len()).filter(|&&idx| idx != NIL) {
+                if let Some(entry) = &self.nodes[idx as usize].entry {
+                    prefetch(entry.key.as_ptr());
+                    entry.block.prefetch_count();
+                }
+            }
+            for (&idx, &(hash, key, place)) in first.iter().zip(pass) {
+                let is_it = idx != NIL && self.nodes[idx as usize].entry.as_ref().is_some_and(|e| e.key.as_ref() == key);
+                found[place] = if is_it { self.hit(idx) } else { self.get(hash, key) };
+            }
+        }
     }
 
     pub(super) fn stored_len(&self, hash: u64, key: &[u8]) -> Option<u64> {

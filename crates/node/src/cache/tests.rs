@@ -639,3 +639,95 @@ fn a_fruitless_over_quota_pass_is_not_repeated_for_every_eviction() {
         assert_eq!(passes(), 2, "{policy}");
     }
 }
+
+/// `len` bytes of `fill` in a fresh pool block, ready for `insert_many`.
+fn new_entry(cache: &BlockCache, key: &Bytes, len: usize, fill: u8) -> NewEntry {
+    let mut block = cache.allocate(len).expect("room");
+    block.as_mut_slice().fill(fill);
+    let crc = crc32c::crc32c(block.as_slice());
+    NewEntry { key: key.clone(), block: block.freeze(), crc: Some(crc) }
+}
+
+#[test]
+fn insert_many_across_every_shard_stores_each_key_once_and_a_key_given_twice_keeps_its_later_block() {
+    for policy in POLICIES {
+        let cache = cache(policy, 16);
+        // 48 keys over 16 shards, key 7 twice (first fill 1, then 2).
+        let mut batch: Vec<NewEntry> = (0..48).map(|i| new_entry(&cache, &key(i), BLOCK, i as u8 + 10)).collect();
+        batch.insert(3, new_entry(&cache, &key(7), BLOCK, 1));
+        batch.push(new_entry(&cache, &key(7), BLOCK, 2));
+        // The first key-7 block is replaced within the batch (its memory
+        // goes back to the pool); the ordinary key-7 block between them is
+        // replaced too, so the last one wins.
+        cache.insert_many(batch);
+        for i in (0..48).filter(|&i| i != 7) {
+            let hit = cache.get(&key(i)).unwrap_or_else(|| panic!("{policy}: key {i} stored"));
+            assert!(all(&hit.block, i as u8 + 10), "{policy}: key {i} has its own bytes");
+            assert_eq!(hit.crc(), crc32c::crc32c(&hit.block), "{policy}: key {i}'s checksum recorded");
+        }
+        assert!(all(&cache.get(&key(7)).expect("key 7").block, 2), "{policy}: the later block of a key given twice wins");
+        let stats = cache.stats();
+        assert_eq!((stats.entries, stats.bytes_stored, stats.inserts), (48, 48 * BLOCK as u64, 50), "{policy}: {stats:?}");
+        assert_eq!(cache.pool().stats().blocks, 48, "{policy}: the two replaced key-7 blocks went back to the pool");
+        // Replacing every key in one batch gives all 48 old blocks back.
+        cache.insert_many((0..48).map(|i| new_entry(&cache, &key(i), BLOCK, 99)).collect());
+        assert_eq!(cache.pool().stats().blocks, 48, "{policy}: replaced blocks released");
+        assert!((0..48).all(|i| all(&cache.get(&key(i)).expect("stored").block, 99)), "{policy}");
+    }
+}
+
+#[test]
+fn insert_many_keeps_a_block_a_reader_holds_until_the_reader_drops_it() {
+    let cache = cache(EvictionPolicy::S3Fifo, 4);
+    cache.insert_many((0..8).map(|i| new_entry(&cache, &key(i), BLOCK, 1)).collect());
+    let held = cache.get(&key(3)).expect("stored");
+    cache.insert_many((0..8).map(|i| new_entry(&cache, &key(i), BLOCK, 2)).collect());
+    assert!(all(&held.block, 1), "the reader's bytes are not reused under it");
+    assert_eq!(cache.pool().stats().blocks, 9, "8 stored and the one the reader holds");
+    drop(held);
+    assert_eq!(cache.pool().stats().blocks, 8);
+}
+
+#[test]
+fn get_many_answers_in_key_order_counting_hits_misses_and_reads_as_one_get_after_another() {
+    for policy in POLICIES {
+        let cache = cache(policy, 16);
+        for i in 0..40 {
+            put_ok(&cache, &key(i), i as u8);
+        }
+        // Hits over many shards, misses between them, key 5 three times.
+        let keys: Vec<Bytes> = vec![key(5), key(100), key(0), key(5), key(39), key(101), key(17), key(5)];
+        let found = cache.get_many(&keys);
+        assert_eq!(found.len(), keys.len());
+        let want: [Option<u8>; 8] = [Some(5), None, Some(0), Some(5), Some(39), None, Some(17), Some(5)];
+        for ((k, got), want) in keys.iter().zip(&found).zip(want) {
+            match (got, want) {
+                (Some(hit), Some(fill)) => assert!(all(&hit.block, fill), "{policy}: {k:?}"),
+                (None, None) => {}
+                _ => panic!("{policy}: {k:?}: got {:?}, want {want:?}", got.as_ref().map(|h| h.block.len())),
+            }
+        }
+        let reads: Vec<u32> = [0, 3, 7].iter().map(|&i| found[i].as_ref().expect("hit").reads).collect();
+        assert_eq!(reads, [1, 2, 3], "{policy}: a key given thrice is read thrice, in order");
+        let stats = cache.stats();
+        assert_eq!((stats.hits, stats.misses), (6, 2), "{policy}: {stats:?}");
+        assert!(cache.get_many::<Bytes>(&[]).is_empty());
+    }
+}
+
+#[test]
+fn insert_many_charges_each_tenant_as_inserts_one_after_another_do() {
+    for policy in POLICIES {
+        let (cache, accounts, _clock) = tenanted(policy);
+        let a = accounts.account(b"\x01a", "a");
+        let b = accounts.account(b"\x01b", "b");
+        let mut batch: Vec<NewEntry> = (0..6).map(|i| new_entry(&cache, &tkey("a", i), 5000, 1)).collect();
+        batch.extend((0..3).map(|i| new_entry(&cache, &tkey("b", i), 1000, 2)));
+        // a's key 0 again, smaller: charged its later block's class only.
+        batch.push(new_entry(&cache, &tkey("a", 0), 100, 3));
+        cache.insert_many(batch);
+        assert_eq!(a.bytes(), 5 * 8 * KIB as u64 + 4 * KIB as u64, "{policy}: five blocks of 8 KiB class and one of 4 KiB");
+        assert_eq!(b.bytes(), 3 * 4 * KIB as u64, "{policy}");
+        assert_eq!(a.bytes() + b.bytes(), cache.pool().stats().used_bytes as u64, "{policy}: the accounts add up to the pool");
+    }
+}

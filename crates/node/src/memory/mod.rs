@@ -47,10 +47,31 @@ pub const MIN_SLAB_PAGES: usize = 64;
 /// Default pool size when none is configured.
 pub const DEFAULT_CAPACITY_BYTES: usize = 1 << 30;
 
+/// Blocks [`MemoryPool::try_allocate_many`] takes per acquisition of the
+/// lock: a PUT frame's worth of small blocks (the client batches 32), and
+/// a bound on how long one caller holds the lock.
+pub const ALLOCATE_MANY_CHUNK: usize = 64;
+
 /// Marks the end of an intrusive list.
 const NIL: u32 = u32::MAX;
 /// Class id of a slab page that belongs to the arena (no class).
 const UNASSIGNED: u8 = u8::MAX;
+
+/// Asks the CPU to bring the cache line at `p` in, without waiting for it:
+/// a hint, which never faults (any address will do) and changes nothing
+/// a program can observe but time. A no-op off x86_64.
+pub(crate) fn prefetch<T>(p: *const T) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: a prefetch does not access memory in the language's sense:
+        // it cannot fault, whatever the address, and reads or writes nothing.
+        unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast::<i8>()) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = p;
+    }
+}
 
 /// How the pool is sized and backed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -205,6 +226,17 @@ struct PoolState {
     failed: u64,
 }
 
+/// What the pool keeps beside each block, in one 16-byte record so that a
+/// GET, which takes a count and reads the checksum, and a PUT, which sets
+/// both, miss the cache once per block for them, not once per field.
+struct SlotMeta {
+    /// The shared reference count of [`Block`] clones.
+    refcount: AtomicU32,
+    /// The CRC-32C of the block's bytes once known ([`Block::crc`]):
+    /// `KNOWN_CRC | crc`, or 0 while not computed.
+    crc: AtomicU64,
+}
+
 /// The preallocated block pool. See the module docs for the layout.
 pub struct MemoryPool {
     arena: Arena,
@@ -212,12 +244,9 @@ pub struct MemoryPool {
     min_shift: u32,
     slab_shift: u32,
     classes: usize,
-    /// One count per `min_block_bytes` slot, indexed by the slot a block
-    /// starts at: the shared reference count of [`Block`] clones.
-    refcounts: Box<[AtomicU32]>,
-    /// Per slot like `refcounts`: the CRC-32C of the block that starts
-    /// there, once known ([`Block::crc`]); 0 while not computed.
-    crcs: Box<[AtomicU64]>,
+    /// One per `min_block_bytes` slot, indexed by the slot a block starts
+    /// at: its handles' reference count and its checksum.
+    slots: Box<[SlotMeta]>,
     state: Mutex<PoolState>,
 }
 
@@ -275,8 +304,7 @@ impl MemoryPool {
             .collect();
         // Low addresses first, so a lightly used pool stays compact.
         let free_slabs = (0..slab_count as u32).rev().collect();
-        let refcounts = (0..capacity / min).map(|_| AtomicU32::new(0)).collect();
-        let crcs = (0..capacity / min).map(|_| AtomicU64::new(0)).collect();
+        let slots = (0..capacity / min).map(|_| SlotMeta { refcount: AtomicU32::new(0), crc: AtomicU64::new(0) }).collect();
         tracing::info!(
             capacity_bytes = capacity,
             min_block_bytes = min,
@@ -291,8 +319,7 @@ impl MemoryPool {
             min_shift: min.trailing_zeros(),
             slab_shift: max.trailing_zeros(),
             classes,
-            refcounts,
-            crcs,
+            slots,
             state: Mutex::new(PoolState {
                 slabs,
                 free_slabs,
@@ -359,29 +386,67 @@ impl MemoryPool {
         let (class, shift) = self.class_of(len)?;
         let offset = {
             let mut st = self.lock();
-            match st.take(class, shift, self.slab_shift) {
-                Some(offset) => {
-                    st.used_bytes += 1 << shift;
-                    st.requested_bytes += len;
-                    st.blocks += 1;
-                    st.class_blocks[class] += 1;
-                    offset
-                }
+            match st.take_counted(class, shift, len, self.slab_shift) {
+                Some(offset) => offset,
                 None => {
                     if count_failure {
                         st.failed += 1;
                     }
-                    return Err(MemoryError::Capacity {
-                        requested: len,
-                        class_bytes: 1 << shift,
-                        free_slab_bytes: st.free_slabs.len() << self.slab_shift,
-                        free_bytes: self.capacity_bytes - st.used_bytes,
-                        capacity_bytes: self.capacity_bytes,
-                    });
+                    return Err(self.capacity_error(&st, len, shift));
                 }
             }
         };
-        // Ordering: the block is handed to this thread only; the mutex above
+        Ok(self.hand_out(offset, len, shift))
+    }
+
+    /// Blocks of `lens[0]`, `lens[1]`, ... bytes appended to `out` in order,
+    /// taken [`ALLOCATE_MANY_CHUNK`] at a time under one acquisition of the
+    /// pool's lock, up to the first that cannot be served: how many were
+    /// appended. A PUT frame of 32 small blocks otherwise takes the lock 32
+    /// times, a cache line that moves between cores each time. The caller
+    /// serves the rest one at a time, with eviction and the exact error
+    /// ([`try_allocate`](Self::try_allocate)); nothing here counts as a refusal.
+    pub fn try_allocate_many(self: &Arc<Self>, lens: &[usize], out: &mut Vec<BlockMut>) -> usize {
+        out.reserve(lens.len());
+        let mut served = 0;
+        for chunk in lens.chunks(ALLOCATE_MANY_CHUNK) {
+            // Offsets and class shifts, made into handles once the lock is
+            // released (each handle costs an atomic on the pool's count).
+            let mut taken = [(0usize, 0u32); ALLOCATE_MANY_CHUNK];
+            let mut n = 0;
+            {
+                let mut st = self.lock();
+                for &len in chunk {
+                    let Ok((class, shift)) = self.class_of(len) else { break };
+                    let Some(offset) = st.take_counted(class, shift, len, self.slab_shift) else { break };
+                    taken[n] = (offset, shift);
+                    n += 1;
+                }
+            }
+            out.extend(taken[..n].iter().zip(chunk).map(|(&(offset, shift), &len)| self.hand_out(offset, len, shift)));
+            served += n;
+            if n < chunk.len() {
+                break;
+            }
+        }
+        served
+    }
+
+    /// What a refused allocation of `len` bytes (class `1 << shift`) says.
+    fn capacity_error(&self, st: &PoolState, len: usize, shift: u32) -> MemoryError {
+        MemoryError::Capacity {
+            requested: len,
+            class_bytes: 1 << shift,
+            free_slab_bytes: st.free_slabs.len() << self.slab_shift,
+            free_bytes: self.capacity_bytes - st.used_bytes,
+            capacity_bytes: self.capacity_bytes,
+        }
+    }
+
+    /// The block at `offset`, just taken from the free lists, as its one
+    /// writable handle.
+    fn hand_out(self: &Arc<Self>, offset: usize, len: usize, shift: u32) -> BlockMut {
+        // Ordering: the block is handed to this thread only; the mutex
         // already orders it after the release that freed the slot.
         self.refcount(offset).store(1, Ordering::Relaxed);
         // The slot's last occupant's checksum is not this block's.
@@ -390,12 +455,27 @@ impl MemoryPool {
         // (slab index < slab_count, block index < blocks per slab), so the
         // pointer stays within the mapping and is non-null.
         let ptr = unsafe { NonNull::new_unchecked(self.arena.base().as_ptr().add(offset)) };
-        Ok(BlockMut::new(Arc::clone(self), ptr, len, offset, 1 << shift))
+        BlockMut::new(Arc::clone(self), ptr, len, offset, 1 << shift)
     }
 
     /// Returns a block's memory; called by the last owner.
     fn release(&self, offset: usize, len: usize) {
+        self.release_locked(&mut self.lock(), offset, len);
+    }
+
+    /// Returns the memory of blocks whose last owners are gone, (offset,
+    /// len) each, under one acquisition of the lock.
+    fn release_many(&self, freed: &[(usize, usize)]) {
+        if freed.is_empty() {
+            return;
+        }
         let mut st = self.lock();
+        for &(offset, len) in freed {
+            self.release_locked(&mut st, offset, len);
+        }
+    }
+
+    fn release_locked(&self, st: &mut PoolState, offset: usize, len: usize) {
         let slab_idx = offset >> self.slab_shift;
         let class = st.slabs[slab_idx].class as usize;
         debug_assert!(class < self.classes, "release of a block in an unassigned slab page");
@@ -408,12 +488,12 @@ impl MemoryPool {
     }
 
     fn refcount(&self, offset: usize) -> &AtomicU32 {
-        &self.refcounts[offset >> self.min_shift]
+        &self.slots[offset >> self.min_shift].refcount
     }
 
     /// The block at `offset`'s checksum: `KNOWN_CRC | crc`, or 0.
     fn crc_slot(&self, offset: usize) -> &AtomicU64 {
-        &self.crcs[offset >> self.min_shift]
+        &self.slots[offset >> self.min_shift].crc
     }
 
     /// A poisoned lock means a panic elsewhere while the lists were being
@@ -445,6 +525,17 @@ impl MemoryPool {
 }
 
 impl PoolState {
+    /// [`take`](Self::take), counting the block as live (`len` bytes asked
+    /// for, in a class of `1 << shift`).
+    fn take_counted(&mut self, class: usize, shift: u32, len: usize, slab_shift: u32) -> Option<usize> {
+        let offset = self.take(class, shift, slab_shift)?;
+        self.used_bytes += 1 << shift;
+        self.requested_bytes += len;
+        self.blocks += 1;
+        self.class_blocks[class] += 1;
+        Some(offset)
+    }
+
     /// Pops a free block of `class`, assigning a free slab page when no page
     /// of the class has room. Returns the block's byte offset in the arena.
     fn take(&mut self, class: usize, shift: u32, slab_shift: u32) -> Option<usize> {

@@ -235,3 +235,60 @@ fn a_blocks_checksum_is_computed_once_when_first_needed_and_not_inherited() {
     again.set_crc(0);
     assert_eq!((again.known_crc(), again.crc()), (Some(0), 0));
 }
+
+#[test]
+fn try_allocate_many_serves_in_order_up_to_the_first_request_it_cannot_and_counts_no_refusal() {
+    // Two slab pages of 1 MiB.
+    let pool = pool(2 * MIB, 4 * KIB, MIB);
+    let mut out = Vec::new();
+    // 4 KiB takes the first page, 1 MiB the second, the next 1 MiB finds no
+    // page: the 4 KiB after it is not served either (the caller goes on one
+    // at a time, evicting).
+    assert_eq!(pool.try_allocate_many(&[4 * KIB, MIB, MIB, 4 * KIB], &mut out), 2);
+    assert_eq!(out.iter().map(|b| (b.len(), b.capacity())).collect::<Vec<_>>(), [(4 * KIB, 4 * KIB), (MIB, MIB)]);
+    let st = pool.stats();
+    assert_eq!((st.blocks, st.used_bytes, st.failed_allocations), (2, MIB + 4 * KIB, 0), "{st:?}");
+    // A request over the largest class stops the run the same way.
+    assert_eq!(pool.try_allocate_many(&[100, MIB + 1, 100], &mut out), 1);
+    assert_eq!(out.len(), 3);
+    assert_eq!(out[2].len(), 100);
+    // Each block is its own: writes to one do not show in another.
+    for (i, b) in out.iter_mut().enumerate() {
+        b.as_mut_slice().fill(i as u8 + 1);
+    }
+    assert!(out.iter().enumerate().all(|(i, b)| b.iter().all(|&x| x == i as u8 + 1)));
+    // More than one lock's chunk: 100 blocks of 4 KiB over two pages' worth.
+    drop(out);
+    let mut many = Vec::new();
+    assert_eq!(pool.try_allocate_many(&[4 * KIB; ALLOCATE_MANY_CHUNK + 36], &mut many), ALLOCATE_MANY_CHUNK + 36);
+    let mut offsets: Vec<usize> = many.iter().map(|b| b.as_slice().as_ptr() as usize).collect();
+    offsets.sort_unstable();
+    offsets.dedup();
+    assert_eq!(offsets.len(), ALLOCATE_MANY_CHUNK + 36, "no block handed out twice");
+    drop(many);
+    let st = pool.stats();
+    assert_eq!((st.blocks, st.used_bytes, st.requested_bytes, st.slabs_free), (0, 0, 0, 2));
+}
+
+#[test]
+fn release_all_gives_back_the_blocks_whose_last_handle_it_held_and_leaves_the_rest() {
+    let pool = pool(4 * MIB, 4 * KIB, MIB);
+    let other = self::pool(4 * MIB, 4 * KIB, MIB);
+    let mut blocks: Vec<Block> = (0..5u8)
+        .map(|i| {
+            let mut b = pool.allocate(4 * KIB).expect("room");
+            b.as_mut_slice().fill(i);
+            b.freeze()
+        })
+        .collect();
+    let reader = blocks[2].clone();
+    blocks.push(other.allocate(4 * KIB).expect("room").freeze());
+    Block::release_all(blocks);
+    assert_eq!(pool.stats().blocks, 1, "the block a reader holds stays");
+    assert_eq!(other.stats().blocks, 0, "a block of another pool goes back to its own");
+    assert!(reader.iter().all(|&x| x == 2), "the reader's bytes are intact");
+    drop(reader);
+    let st = pool.stats();
+    assert_eq!((st.blocks, st.used_bytes, st.requested_bytes), (0, 0, 0));
+    Block::release_all(Vec::new());
+}
