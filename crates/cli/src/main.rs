@@ -91,8 +91,10 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     // Every TLS client in the process (Kubernetes API, OCI registries, plugin
-    // URLs) uses ring; installing it once avoids a run-time choice between
-    // providers that features elsewhere in the build might enable.
+    // URLs) uses ring. The block path (the node's client port, the kvplane
+    // client) names aws-lc-rs itself (kvplane-tls), and with both providers
+    // built rustls picks neither for a library that asks for the process's
+    // default (kube does): installing ring once is that default.
     let _ = rustls::crypto::ring::default_provider().install_default();
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,

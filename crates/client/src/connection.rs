@@ -283,7 +283,7 @@ impl Connection {
                 stream.set_nodelay(true).map_err(unavailable)?;
                 if let Some(tls) = tls {
                     let stream = with_timeout(timeout, endpoint, tls.connect(endpoint, addr, stream)).await?;
-                    let (r, mut w) = tokio::io::split(stream);
+                    let (r, mut w) = stream.into_split();
                     let mut r: Reader = BufReader::with_capacity(READ_BUFFER_BYTES, Box::new(r));
                     let ack = with_timeout(timeout, endpoint, handshake(&mut r, &mut w, endpoint, token, Features::ALL, Some(tls))).await?;
                     (r, Box::new(w) as Writer, ack, None)

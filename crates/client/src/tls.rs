@@ -1,6 +1,7 @@
-//! TLS to a node's TCP port: rustls with the ring provider, the node's
-//! certificate checked against a CA file, an optional client certificate
-//! for nodes that require one (mutual TLS).
+//! TLS to a node's TCP port: rustls on aws-lc-rs through kvplane-tls's
+//! streams (as the node), the node's certificate checked against a CA
+//! file, an optional client certificate for nodes that require one (mutual
+//! TLS).
 //!
 //! Every way a TLS connection can fail is named in the error the caller
 //! gets (each starts `TLS: `): a node that speaks no TLS on that port, a
@@ -15,19 +16,16 @@
 use std::fmt;
 use std::io;
 use std::path::{Path, PathBuf};
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use kvplane_protocol::{decode_body, ErrorCode, FrameHeader, KvError, Limits, Message, Meta, Response, HEADER_LEN, MAGIC};
+use kvplane_tls::TlsStream;
+use rustls::client::UnbufferedClientConnection;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use rustls::{AlertDescription, CertificateError, RootCertStore};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
-use tokio_rustls::client::TlsStream;
-use tokio_rustls::TlsConnector;
 
 use crate::endpoint::Endpoint;
 
@@ -51,18 +49,6 @@ impl fmt::Debug for ClientTls {
             .field("server_name", &self.server_name)
             .finish()
     }
-}
-
-/// The crypto provider: ring, AES-128-GCM preferred (as the node prefers
-/// it: the faster of the two AES suites, equally sound).
-fn provider() -> Arc<rustls::crypto::CryptoProvider> {
-    let mut p = rustls::crypto::ring::default_provider();
-    p.cipher_suites.sort_by_key(|s| match s.suite() {
-        rustls::CipherSuite::TLS13_AES_128_GCM_SHA256 => 0,
-        rustls::CipherSuite::TLS13_AES_256_GCM_SHA384 => 1,
-        _ => 2,
-    });
-    Arc::new(p)
 }
 
 fn read(what: &str, path: &Path) -> Result<Vec<u8>, KvError> {
@@ -92,7 +78,7 @@ impl ClientTls {
         if added == 0 {
             return Err(KvError::Invalid(format!("the TLS CA file {}: none of its certificates is a usable CA", ca_file.display())));
         }
-        let builder = rustls::ClientConfig::builder_with_provider(provider())
+        let builder = rustls::ClientConfig::builder_with_provider(kvplane_tls::provider())
             .with_safe_default_protocol_versions()
             .map_err(|e| KvError::Internal(format!("TLS protocol versions: {e}")))?
             .with_root_certificates(roots);
@@ -136,16 +122,16 @@ impl ClientTls {
 
     /// The TLS handshake over `stream` (connected to `endpoint`, TCP
     /// `addr`), every failure named.
-    pub(crate) async fn connect(&self, endpoint: &Endpoint, addr: &str, stream: TcpStream) -> Result<TlsStream<Recording>, KvError> {
+    pub(crate) async fn connect(
+        &self,
+        endpoint: &Endpoint,
+        addr: &str,
+        stream: TcpStream,
+    ) -> Result<TlsStream<UnbufferedClientConnection>, KvError> {
         let name = self.name_for(endpoint, addr)?;
-        let connector = TlsConnector::from(Arc::clone(&self.config));
-        match connector.connect(name.clone(), Recording::new(stream)).into_fallible().await {
-            Ok(mut tls) => {
-                tls.get_mut().0.stop();
-                Ok(tls)
-            }
-            Err((e, recorded)) => Err(self.explain(endpoint, &name, &e, &recorded.seen)),
-        }
+        TlsStream::connect(Arc::clone(&self.config), name.clone(), stream)
+            .await
+            .map_err(|failed| self.explain(endpoint, &name, &failed.error, &failed.seen))
     }
 
     /// The error of a failed handshake (`seen`: what the node sent first).
@@ -261,73 +247,6 @@ fn plaintext_answer(seen: &[u8]) -> Option<Option<(ErrorCode, String)>> {
         }
     })();
     Some(decoded)
-}
-
-/// Most bytes of what the node sends first that are kept, to explain a
-/// failed handshake: a kvplane error frame fits many times over.
-const RECORDED_BYTES: usize = 16 << 10;
-
-/// Read buffer under the TLS session: rustls reads a record 4 KiB at a
-/// time, several system calls per 16 KiB record on a bare socket; from
-/// this buffer one system call serves many records.
-const TLS_READ_BUFFER_BYTES: usize = 256 << 10;
-
-/// The TCP stream under a TLS session, its reads buffered, keeping the
-/// first bytes the node sent until the handshake is done
-/// ([`Recording::stop`]).
-pub(crate) struct Recording {
-    inner: tokio::io::BufReader<TcpStream>,
-    seen: Vec<u8>,
-    on: bool,
-}
-
-impl Recording {
-    fn new(inner: TcpStream) -> Recording {
-        Recording { inner: tokio::io::BufReader::with_capacity(TLS_READ_BUFFER_BYTES, inner), seen: Vec::new(), on: true }
-    }
-
-    fn stop(&mut self) {
-        self.on = false;
-        self.seen = Vec::new();
-    }
-}
-
-impl AsyncRead for Recording {
-    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
-        let before = buf.filled().len();
-        let this = &mut *self;
-        let polled = Pin::new(&mut this.inner).poll_read(cx, buf);
-        if this.on {
-            if let Poll::Ready(Ok(())) = polled {
-                let new = &buf.filled()[before..];
-                let room = RECORDED_BYTES.saturating_sub(this.seen.len());
-                this.seen.extend_from_slice(&new[..new.len().min(room)]);
-            }
-        }
-        polled
-    }
-}
-
-impl AsyncWrite for Recording {
-    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, buf)
-    }
-
-    fn poll_write_vectored(mut self: Pin<&mut Self>, cx: &mut Context<'_>, bufs: &[io::IoSlice<'_>]) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.inner.get_ref().is_write_vectored()
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
 }
 
 #[cfg(test)]

@@ -65,6 +65,7 @@ fn no_data_plane_crate_depends_on_the_operator_or_kubernetes() {
         "kvplane-protocol",
         "kvplane-slots",
         "kvplane-client",
+        "kvplane-tls",
         "kvplane-config",
         "kvplane-driver",
         "kvplane-runtime",
@@ -248,7 +249,7 @@ fn host_manifests() -> Vec<std::path::PathBuf> {
 /// (the workspace denies it everywhere else).
 #[test]
 fn crates_without_unsafe_code_allow_it_nowhere() {
-    for krate in ["protocol", "slots", "config", "admin", "operator", "plugin-kit", "bench", "cli", "cluster"] {
+    for krate in ["protocol", "slots", "config", "admin", "operator", "plugin-kit", "bench", "cli", "cluster", "tls"] {
         let src = workspace().join("crates").join(krate).join("src");
         for file in rust_files(&src) {
             let text = std::fs::read_to_string(&file).unwrap();

@@ -157,7 +157,7 @@ fn admit(conns: &mut JoinSet<()>, incoming: Incoming, state: &Arc<NodeState>, sl
             Incoming::Tcp(stream) => match &state.tls {
                 Some(tls) => match tls.accept(stream, deadline, state.config.handshake_timeout).await {
                     Ok(stream) => {
-                        let (r, w) = tokio::io::split(stream);
+                        let (r, w) = stream.into_split();
                         serve(r, w, None, &state, shutdown, peer, deadline).await
                     }
                     Err(refused) => {

@@ -1,6 +1,8 @@
-//! TLS on the client port (issue 21): rustls with the ring provider, the
-//! certificate reloaded when its files change, client certificates checked
-//! against a CA when one is given (mutual TLS).
+//! TLS on the client port (issue 21): rustls, its record layer on aws-lc-rs
+//! through kvplane-tls's streams (one copy per received byte fewer than
+//! tokio-rustls; that crate says why), the certificate reloaded when its
+//! files change, client certificates checked against a CA when one is given
+//! (mutual TLS).
 //!
 //! Only the TCP port speaks TLS. The Unix socket reaches this host alone and
 //! carries the shared-memory path, whose block bytes never cross the socket
@@ -35,50 +37,27 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use kvplane_config::TlsConfig;
 use kvplane_protocol::{encode, ErrorCode, Frame, Response, MAGIC};
+use kvplane_tls::TlsStream;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::server::UnbufferedServerConnection;
 use rustls::server::WebPkiClientVerifier;
 use rustls::{RootCertStore, ServerConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt as _};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 use tokio::time::Instant;
-use tokio_rustls::server::TlsStream;
-use tokio_rustls::TlsAcceptor;
 
 use crate::telemetry::{counter, counters, gauge};
 
 /// The first byte of a TLS record that carries a handshake message.
 const TLS_HANDSHAKE_RECORD: u8 = 0x16;
 
-/// Read buffer under the TLS session: rustls reads a record 4 KiB at a
-/// time, which on a socket is several system calls per 16 KiB record; from
-/// this buffer one system call serves many records (a 2 MiB PUT: tens of
-/// reads instead of hundreds).
-pub(crate) const TLS_READ_BUFFER_BYTES: usize = 256 << 10;
-
-/// The stream a TLS session runs over: the socket, its reads buffered.
-pub(crate) type Transport = tokio::io::BufReader<TcpStream>;
-
 /// Most bytes of a refused plaintext client's first frame read and dropped
 /// before its connection is closed: closing with unread bytes would send a
 /// reset, and the client could lose the answer that says why.
 const PLAINTEXT_DRAIN_BYTES: usize = 64 << 10;
-
-/// The crypto provider of both ends: ring (aws-lc-rs would add a cmake build
-/// to a cold CI run), with AES-128-GCM preferred. Either AES suite is sound;
-/// the 128-bit one moves block bytes about a third faster, and a KV cache
-/// moves gigabytes a second.
-pub(crate) fn provider() -> Arc<rustls::crypto::CryptoProvider> {
-    let mut p = rustls::crypto::ring::default_provider();
-    p.cipher_suites.sort_by_key(|s| match s.suite() {
-        rustls::CipherSuite::TLS13_AES_128_GCM_SHA256 => 0,
-        rustls::CipherSuite::TLS13_AES_256_GCM_SHA384 => 1,
-        _ => 2,
-    });
-    Arc::new(p)
-}
 
 /// Why a TLS handshake did not complete: the label of
 /// `kvplane_tls_handshake_failures`.
@@ -206,7 +185,7 @@ fn certificates(flag: &str, path: &Path, pem: &[u8]) -> Result<Vec<CertificateDe
 /// A server configuration from the files' contents; every error names the
 /// flag and the file at fault.
 fn build(files: &TlsConfig, m: &Material) -> Result<Arc<ServerConfig>, String> {
-    let provider = provider();
+    let provider = kvplane_tls::provider();
     let certs = certificates("--tls-cert", &files.cert_file, &m.cert)?;
     let key = PrivateKeyDer::from_pem_slice(&m.key)
         .map_err(|e| format!("--tls-key {}: no private key in it (PKCS#8, PKCS#1 or SEC1 PEM expected): {e}", files.key_file.display()))?;
@@ -259,8 +238,9 @@ impl TlsServer {
         self.files.client_ca_file.is_some()
     }
 
-    fn acceptor(&self) -> TlsAcceptor {
-        TlsAcceptor::from(Arc::clone(&self.current.read().unwrap_or_else(|e| e.into_inner())))
+    /// The configuration new handshakes use.
+    fn config(&self) -> Arc<ServerConfig> {
+        Arc::clone(&self.current.read().unwrap_or_else(|e| e.into_inner()))
     }
 
     /// Reads the files again and serves what they hold now, if it changed
@@ -320,8 +300,8 @@ impl TlsServer {
         mut stream: TcpStream,
         deadline: Instant,
         timeout: Duration,
-    ) -> Result<TlsStream<Transport>, Refused> {
-        let acceptor = self.acceptor();
+    ) -> Result<TlsStream<UnbufferedServerConnection>, Refused> {
+        let config = self.config();
         let shaken = tokio::time::timeout_at(deadline, async {
             let mut first = [0u8; 4];
             let n = stream.peek(&mut first).await.map_err(|e| self.failed(Failure::Closed, format!("before the TLS handshake: {e}")))?;
@@ -331,8 +311,7 @@ impl TlsServer {
             if first[0] != TLS_HANDSHAKE_RECORD {
                 return Err(self.not_tls(&mut stream, first[0], deadline).await);
             }
-            let transport = tokio::io::BufReader::with_capacity(TLS_READ_BUFFER_BYTES, stream);
-            acceptor.accept(transport).await.map_err(|e| self.refused(&e))
+            TlsStream::accept(config, stream).await.map_err(|e| self.refused(&e.error))
         })
         .await;
         match shaken {

@@ -1,0 +1,289 @@
+//! Real handshakes over loopback TCP with certificates made here.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName};
+use rustls::{ClientConfig, RootCertStore, ServerConfig};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use super::*;
+
+/// A CA and a server certificate for 127.0.0.1 signed by it.
+struct Pki {
+    ca: CertificateDer<'static>,
+    server: ServerConfig,
+}
+
+fn pki() -> Pki {
+    pki_named("test CA")
+}
+
+fn pki_named(ca_name: &str) -> Pki {
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.distinguished_name.push(rcgen::DnType::CommonName, ca_name);
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let key = rcgen::KeyPair::generate().unwrap();
+    let params = rcgen::CertificateParams::new(vec!["127.0.0.1".to_string()]).unwrap();
+    let issuer = rcgen::Issuer::new(ca_params, ca_key);
+    let cert = params.signed_by(&key, &issuer).unwrap();
+    let server = ServerConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(vec![cert.der().clone()], PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())))
+        .unwrap();
+    Pki { ca: ca.der().clone(), server }
+}
+
+fn client_config(ca: &CertificateDer<'static>) -> Arc<ClientConfig> {
+    let mut roots = RootCertStore::empty();
+    roots.add(ca.clone()).unwrap();
+    Arc::new(
+        ClientConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth(),
+    )
+}
+
+/// Every test ends within a minute: a session that stalls fails, it does
+/// not hang the suite.
+async fn within<F: std::future::Future<Output = ()>>(test: F) {
+    tokio::time::timeout(Duration::from_secs(60), test).await.expect("the test made no progress in 60 s");
+}
+
+fn name() -> ServerName<'static> {
+    ServerName::try_from("127.0.0.1").unwrap()
+}
+
+/// Byte `i` of a stream of `seed`: every position distinct enough that a
+/// reordered, dropped or doubled piece shows.
+fn byte(seed: u64, i: u64) -> u8 {
+    let x = (i ^ seed).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    (x >> 56) as u8
+}
+
+async fn send_pattern<W: AsyncWrite + Unpin>(w: &mut W, seed: u64, len: u64, rng: &mut fastrand::Rng) {
+    let mut at = 0;
+    while at < len {
+        // Mixed shapes: tiny writes, record-sized ones, several slices at once.
+        let n = match rng.u8(..4) {
+            0 => rng.u64(1..64),
+            1 => rng.u64(1..40_000),
+            _ => rng.u64(1..600_000),
+        }
+        .min(len - at);
+        let piece: Vec<u8> = (at..at + n).map(|i| byte(seed, i)).collect();
+        if rng.bool() {
+            w.write_all(&piece).await.unwrap();
+        } else {
+            let (a, b) = piece.split_at(piece.len() / 2);
+            let mut done = 0;
+            while done < piece.len() {
+                let (a, b) = if done < a.len() { (&a[done..], b) } else { (&b[done - a.len()..], &b[..0]) };
+                done += w.write_vectored(&[io::IoSlice::new(a), io::IoSlice::new(b)]).await.unwrap();
+            }
+        }
+        at += n;
+    }
+    w.flush().await.unwrap();
+}
+
+async fn check_pattern<R: AsyncRead + Unpin>(r: &mut R, seed: u64, len: u64, rng: &mut fastrand::Rng) {
+    let mut at = 0;
+    let mut buf = vec![0u8; 700_000];
+    while at < len {
+        let want = match rng.u8(..3) {
+            0 => rng.usize(1..8),
+            1 => rng.usize(1..20_000),
+            _ => rng.usize(1..700_000),
+        };
+        let n = r.read(&mut buf[..want]).await.unwrap();
+        assert!(n > 0, "the stream ended at byte {at} of {len}");
+        for (k, b) in buf[..n].iter().enumerate() {
+            assert_eq!(*b, byte(seed, at + k as u64), "byte {} differs", at + k as u64);
+        }
+        at += n as u64;
+    }
+}
+
+async fn pair(pki: &Pki) -> (TlsStream<UnbufferedClientConnection>, TlsStream<UnbufferedServerConnection>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = Arc::new(pki.server.clone());
+    let accepted = tokio::spawn(async move {
+        let (tcp, _) = listener.accept().await.unwrap();
+        TlsStream::accept(server, tcp).await.unwrap()
+    });
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    let client = TlsStream::connect(client_config(&pki.ca), name(), tcp).await.unwrap();
+    (client, accepted.await.unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bytes_cross_both_ways_at_once_intact_whatever_the_read_and_write_sizes() {
+    within(async {
+        let pki = pki();
+        let (client, server) = pair(&pki).await;
+        let (mut cr, mut cw) = client.into_split();
+        let (mut sr, mut sw) = server.into_split();
+        const LEN: u64 = 24 << 20;
+        let tasks = [
+            tokio::spawn(async move { send_pattern(&mut cw, 1, LEN, &mut fastrand::Rng::with_seed(11)).await }),
+            tokio::spawn(async move { check_pattern(&mut sr, 1, LEN, &mut fastrand::Rng::with_seed(12)).await }),
+            tokio::spawn(async move { send_pattern(&mut sw, 2, LEN, &mut fastrand::Rng::with_seed(13)).await }),
+            tokio::spawn(async move { check_pattern(&mut cr, 2, LEN, &mut fastrand::Rng::with_seed(14)).await }),
+        ];
+        for t in tasks {
+            t.await.unwrap();
+        }
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_shutdown_sends_close_notify_and_the_peer_reads_the_end_after_every_byte() {
+    within(async {
+        let pki = pki();
+        let (client, server) = pair(&pki).await;
+        let (_cr, mut cw) = client.into_split();
+        let (mut sr, _sw) = server.into_split();
+        cw.write_all(&[7u8; 100_000]).await.unwrap();
+        cw.shutdown().await.unwrap();
+        let mut got = Vec::new();
+        sr.read_to_end(&mut got).await.unwrap();
+        assert_eq!(got.len(), 100_000);
+        assert!(got.iter().all(|b| *b == 7));
+        assert!(lock(&sr.core).peer_closed, "the end came from close_notify");
+    })
+    .await;
+}
+
+/// Relays both ways between a client and `server`, flipping one bit of the
+/// client's byte number `at`.
+async fn corrupting_relay(server: std::net::SocketAddr, at: usize) -> std::net::SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let (client, _) = listener.accept().await.unwrap();
+        let upstream = TcpStream::connect(server).await.unwrap();
+        let (mut cr, mut cw) = client.into_split();
+        let (mut ur, mut uw) = upstream.into_split();
+        tokio::spawn(async move {
+            let _ = tokio::io::copy(&mut ur, &mut cw).await;
+        });
+        let mut seen = 0;
+        let mut buf = vec![0u8; 64 << 10];
+        loop {
+            let n = match cr.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            if (seen..seen + n).contains(&at) {
+                buf[at - seen] ^= 0x10;
+            }
+            seen += n;
+            if uw.write_all(&buf[..n]).await.is_err() {
+                break;
+            }
+        }
+    });
+    addr
+}
+
+#[tokio::test]
+async fn a_bit_flipped_on_the_wire_fails_the_read_and_no_byte_of_its_record_is_delivered() {
+    within(async {
+        let pki = pki();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let server_addr = listener.local_addr().unwrap();
+        // Well past the handshake (a few KiB), inside the data.
+        let relay = corrupting_relay(server_addr, 300_000).await;
+        let server = Arc::new(pki.server.clone());
+        let accepted = tokio::spawn(async move {
+            let (tcp, _) = listener.accept().await.unwrap();
+            TlsStream::accept(server, tcp).await.unwrap()
+        });
+        let client = TlsStream::connect(client_config(&pki.ca), name(), TcpStream::connect(relay).await.unwrap()).await.unwrap();
+        let (_cr, mut cw) = client.into_split();
+        let (mut sr, _sw) = accepted.await.unwrap().into_split();
+        let sent: Vec<u8> = (0..1_000_000u64).map(|i| byte(3, i)).collect();
+        let writer = tokio::spawn(async move {
+            let _ = cw.write_all(&sent).await;
+            let _ = cw.flush().await;
+            cw
+        });
+        let mut got = Vec::new();
+        let mut buf = vec![0u8; 50_000];
+        let error = loop {
+            match sr.read(&mut buf).await {
+                Ok(0) => panic!("the stream ended after {} bytes without an error", got.len()),
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+                Err(e) => break e,
+            }
+        };
+        let inner = error.get_ref().and_then(|e| e.downcast_ref::<rustls::Error>());
+        assert_eq!(inner, Some(&rustls::Error::DecryptError), "{error}");
+        assert!(got.len() < 300_000, "{} bytes delivered, past the altered one", got.len());
+        assert!(got.iter().enumerate().all(|(i, b)| *b == byte(3, i as u64)), "a delivered byte differs from what was sent");
+        // The error sticks: the session is not used again.
+        assert!(sr.read(&mut buf).await.is_err());
+        drop(writer);
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_certificate_from_another_ca_fails_both_handshakes_and_each_side_says_why() {
+    within(async {
+        let pki = pki();
+        let other = pki_with_other_ca();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = Arc::new(pki.server.clone());
+        let accepted = tokio::spawn(async move {
+            let (tcp, _) = listener.accept().await.unwrap();
+            TlsStream::accept(server, tcp).await.map(|_| ())
+        });
+        let client = TlsStream::connect(client_config(&other), name(), TcpStream::connect(addr).await.unwrap()).await;
+        let client = client.err().expect("the client trusted a certificate of another CA");
+        let inner = client.error.get_ref().and_then(|e| e.downcast_ref::<rustls::Error>());
+        assert!(
+            matches!(inner, Some(rustls::Error::InvalidCertificate(rustls::CertificateError::UnknownIssuer))),
+            "client: {}",
+            client.error
+        );
+        let server = accepted.await.unwrap().expect_err("the server completed a refused handshake");
+        let inner = server.error.get_ref().and_then(|e| e.downcast_ref::<rustls::Error>());
+        assert!(matches!(inner, Some(rustls::Error::AlertReceived(_))), "server: {} (the client's alert never arrived)", server.error);
+    })
+    .await;
+}
+
+fn pki_with_other_ca() -> CertificateDer<'static> {
+    pki_named("another CA").ca
+}
+
+#[tokio::test]
+async fn a_peer_that_answers_in_plaintext_fails_the_handshake_with_its_bytes_recorded() {
+    within(async {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (mut tcp, _) = listener.accept().await.unwrap();
+            let mut hello = [0u8; 1];
+            let _ = tcp.read(&mut hello).await;
+            let _ = tcp.write_all(b"KVPL plaintext answer").await;
+        });
+        let pki = pki();
+        let failed = TlsStream::connect(client_config(&pki.ca), name(), TcpStream::connect(addr).await.unwrap()).await;
+        let failed = failed.err().expect("a plaintext peer completed a TLS handshake");
+        assert!(failed.seen.starts_with(b"KVPL"), "seen: {:?}", failed.seen);
+    })
+    .await;
+}
