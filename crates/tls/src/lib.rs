@@ -620,45 +620,45 @@ impl<S: Session> TlsWriteHalf<S> {
             core.control.clear();
         }
         let mut taken = 0;
-        let mut outbound = Vec::with_capacity(bufs.len() + 1);
         for slice in bufs.iter().filter(|s| !s.is_empty()) {
             let room = WRITE_CHUNK_BYTES - taken;
             if room == 0 {
                 break;
             }
             let plain = &slice[..slice.len().min(room)];
+            seal(core, &mut self.out, Outbound::Data(plain))?;
             taken += plain.len();
-            outbound.push(Outbound::Data(plain));
         }
         if close {
-            outbound.push(Outbound::CloseNotify);
-        }
-        for &next in &outbound {
-            loop {
-                let mut delivery = Delivery { to: None, rest: &mut core.plaintext };
-                match step(&mut core.session, &mut core.incoming, &mut self.out, &mut delivery, Some(next)) {
-                    Err(e) => {
-                        core.failed = Some(e.clone());
-                        return Err(tls_error(e));
-                    }
-                    Ok(Step::Wrote) => break,
-                    // Records the reader had not decrypted yet: set aside
-                    // for it, and wake it.
-                    Ok(Step::Data) => wake(&mut core.reader),
-                    Ok(Step::PeerClosed) => {
-                        core.peer_closed = true;
-                        wake(&mut core.reader);
-                    }
-                    Ok(Step::Encoded | Step::Transmit) => {}
-                    Ok(Step::Closed) if matches!(next, Outbound::CloseNotify) => break,
-                    Ok(Step::Closed) => return Err(io::Error::new(io::ErrorKind::BrokenPipe, "the TLS session is closed")),
-                    Ok(Step::Writable | Step::NeedBytes) => {
-                        return Err(io::Error::other("the TLS session cannot send (handshake not complete)"));
-                    }
-                }
-            }
+            seal(core, &mut self.out, Outbound::CloseNotify)?;
         }
         Ok(taken)
+    }
+}
+
+/// Encrypts `next` into `out`, first handling whatever rustls has to say
+/// (records the reader had not decrypted yet are set aside for it).
+fn seal<S: Session>(core: &mut Core<S>, out: &mut Outgoing, next: Outbound<'_>) -> io::Result<()> {
+    loop {
+        let mut delivery = Delivery { to: None, rest: &mut core.plaintext };
+        match step(&mut core.session, &mut core.incoming, out, &mut delivery, Some(next)) {
+            Err(e) => {
+                core.failed = Some(e.clone());
+                return Err(tls_error(e));
+            }
+            Ok(Step::Wrote) => return Ok(()),
+            Ok(Step::Data) => wake(&mut core.reader),
+            Ok(Step::PeerClosed) => {
+                core.peer_closed = true;
+                wake(&mut core.reader);
+            }
+            Ok(Step::Encoded | Step::Transmit) => {}
+            Ok(Step::Closed) if matches!(next, Outbound::CloseNotify) => return Ok(()),
+            Ok(Step::Closed) => return Err(io::Error::new(io::ErrorKind::BrokenPipe, "the TLS session is closed")),
+            Ok(Step::Writable | Step::NeedBytes) => {
+                return Err(io::Error::other("the TLS session cannot send (handshake not complete)"));
+            }
+        }
     }
 }
 
