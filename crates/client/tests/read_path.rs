@@ -92,7 +92,7 @@ async fn a_call_cut_off_half_way_through_its_answer_leaves_nothing_for_the_next_
     get_checked(&conn, &big, MIB).await;
 
     let mut cut = 0;
-    for (round, name) in small.iter().enumerate() {
+    for name in &small {
         // The call is alone on the connection, so it reads its own answer.
         // Its first poll sends the request and the second follows a wake-up
         // (bytes arrived): dropped then, it is cut off half-way.
