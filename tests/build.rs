@@ -5,7 +5,8 @@
 //! - the Rust fixtures (`fixtures/hostile`, `fixtures/future-major`,
 //!   `fixtures/placement-rule-v0.1`) with a
 //!   nested `cargo build` for `wasm32-wasip2`, in a target dir of their own
-//!   so the nested cargo never waits on the lock the outer cargo holds;
+//!   (shared with the builtin plugins' build in crates/runtime/build.rs) so
+//!   the nested cargo never waits on the lock the outer cargo holds;
 //! - the Python ring (`examples/plugins/python-ring`) with componentize-py;
 //! - the JavaScript RESP backend (`examples/plugins/js-resp`) with
 //!   componentize-js, from the `node_modules` that `scripts/prereqs js`
@@ -77,7 +78,10 @@ fn fail(message: &str) -> ! {
 }
 
 fn build_rust_fixtures(root: &Path) -> [PathBuf; 5] {
-    let target_dir = root.join("target").join("wasm-fixtures");
+    // The directory crates/runtime/build.rs builds the builtin plugins in,
+    // so what both need is built once (a relative CARGO_TARGET_DIR is taken
+    // from the workspace root, as there).
+    let target_dir = root.join(env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| "target".into())).join("wasm");
     let cargo = env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut cmd = Command::new(cargo);
     cmd.current_dir(root)

@@ -24,9 +24,13 @@ fn main() {
     let out_dir = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
     // A relative CARGO_TARGET_DIR is taken from the workspace, where the
     // nested cargo below runs (this script's own directory is the crate's;
-    // joining an absolute path keeps it as given).
+    // joining an absolute path keeps it as given). The tests crate's build
+    // script builds its fixtures in the same directory (tests/build.rs), so
+    // the host-side dependencies both need (wit-bindgen's macro,
+    // wit-component, wasmparser: minutes on two cores) are built once; when
+    // both scripts run at once, one nested cargo waits for the other's lock.
     let target_dir =
-        workspace.join(std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| "target".into())).join("wasm-builtin");
+        workspace.join(std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| "target".into())).join("wasm");
 
     for dir in ["wit", "plugins"] {
         println!("cargo:rerun-if-changed={}", workspace.join(dir).display());
