@@ -33,6 +33,7 @@
 
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 
@@ -137,16 +138,55 @@ fn tls_error(e: rustls::Error) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, e)
 }
 
+/// A running total of the bytes that connections' TLS buffers hold (the
+/// receive buffer and the send buffer of each), for a metric: a buffer adds
+/// its size when it is metered and whenever it grows, and takes it off when
+/// it is dropped. Clones share the total.
+#[derive(Clone, Debug, Default)]
+pub struct BufferMeter(Arc<AtomicUsize>);
+
+impl BufferMeter {
+    /// Bytes held now by the buffers of every connection metered here.
+    pub fn bytes(&self) -> usize {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    fn add(meter: &Option<BufferMeter>, n: usize) {
+        if let Some(m) = meter {
+            m.0.fetch_add(n, Ordering::Relaxed);
+        }
+    }
+
+    fn sub(meter: &Option<BufferMeter>, n: usize) {
+        if let Some(m) = meter {
+            m.0.fetch_sub(n, Ordering::Relaxed);
+        }
+    }
+}
+
 /// Received TLS bytes: `buf[start..end]` not yet processed by rustls.
 struct Incoming {
     buf: Vec<u8>,
     start: usize,
     end: usize,
+    meter: Option<BufferMeter>,
+}
+
+impl Drop for Incoming {
+    fn drop(&mut self) {
+        BufferMeter::sub(&self.meter, self.buf.len());
+    }
 }
 
 impl Incoming {
     fn new() -> Incoming {
-        Incoming { buf: vec![0; READ_BUFFER_BYTES], start: 0, end: 0 }
+        Incoming { buf: vec![0; READ_BUFFER_BYTES], start: 0, end: 0, meter: None }
+    }
+
+    fn metered(&mut self, meter: BufferMeter) {
+        BufferMeter::sub(&self.meter, self.buf.len());
+        self.meter = Some(meter);
+        BufferMeter::add(&self.meter, self.buf.len());
     }
 
     /// Room at the end for at least one whole record, the unprocessed bytes
@@ -160,7 +200,9 @@ impl Incoming {
             if self.buf.len() - self.end < MAX_RECORD_BYTES {
                 // A handshake message larger than the buffer (rustls caps
                 // those at 64 KiB): grow.
-                self.buf.resize(self.end + MAX_RECORD_BYTES, 0);
+                let grown = self.end + MAX_RECORD_BYTES;
+                BufferMeter::add(&self.meter, grown - self.buf.len());
+                self.buf.resize(grown, 0);
             }
         }
         &mut self.buf[self.end..]
@@ -172,11 +214,22 @@ struct Outgoing {
     buf: Vec<u8>,
     filled: usize,
     sent: usize,
+    meter: Option<BufferMeter>,
+}
+
+impl Drop for Outgoing {
+    fn drop(&mut self) {
+        BufferMeter::sub(&self.meter, self.buf.len());
+    }
 }
 
 impl Outgoing {
     fn new() -> Outgoing {
-        Outgoing { buf: Vec::new(), filled: 0, sent: 0 }
+        Outgoing::metered(None)
+    }
+
+    fn metered(meter: Option<BufferMeter>) -> Outgoing {
+        Outgoing { buf: Vec::new(), filled: 0, sent: 0, meter }
     }
 
     fn unsent(&self) -> &[u8] {
@@ -195,7 +248,9 @@ impl Outgoing {
     /// The free part, at least `need` bytes long.
     fn spare(&mut self, need: usize) -> &mut [u8] {
         if self.buf.len() - self.filled < need {
-            self.buf.resize(self.filled + need, 0);
+            let grown = self.filled + need;
+            BufferMeter::add(&self.meter, grown - self.buf.len());
+            self.buf.resize(grown, 0);
         }
         &mut self.buf[self.filled..]
     }
@@ -411,6 +466,7 @@ fn lock<S>(core: &Mutex<Core<S>>) -> MutexGuard<'_, Core<S>> {
 pub struct TlsStream<S> {
     io: TcpStream,
     core: Core<S>,
+    meter: Option<BufferMeter>,
 }
 
 impl TlsStream<UnbufferedClientConnection> {
@@ -471,7 +527,7 @@ impl<S: Session> TlsStream<S> {
                     if let Err(error) = io.write_all(out.unsent()).await {
                         return Err(HandshakeError { error, seen });
                     }
-                    return Ok(TlsStream { io, core });
+                    return Ok(TlsStream { io, core, meter: None });
                 }
                 // A server may send data before the client's last flight
                 // arrived (and is verified): wait for it.
@@ -502,7 +558,18 @@ impl<S: Session> TlsStream<S> {
     pub fn into_split(self) -> (TlsReadHalf<S>, TlsWriteHalf<S>) {
         let (r, w) = self.io.into_split();
         let core = Arc::new(Mutex::new(self.core));
-        (TlsReadHalf { io: r, core: Arc::clone(&core) }, TlsWriteHalf { io: w, core, out: Outgoing::new(), shut: false })
+        let out = Outgoing::metered(self.meter);
+        (TlsReadHalf { io: r, core: Arc::clone(&core) }, TlsWriteHalf { io: w, core, out, shut: false })
+    }
+
+    /// Counts this connection's receive and send buffers into `meter` from
+    /// now until they are dropped (the receive buffer of [`READ_BUFFER_BYTES`]
+    /// at once, the send buffer as it grows, up to a chunk of
+    /// [`WRITE_CHUNK_BYTES`] and its records' overhead).
+    pub fn metered(mut self, meter: BufferMeter) -> TlsStream<S> {
+        self.core.incoming.metered(meter.clone());
+        self.meter = Some(meter);
+        self
     }
 
     /// The session, to ask what the handshake settled (the protocol

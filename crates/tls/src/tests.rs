@@ -146,6 +146,40 @@ async fn bytes_cross_both_ways_at_once_intact_whatever_the_read_and_write_sizes(
     .await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_meter_counts_each_connections_buffers_within_their_bound_and_nothing_once_they_are_dropped() {
+    within(async {
+        let pki = pki();
+        let meter = BufferMeter::default();
+        let mut connections = Vec::new();
+        for _ in 0..3 {
+            let (client, server) = pair(&pki).await;
+            connections.push((client.into_split(), server.metered(meter.clone()).into_split()));
+        }
+        assert_eq!(meter.bytes(), 3 * READ_BUFFER_BYTES, "a receive buffer each, counted at once");
+        // Each server sends 4 MiB: its send buffer grows to one chunk.
+        const LEN: u64 = 4 << 20;
+        for (seed, ((cr, _), (_, sw))) in connections.iter_mut().enumerate() {
+            let seed = seed as u64;
+            let (mut send_rng, mut read_rng) = (fastrand::Rng::with_seed(seed), fastrand::Rng::with_seed(seed + 100));
+            tokio::join!(send_pattern(sw, seed, LEN, &mut send_rng), check_pattern(cr, seed, LEN, &mut read_rng));
+        }
+        let bound = READ_BUFFER_BYTES + WRITE_CHUNK_BYTES + WRITE_CHUNK_BYTES.div_ceil(1 << 14) * RECORD_OVERHEAD_BYTES;
+        let held = meter.bytes();
+        assert!(held > 3 * (READ_BUFFER_BYTES + WRITE_CHUNK_BYTES / 2), "the send buffers were counted as they grew: {held}");
+        assert!(held <= 3 * bound, "{held} bytes held, over 3 x {bound}");
+        // The client halves are not metered; dropping a server's halves
+        // takes its buffers off, the receive buffer with the last half.
+        let ((_, _), (sr, sw)) = connections.pop().unwrap();
+        drop(sw);
+        assert!(meter.bytes() < held, "a dropped send buffer is taken off");
+        drop(sr);
+        drop(connections);
+        assert_eq!(meter.bytes(), 0, "nothing is counted once every buffer is dropped");
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn a_shutdown_sends_close_notify_and_the_peer_reads_the_end_after_every_byte() {
     within(async {

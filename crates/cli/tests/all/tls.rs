@@ -198,6 +198,10 @@ async fn tls_serves_and_names_each_refusal() {
     assert_eq!(stat(&client, "tls_handshake_failures_plaintext").await, 1);
     assert_eq!(stat(&client, "tls_handshake_failures_client_refused").await, 2, "the client refused the node's certificate twice");
     assert!(stat(&client, "tls_handshakes").await >= 2);
+    // The open connection's TLS buffers are counted: its receive buffer of
+    // 256 KiB and the send buffer that carried the 64 KiB answer.
+    let held = stat(&client, "tls_buffer_bytes").await;
+    assert!(held >= (256 + 64) << 10, "tls_buffer_bytes {held} with a connection open that read 64 KiB");
 
     // An expired certificate, and one for another name only.
     let expired = tls_node(&ca.issue(dir.path(), "expired", &["127.0.0.1"], Use::Server, true), &[]);

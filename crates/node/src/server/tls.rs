@@ -37,7 +37,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use kvplane_config::TlsConfig;
 use kvplane_protocol::{encode, ErrorCode, Frame, Response, MAGIC};
-use kvplane_tls::TlsStream;
+use kvplane_tls::{BufferMeter, TlsStream};
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
@@ -153,6 +153,10 @@ pub(crate) struct TlsServer {
     reload_failures: AtomicU64,
     /// Unix seconds of the last certificate loaded (at start or a reload).
     loaded_at: AtomicU64,
+    /// The bytes every open TLS connection's buffers hold (at most
+    /// `kvplane_tls::READ_BUFFER_BYTES` plus a chunk of
+    /// `kvplane_tls::WRITE_CHUNK_BYTES` each).
+    buffers: BufferMeter,
 }
 
 fn unix_now() -> u64 {
@@ -230,6 +234,7 @@ impl TlsServer {
             reloads: AtomicU64::new(0),
             reload_failures: AtomicU64::new(0),
             loaded_at: AtomicU64::new(unix_now()),
+            buffers: BufferMeter::default(),
         })
     }
 
@@ -317,7 +322,7 @@ impl TlsServer {
         match shaken {
             Ok(Ok(tls)) => {
                 self.handshakes.fetch_add(1, Ordering::Relaxed);
-                Ok(tls)
+                Ok(tls.metered(self.buffers.clone()))
             }
             Ok(Err(refused)) => Err(refused),
             Err(_) => Err(self.failed(Failure::Timeout, format!("no TLS handshake within {timeout:?} (the handshake deadline)"))),
@@ -385,6 +390,7 @@ impl TlsServer {
             ("tls_handshakes".to_string(), self.handshakes.load(Ordering::Relaxed)),
             ("tls_reloads".into(), self.reloads.load(Ordering::Relaxed)),
             ("tls_reload_failures".into(), self.reload_failures.load(Ordering::Relaxed)),
+            ("tls_buffer_bytes".into(), self.buffers.bytes() as u64),
         ];
         for f in Failure::ALL {
             out.push((format!("tls_handshake_failures_{}", f.name()), self.failures[f as usize].load(Ordering::Relaxed)));
@@ -415,6 +421,12 @@ impl TlsServer {
             "kvplane_tls_certificate_loaded_timestamp_seconds",
             "When the certificate being served was loaded (Unix time)",
             self.loaded_at.load(Ordering::Relaxed),
+        )?;
+        gauge(
+            e,
+            "kvplane_tls_buffer_bytes",
+            "Bytes the open TLS connections' receive and send buffers hold (at most 256 KiB and a 1 MiB chunk each)",
+            self.buffers.bytes() as u64,
         )
     }
 }
