@@ -157,7 +157,8 @@ async fn a_meter_counts_each_connections_buffers_within_their_bound_and_nothing_
             connections.push((client.into_split(), server.metered(meter.clone()).into_split()));
         }
         assert_eq!(meter.bytes(), 3 * READ_BUFFER_BYTES, "a receive buffer each, counted at once");
-        // Each server sends 4 MiB: its send buffer grows to one chunk.
+        // Each server sends 4 MiB in writes of up to 600 KB: its send
+        // buffer grows past half a chunk.
         const LEN: u64 = 4 << 20;
         for (seed, ((cr, _), (_, sw))) in connections.iter_mut().enumerate() {
             let seed = seed as u64;

@@ -422,11 +422,11 @@ impl TlsServer {
             "When the certificate being served was loaded (Unix time)",
             self.loaded_at.load(Ordering::Relaxed),
         )?;
-        gauge(
-            e,
-            "kvplane_tls_buffer_bytes",
-            "Bytes the open TLS connections' receive and send buffers hold (at most 256 KiB and a 1 MiB chunk each)",
-            self.buffers.bytes() as u64,
-        )
+        let help = format!(
+            "Bytes the open TLS connections' receive and send buffers hold (at most {} KiB and a {} KiB chunk each)",
+            kvplane_tls::READ_BUFFER_BYTES >> 10,
+            kvplane_tls::WRITE_CHUNK_BYTES >> 10
+        );
+        gauge(e, "kvplane_tls_buffer_bytes", &help, self.buffers.bytes() as u64)
     }
 }
