@@ -104,9 +104,12 @@ class Client:
         with the rest of the request it travels in.
         """
 
-    def get_into(self, keys: Sequence[Key], buffers: Sequence[Buffer]) -> list[int | None]:
+    def get_into(self, keys: Sequence[Key], buffers: Sequence[Buffer | Sequence[Buffer]]) -> list[int | None]:
         """Reads the value of ``keys[i]`` into ``buffers[i]`` (from its start)
         and answers the number of bytes written, or ``None`` for an absent key.
+        ``buffers[i]`` may be a list (or tuple) of buffers, which the value
+        fills in order: a KV block whose layers lie in separate tensors is
+        read straight into them, with no staging copy.
 
         Buffers must be writable, C-contiguous and apart (``ReadOnlyBuffer``,
         ``NonContiguousBuffer``, ``OverlappingBuffers`` before any I/O). The

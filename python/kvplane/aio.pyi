@@ -56,9 +56,10 @@ class Client:
         memory; do not modify them until the call returns. Raises the typed
         exception of the first key not stored (``key``, ``index`` set)."""
 
-    async def get_into(self, keys: Sequence[Key], buffers: Sequence[Buffer]) -> list[int | None]:
-        """Reads the value of ``keys[i]`` into ``buffers[i]``; per key the
-        bytes written, or ``None`` when absent. Buffers must be writable,
+    async def get_into(self, keys: Sequence[Key], buffers: Sequence[Buffer | Sequence[Buffer]]) -> list[int | None]:
+        """Reads the value of ``keys[i]`` into ``buffers[i]`` (a buffer, or a
+        list of buffers filled in order); per key the bytes written, or
+        ``None`` when absent. Buffers must be writable,
         C-contiguous and apart (checked before any I/O); a value larger than
         its buffer raises ``BufferTooSmall`` and leaves it unwritten."""
 

@@ -58,7 +58,7 @@ use tokio::runtime::Runtime;
 use tokio::task::JoinHandle;
 
 use crate::{
-    export, key_of, kv_error, lengths, no_overlap, put_failure, raise, runtime, same_length, show, Borrowed, Exports, GetFailure,
+    export, key_of, kv_error, lengths, put_failure, raise, runtime, same_length, show, Borrowed, Destinations, Exports, GetFailure,
     MemberRow, Target,
 };
 
@@ -443,9 +443,10 @@ impl AsyncClient {
     }
 
     /// `get_into` of the sync client: the value of `keys[i]` read into
-    /// `buffers[i]`; per key the bytes written, or None when absent. The
-    /// buffers stay exported until the call's task is gone; after a
-    /// cancelled call raised, none is written any more.
+    /// `buffers[i]` (a buffer, or a list of buffers filled in order); per
+    /// key the bytes written, or None when absent. The buffers stay
+    /// exported until the call's task is gone; after a cancelled call
+    /// raised, none is written any more.
     #[allow(unsafe_code)]
     async fn get_into(
         &self,
@@ -457,30 +458,18 @@ impl AsyncClient {
         let (keys, exports, dests) = Python::attach(|py| -> PyResult<_> {
             same_length("get_into", keys.len(), buffers.len())?;
             let keys = keys_of(&keys)?;
-            let exports =
-                keys.iter().zip(&buffers).enumerate().map(|(i, (k, b))| export(b.bind(py), i, k, true)).collect::<PyResult<Vec<_>>>()?;
-            // Addresses as integers (raw pointers are not Send); the task
-            // owns the exports, so the memory outlives every write.
-            let dests: Vec<(usize, usize)> = exports.iter().map(|b| (b.buf_ptr() as usize, b.len_bytes())).collect();
-            no_overlap(&dests, &keys)?;
-            Ok((keys, Exports(exports), dests))
+            let buffers: Vec<Bound<'_, PyAny>> = buffers.iter().map(|b| b.bind(py).clone()).collect();
+            let (exports, dests) = Destinations::export(&keys, &buffers)?;
+            Ok((keys, exports, dests))
         })?;
         if keys.is_empty() {
             return Ok(Vec::new());
         }
         let request = keys.clone();
         let (exports, values) = run(shared, cancel, move |s| async move {
-            let mut slices: Vec<&mut [u8]> = dests
-                .iter()
-                // SAFETY: each (addr, len) is a writable, C-contiguous
-                // exported buffer, exported for as long as `exports` lives
-                // (this task's future owns it and drops it after the
-                // slices), and no two overlap (checked above), so these are
-                // disjoint exclusive slices for the task's life.
-                .map(|&(addr, len)| unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) })
-                .collect();
-            let values = s.target().get_into(request, &mut slices).await;
-            drop(slices);
+            // SAFETY: this task's future owns the exports and drops them
+            // only after the read is done (or dropped with it).
+            let values = unsafe { dests.read(s.target(), request).await };
             Ok((exports, values))
         })
         .await?

@@ -40,7 +40,7 @@ use kvplane_client::{
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyString};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 use tokio::runtime::Runtime;
 
 /// The module that defines the exception classes (they subclass both
@@ -206,7 +206,12 @@ fn same_length(op: &str, keys: usize, buffers: usize) -> PyResult<()> {
 /// Exports one buffer, checking what the call needs of it: C-contiguous
 /// always (the bytes are moved as one run), writable when `write`.
 fn export(obj: &Bound<'_, PyAny>, index: usize, key: &[u8], write: bool) -> PyResult<PyUntypedBuffer> {
-    let at = || format!("buffers[{index}] (for key '{}')", show(key));
+    export_at(obj, &format!("buffers[{index}]"), index, key, write)
+}
+
+/// [`export`] of a buffer named `label` in errors (`buffers[3][1]`).
+fn export_at(obj: &Bound<'_, PyAny>, label: &str, index: usize, key: &[u8], write: bool) -> PyResult<PyUntypedBuffer> {
+    let at = || format!("{label} (for key '{}')", show(key));
     let buffer = PyUntypedBuffer::get(obj)
         .map_err(|e| raise("BadBuffer", format!("{}: a {} does not export a buffer: {e}", at(), type_name(obj)), Some(key), Some(index)))?;
     if write && buffer.readonly() {
@@ -281,6 +286,13 @@ impl Target {
         match self {
             Target::Node(c) => c.get_into(keys, dests).await,
             Target::Cluster(c) => c.get_into(keys, dests).await,
+        }
+    }
+
+    async fn get_into_parts(&self, keys: Vec<Bytes>, dests: &mut [&mut [&mut [u8]]]) -> Result<Vec<Result<usize, KvError>>, KvError> {
+        match self {
+            Target::Node(c) => c.get_into_parts(keys, dests).await,
+            Target::Cluster(c) => c.get_into_parts(keys, dests).await,
         }
     }
 
@@ -408,17 +420,76 @@ pub(crate) fn first_overlap(spans: &[(usize, usize)]) -> Option<(usize, usize)> 
         .map(|pair| (pair[0].min(pair[1]), pair[0].max(pair[1])))
 }
 
-/// Refuses destinations that share memory (two views of one array, say):
-/// the client writes them as separate slices, which must not alias.
-fn no_overlap(dests: &[(usize, usize)], keys: &[Bytes]) -> PyResult<()> {
-    match first_overlap(dests) {
-        None => Ok(()),
-        Some((first, second)) => Err(raise(
-            "OverlappingBuffers",
-            format!("get_into: buffers[{first}] and buffers[{second}] share memory; each key needs a buffer of its own"),
-            Some(&keys[second]),
-            Some(second),
-        )),
+/// Where one `get_into` writes: `buffers[i]` is one buffer, or a list (or
+/// tuple) of buffers that key `i`'s value fills in order (a KV block whose
+/// layers lie in separate tensors, read straight into them: no staging
+/// copy). As (address, length) parts, key `i` owning
+/// `parts[first[i]..first[i + 1]]`: integers, because the call runs without
+/// the GIL or on an I/O thread and raw pointers are not Send.
+pub(crate) struct Destinations {
+    parts: Vec<(usize, usize)>,
+    first: Vec<usize>,
+}
+
+impl Destinations {
+    /// Exports every buffer (writable, C-contiguous) and refuses parts that
+    /// share memory, all before any I/O. The exports must be kept until the
+    /// client is done with the memory: while they live, the exporters may
+    /// neither free nor move it.
+    pub(crate) fn export(keys: &[Bytes], buffers: &[Bound<'_, PyAny>]) -> PyResult<(Exports, Destinations)> {
+        same_length("get_into", keys.len(), buffers.len())?;
+        let (mut exports, mut first) = (Vec::with_capacity(buffers.len()), Vec::with_capacity(buffers.len() + 1));
+        let mut owner = Vec::with_capacity(buffers.len());
+        for (i, (k, b)) in keys.iter().zip(buffers).enumerate() {
+            first.push(exports.len());
+            if b.is_instance_of::<PyList>() || b.is_instance_of::<PyTuple>() {
+                for (j, part) in b.try_iter()?.enumerate() {
+                    exports.push(export_at(&part?, &format!("buffers[{i}][{j}]"), i, k, true)?);
+                    owner.push(i);
+                }
+            } else {
+                exports.push(export(b, i, k, true)?);
+                owner.push(i);
+            }
+        }
+        first.push(exports.len());
+        let parts: Vec<(usize, usize)> = exports.iter().map(|b| (b.buf_ptr() as usize, b.len_bytes())).collect();
+        if let Some((a, b)) = first_overlap(&parts) {
+            let (first, second) = (owner[a], owner[b]);
+            let message = match first == second {
+                true => format!("get_into: two parts of buffers[{first}] share memory; each part needs memory of its own"),
+                false => format!("get_into: buffers[{first}] and buffers[{second}] share memory; each key needs a buffer of its own"),
+            };
+            return Err(raise("OverlappingBuffers", message, Some(&keys[second]), Some(second)));
+        }
+        Ok((Exports(exports), Destinations { parts, first }))
+    }
+
+    /// Reads `keys` into the destinations through `target`.
+    ///
+    /// # Safety
+    ///
+    /// The exports made with `self` must live, and their memory be written
+    /// by nothing else, until the returned future is done or dropped.
+    #[allow(unsafe_code)]
+    pub(crate) async unsafe fn read(&self, target: &Target, keys: Vec<Bytes>) -> Result<Vec<Result<usize, KvError>>, KvError> {
+        let mut flat: Vec<&mut [u8]> = self
+            .parts
+            .iter()
+            // SAFETY: each (addr, len) is a writable, C-contiguous exported
+            // buffer, exported for as long as the future lives (the caller's
+            // promise), and no two overlap (checked by `export`), so these
+            // are disjoint exclusive slices for the call.
+            .map(|&(addr, len)| unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) })
+            .collect();
+        let mut per_key: Vec<&mut [&mut [u8]]> = Vec::with_capacity(self.first.len().saturating_sub(1));
+        let mut rest = &mut flat[..];
+        for pair in self.first.windows(2) {
+            let (mine, later) = std::mem::take(&mut rest).split_at_mut(pair[1] - pair[0]);
+            per_key.push(mine);
+            rest = later;
+        }
+        target.get_into_parts(keys, &mut per_key).await
     }
 }
 
@@ -655,12 +726,15 @@ impl Client {
 
     /// Reads the value of `keys[i]` into `buffers[i]` and answers, per key,
     /// how many bytes were written (from the buffer's start), or `None` when
-    /// the key is absent. Buffers must be writable and C-contiguous
-    /// (`ReadOnlyBuffer`, `NonContiguousBuffer` otherwise, before any I/O);
-    /// buffers that share memory raise `OverlappingBuffers` (before any I/O);
-    /// a value larger than its buffer raises `BufferTooSmall` and that buffer
-    /// is not written. No buffer is written past its value's length; when a
-    /// call raises, the other buffers may already hold their values.
+    /// the key is absent. `buffers[i]` may also be a list of buffers, which
+    /// the value fills in order (a KV block whose layers lie in separate
+    /// tensors, read straight into them). Buffers must be writable and
+    /// C-contiguous (`ReadOnlyBuffer`, `NonContiguousBuffer` otherwise,
+    /// before any I/O); buffers that share memory raise `OverlappingBuffers`
+    /// (before any I/O); a value larger than its buffer (its list's buffers
+    /// together) raises `BufferTooSmall` and that buffer is not written. No
+    /// buffer is written past its value's length; when a call raises, the
+    /// other buffers may already hold their values.
     #[allow(unsafe_code)]
     fn get_into(&self, py: Python<'_>, keys: Vec<Bound<'_, PyAny>>, buffers: Vec<Bound<'_, PyAny>>) -> PyResult<Vec<Option<usize>>> {
         same_length("get_into", keys.len(), buffers.len())?;
@@ -669,28 +743,12 @@ impl Client {
         if keys.is_empty() {
             return Ok(Vec::new());
         }
-        let exports = keys.iter().zip(&buffers).enumerate().map(|(i, (k, b))| export(b, i, k, true)).collect::<PyResult<Vec<_>>>()?;
-        // Addresses as integers: the closure runs without the GIL and raw
-        // pointers are not Send; the exports outlive it.
-        let dests: Vec<(usize, usize)> = exports.iter().map(|b| (b.buf_ptr() as usize, b.len_bytes())).collect();
-        no_overlap(&dests, &keys)?;
+        let (exports, dests) = Destinations::export(&keys, &buffers)?;
         let request = keys.clone();
         let outcome = py.detach(|| -> Result<Vec<Option<usize>>, GetFailure> {
-            // `run` returns only once the task has finished with the slices.
-            let values = inner
-                .run(|inner| async move {
-                    let mut slices: Vec<&mut [u8]> = dests
-                        .iter()
-                        // SAFETY: each (addr, len) is a writable, C-contiguous
-                        // exported buffer, which stays exported until after
-                        // this closure, and no two of them overlap (checked
-                        // above), so these are disjoint exclusive slices for
-                        // the duration of the call.
-                        .map(|&(addr, len)| unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) })
-                        .collect();
-                    inner.target.get_into(request, &mut slices).await
-                })
-                .map_err(GetFailure::Call)?;
+            // SAFETY: `run` returns only once the task has finished with the
+            // memory, and the exports are released after this closure.
+            let values = inner.run(|inner| async move { unsafe { dests.read(&inner.target, request).await } }).map_err(GetFailure::Call)?;
             lengths(values)
         });
         drop(exports);

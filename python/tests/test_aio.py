@@ -74,6 +74,10 @@ def test_many_calls_in_flight_at_once(node: Node, unique: str) -> None:
             got = await asyncio.gather(*(kv.get_into([k], [b]) for k, b in zip(keys, buffers)))
             assert got == [[16384]] * 64
             assert [bytes(b) for b in buffers] == [pattern(i, 16384) for i in range(64)]
+            # A key's buffer may be a list of buffers, filled in order.
+            halves = [(bytearray(8192), bytearray(8192)) for _ in keys]
+            assert await kv.get_into(keys, halves) == [16384] * 64
+            assert [bytes(a + b) for a, b in halves] == [pattern(i, 16384) for i in range(64)]
 
     asyncio.run(main())
 

@@ -126,6 +126,36 @@ def test_buffers_sharing_memory_are_refused_before_any_io(client: kvplane.Client
     assert whole == bytearray(b"a" * 32 + b"b" * 32)
 
 
+def test_a_list_of_buffers_is_filled_in_order(client: kvplane.Client, unique: str) -> None:
+    # A KV block stored under one key whose layers lie in separate tensors:
+    # the value is read straight into each layer's place, in order.
+    keys = [f"{unique}p{i}" for i in range(3)]
+    values = [bytes(range(256)) * 35, b"short", bytes(range(100, 200)) * 10]
+    client.put_from(keys, values)
+    layers = [guarded(4096) for _ in range(3)]
+    tail_raw, tail = guarded(1000)
+    lengths = client.get_into(keys[:2], [[view for _, view in layers[:2]] + [tail], (bytearray(3), bytearray(8))])
+    assert lengths == [8960, 5]
+    filled = b"".join(bytes(view) for _, view in layers[:2]) + bytes(tail)
+    assert filled[:8960] == values[0] and filled[8960:] == bytes(len(filled) - 8960)
+    assert all(guards_intact(raw) for raw, _ in layers) and guards_intact(tail_raw)
+
+    # Too small together: BufferTooSmall, and no part is written.
+    parts = [bytearray(400), bytearray(599)]
+    with pytest.raises(kvplane.BufferTooSmall) as e:
+        client.get_into(keys[2:], [parts])
+    assert e.value.index == 0 and "buffers[0]" in str(e.value)
+    assert parts == [bytearray(400), bytearray(599)]
+    # Parts are checked as buffers are, naming the part; two parts of one
+    # key sharing memory are refused before any I/O.
+    with pytest.raises(kvplane.ReadOnlyBuffer, match=r"buffers\[0\]\[1\]"):
+        client.get_into(keys[2:], [[bytearray(500), bytes(500)]])
+    whole = bytearray(1000)
+    with pytest.raises(kvplane.OverlappingBuffers, match=r"two parts of buffers\[0\] share memory"):
+        client.get_into(keys[2:], [[memoryview(whole)[:600], memoryview(whole)[500:]]])
+    assert whole == bytearray(1000)
+
+
 def test_read_only_and_non_contiguous_buffers_raise_before_any_io(client: kvplane.Client, unique: str) -> None:
     key = f"{unique}v"
     client.put_from([key], [b"z" * 32])
@@ -267,6 +297,11 @@ def unix_round_trip(client: kvplane.Client, unique: str) -> None:
         with pytest.raises(kvplane.BufferTooSmall):
             c.get_into(keys[:1], [small])
         assert bytes(small) == bytes(65535) and guards_intact(raw)
+        # A block read straight into the layers it belongs to: each key's
+        # value fills its list of buffers in order.
+        layers = np.zeros((4, 8, 16384), dtype=np.uint8)
+        assert c.get_into(keys, [list(layers[:, b]) for b in range(8)]) == [65536] * 8
+        assert np.array_equal(layers.transpose(1, 0, 2).reshape(8, 65536), blocks)
 
 
 def test_one_client_shared_by_threads(client: kvplane.Client, unique: str) -> None:

@@ -278,30 +278,50 @@ impl Client {
     /// over the socket each value is read from the socket straight into its
     /// destination ([`Connection::get_into`]).
     pub async fn get_into(&self, keys: Vec<Bytes>, dests: &mut [&mut [u8]]) -> Result<Vec<Result<usize, KvError>>, KvError> {
+        let mut parts: Vec<&mut [&mut [u8]]> = dests.iter_mut().map(std::slice::from_mut).collect();
+        self.get_into_parts(keys, &mut parts).await
+    }
+
+    /// [`Client::get_into`] with each destination made of parts, filled in
+    /// order: the value of `keys[i]` fills `dests[i][0]`, then `dests[i][1]`,
+    /// and so on, and answers the bytes written in all; `Capacity` (every
+    /// part untouched) when it is longer than the parts together.
+    ///
+    /// Why: a KV block stored under one key often lives in several places
+    /// of an engine's memory (one per layer). Reading it into a staging
+    /// buffer and copying each layer's bytes out costs a pass over every
+    /// byte; here the one copy out of the shared memory, or the read from
+    /// the socket, goes straight into each part.
+    pub async fn get_into_parts(&self, keys: Vec<Bytes>, dests: &mut [&mut [&mut [u8]]]) -> Result<Vec<Result<usize, KvError>>, KvError> {
         if keys.len() != dests.len() {
             return Err(KvError::Invalid(format!("get_into: {} keys but {} destinations", keys.len(), dests.len())));
         }
         let mut results = Vec::with_capacity(keys.len());
         let mut dests = dests.iter_mut();
         for chunk in self.split_keys(keys) {
-            let dests: Vec<&mut &mut [u8]> = dests.by_ref().take(chunk.len()).collect();
+            let mut dests: Vec<&mut &mut [&mut [u8]]> = dests.by_ref().take(chunk.len()).collect();
             let conn = self.connection().await?;
             if let Some(memory) = conn.shared_memory() {
-                if let Some((ranges, r)) = get_shared_into(&conn, memory, &chunk, &dests).await? {
-                    for ((got, range), dest) in r.iter().zip(&ranges).zip(dests) {
+                let rooms: Vec<usize> = dests.iter().map(|d| room(d)).collect();
+                if let Some((ranges, r)) = get_shared_into(&conn, memory, &chunk, &rooms).await? {
+                    for ((got, range), dest) in r.iter().zip(&ranges).zip(&mut dests) {
                         if let Ok(len) = *got {
-                            memory.read_at(range.offset, &mut dest[..len])?;
+                            let mut at = range.offset;
+                            for part in fill(dest, len) {
+                                memory.read_at(at, part)?;
+                                at += part.len();
+                            }
                         }
                     }
                     results.extend(r);
                     continue;
                 }
             }
-            let dests: Vec<&mut [u8]> = dests.into_iter().map(|d| &mut **d).collect();
-            let bytes = dests.iter().map(|d| d.len()).sum();
+            let dests: Vec<&mut [&mut [u8]]> = dests.into_iter().map(|d| &mut **d).collect();
+            let bytes = dests.iter().map(|d| room(d)).sum();
             let answers = self.striped(conn, chunk.into_iter().zip(dests).collect(), bytes, |conn, part| async move {
-                let (keys, mut dests): (Vec<Bytes>, Vec<&mut [u8]>) = part.into_iter().unzip();
-                conn.get_into(keys, &mut dests).await
+                let (keys, mut dests): (Vec<Bytes>, Vec<&mut [&mut [u8]]>) = part.into_iter().unzip();
+                conn.get_into_parts(keys, &mut dests).await
             });
             results.extend(answers.await?);
         }
@@ -573,11 +593,11 @@ async fn get_shared_into<'m>(
     conn: &Connection,
     memory: &'m SharedMemory,
     keys: &[Bytes],
-    dests: &[&mut &mut [u8]],
+    rooms: &[usize],
 ) -> Result<Option<(Vec<Range<'m>>, Vec<Result<usize, KvError>>)>, KvError> {
     let mut ranges = Vec::with_capacity(keys.len());
-    for dest in dests {
-        match memory.reserve(dest.len().min(u32::MAX as usize)) {
+    for &room in rooms {
+        match memory.reserve(room.min(u32::MAX as usize)) {
             Some(r) => ranges.push(r),
             None => return Ok(None),
         }
@@ -585,8 +605,8 @@ async fn get_shared_into<'m>(
     let entries: Vec<ShmGet> = keys
         .iter()
         .zip(&ranges)
-        .zip(dests)
-        .map(|((k, r), d)| ShmGet { key: k.clone(), offset: r.offset as u64, capacity: d.len().min(u32::MAX as usize) as u32 })
+        .zip(rooms)
+        .map(|((k, r), &room)| ShmGet { key: k.clone(), offset: r.offset as u64, capacity: room.min(u32::MAX as usize) as u32 })
         .collect();
     let n = entries.len();
     let results = match conn.call(Request::GetShm { entries }).await? {
@@ -595,15 +615,14 @@ async fn get_shared_into<'m>(
     };
     let results = results
         .into_iter()
-        .zip(dests)
+        .zip(rooms)
         .zip(keys)
-        .map(|((r, d), key)| match r {
-            Ok(b) if b.len as usize <= d.len() => Ok(b.len as usize),
-            Ok(b) => Err(KvError::Internal(format!("node wrote {} bytes into a range of {}", b.len, d.len()))),
+        .map(|((r, &room), key)| match r {
+            Ok(b) if b.len as usize <= room => Ok(b.len as usize),
+            Ok(b) => Err(KvError::Internal(format!("node wrote {} bytes into a range of {room}", b.len))),
             Err(ErrorCode::Capacity) => Err(KvError::Capacity(format!(
-                "GET of key {}: the value is longer than its destination of {} bytes",
+                "GET of key {}: the value is longer than its destination of {room} bytes",
                 crate::key_error::shown(key),
-                d.len()
             ))),
             Err(code) => Err(KeyContext::new("GET", key).error(code)),
         })
@@ -611,15 +630,39 @@ async fn get_shared_into<'m>(
     Ok(Some((ranges, results)))
 }
 
-/// Copies a value to the start of `dest`; `Capacity` (and `dest` untouched)
-/// when it does not fit.
-pub(crate) fn copy_into(value: &[u8], dest: &mut [u8]) -> Result<usize, KvError> {
-    let room = dest.len();
-    let dest = dest
-        .get_mut(..value.len())
-        .ok_or_else(|| KvError::Capacity(format!("the value of {} bytes is longer than its destination of {room} bytes", value.len())))?;
-    dest.copy_from_slice(value);
+/// Copies a value to the start of `dest`'s parts, filling each in turn;
+/// `Capacity` (every part untouched) when it does not fit in them all.
+pub(crate) fn copy_into(value: &[u8], dest: &mut [&mut [u8]]) -> Result<usize, KvError> {
+    let room = room(dest);
+    if value.len() > room {
+        return Err(KvError::Capacity(format!("the value of {} bytes is longer than its destination of {room} bytes", value.len())));
+    }
+    let mut rest = value;
+    for part in fill(dest, value.len()) {
+        let (now, later) = rest.split_at(part.len());
+        part.copy_from_slice(now);
+        rest = later;
+    }
     Ok(value.len())
+}
+
+/// Bytes a destination of parts holds.
+pub(crate) fn room(dest: &[&mut [u8]]) -> usize {
+    dest.iter().map(|p| p.len()).sum()
+}
+
+/// The leading `len` bytes of a destination of parts, part by part (the
+/// last one cut to what is left); `len` must not exceed its [`room`].
+fn fill<'d, 'p>(dest: &'d mut [&'p mut [u8]], len: usize) -> impl Iterator<Item = &'d mut [u8]> + use<'d, 'p> {
+    let mut left = len;
+    dest.iter_mut().map_while(move |part| {
+        if left == 0 {
+            return None;
+        }
+        let n = part.len().min(left);
+        left -= n;
+        Some(&mut part[..n])
+    })
 }
 
 fn unexpected(op: &str, n: usize, answer: &Response) -> KvError {

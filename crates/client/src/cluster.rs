@@ -529,6 +529,14 @@ impl ClusterClient {
     /// in parallel, so the reads cannot borrow the destinations), then copied
     /// into its destination.
     pub async fn get_into(&self, keys: Vec<Bytes>, dests: &mut [&mut [u8]]) -> Result<Vec<Result<usize, KvError>>, KvError> {
+        let mut parts: Vec<&mut [&mut [u8]]> = dests.iter_mut().map(std::slice::from_mut).collect();
+        self.get_into_parts(keys, &mut parts).await
+    }
+
+    /// [`Client::get_into_parts`](crate::Client::get_into_parts) across the
+    /// cluster, as [`get_into`](Self::get_into): each value fetched, then
+    /// copied into its destination's parts.
+    pub async fn get_into_parts(&self, keys: Vec<Bytes>, dests: &mut [&mut [&mut [u8]]]) -> Result<Vec<Result<usize, KvError>>, KvError> {
         if keys.len() != dests.len() {
             return Err(KvError::Invalid(format!("get_into: {} keys but {} destinations", keys.len(), dests.len())));
         }

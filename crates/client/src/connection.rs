@@ -458,6 +458,15 @@ impl Connection {
     /// untouched). No byte is written into `dests` after this returns, even
     /// when its future is dropped before.
     pub async fn get_into(&self, keys: Vec<Bytes>, dests: &mut [&mut [u8]]) -> Result<Vec<Result<usize, KvError>>, KvError> {
+        let mut parts: Vec<&mut [&mut [u8]]> = dests.iter_mut().map(std::slice::from_mut).collect();
+        self.get_into_parts(keys, &mut parts).await
+    }
+
+    /// [`Connection::get_into`] with each destination made of parts: the
+    /// value of `keys[i]` fills `dests[i][0]`, then `dests[i][1]`, and so
+    /// on, read from the socket straight into each part; `Capacity` (every
+    /// part untouched) when it is longer than the parts together.
+    pub async fn get_into_parts(&self, keys: Vec<Bytes>, dests: &mut [&mut [&mut [u8]]]) -> Result<Vec<Result<usize, KvError>>, KvError> {
         let n = keys.len();
         if n != dests.len() {
             return Err(KvError::Invalid(format!("get_into: {n} keys but {} destinations", dests.len())));

@@ -4,7 +4,9 @@
 //! answer into a receive buffer and copying each block out costs a pass
 //! over every byte, as much as the socket read itself at these sizes; here
 //! the connection's reader task reads each payload into the destination the
-//! caller gave for its key.
+//! caller gave for its key. A destination may be several parts, filled in
+//! order (a KV block whose layers lie in separate tensors): the payload is
+//! read into each part in turn, never through a buffer of ours.
 //!
 //! The reader task is not the caller, so the destinations are lent to it as
 //! raw addresses behind a lock, and the lending ends in [`Lease::drop`]:
@@ -19,17 +21,46 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::Poll;
 
-use kvplane_protocol::{checksum, ErrorCode, PayloadSlot};
+use kvplane_protocol::{Checksum, ErrorCode, PayloadSlot};
 use tokio::io::{AsyncBufRead, AsyncRead, BufReader, ReadBuf};
 
-/// The destinations of one GET: (address, length) per key, `None` once
-/// withdrawn.
+/// The destinations of one GET as (address, length) parts: key `i` owns
+/// `parts[first[i]..first[i + 1]]`.
+struct Lent {
+    parts: Vec<(usize, usize)>,
+    first: Vec<usize>,
+}
+
+impl Lent {
+    fn of(&self, key: usize) -> &[(usize, usize)] {
+        &self.parts[self.first[key]..self.first[key + 1]]
+    }
+
+    /// Bytes key `key` has room for: its parts together.
+    fn room(&self, key: usize) -> usize {
+        self.of(key).iter().map(|&(_, len)| len).sum()
+    }
+
+    /// Where byte `at` of key `key`'s value goes, and how many bytes from
+    /// there are in the same part.
+    fn place(&self, key: usize, mut at: usize) -> Option<(usize, usize)> {
+        for &(addr, len) in self.of(key) {
+            if at < len {
+                return Some((addr + at, len - at));
+            }
+            at -= len;
+        }
+        None
+    }
+}
+
+/// The destinations of one GET, `None` once withdrawn.
 pub(crate) struct Destinations {
-    lent: Mutex<Option<Vec<(usize, usize)>>>,
+    lent: Mutex<Option<Lent>>,
 }
 
 impl Destinations {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Vec<(usize, usize)>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Lent>> {
         self.lent.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
@@ -42,8 +73,14 @@ pub(crate) struct Lease<'a> {
 }
 
 impl<'a> Lease<'a> {
-    pub(crate) fn new<'b: 'a>(dests: &'a mut [&'b mut [u8]]) -> Lease<'a> {
-        let lent = dests.iter_mut().map(|d| (d.as_mut_ptr() as usize, d.len())).collect();
+    /// `dests[i]`: the parts of key `i`'s destination, in order.
+    pub(crate) fn new<'b: 'a, 'c: 'a>(dests: &'a mut [&'b mut [&'c mut [u8]]]) -> Lease<'a> {
+        let mut lent = Lent { parts: Vec::with_capacity(dests.len()), first: Vec::with_capacity(dests.len() + 1) };
+        for parts in dests.iter_mut() {
+            lent.first.push(lent.parts.len());
+            lent.parts.extend(parts.iter_mut().map(|p| (p.as_mut_ptr() as usize, p.len())));
+        }
+        lent.first.push(lent.parts.len());
         Lease { destinations: Arc::new(Destinations { lent: Mutex::new(Some(lent)) }), _borrow: std::marker::PhantomData }
     }
 }
@@ -83,67 +120,61 @@ pub(crate) async fn read_get_into<S: AsyncRead + Unpin>(
             }
         };
         let len = s.len as usize;
-        let room = dests.lock().as_ref().and_then(|d| d.get(i).map(|&(_, room)| room)).unwrap_or(0);
+        let room = dests.lock().as_ref().map(|d| if i + 1 < d.first.len() { d.room(i) } else { 0 }).unwrap_or(0);
         if len > room {
             kvplane_protocol::io::skip(r, len as u64).await?;
             results.push(Err(NotRead::TooLong { len, room }));
             continue;
         }
         results.push(match read_one(r, dests, i, len).await? {
-            false => Err(NotRead::TooLong { len, room: 0 }),
-            true => {
-                let guard = dests.lock();
-                match guard.as_ref() {
-                    // SAFETY: as in `read_one`: lent, so alive and this
-                    // call's alone; `len` bytes of it were just written.
-                    Some(d) => match checksum(unsafe { std::slice::from_raw_parts(d[i].0 as *const u8, len) }) == s.crc {
-                        true => Ok(len),
-                        false => Err(NotRead::Code(ErrorCode::BadChecksum)),
-                    },
-                    None => Err(NotRead::TooLong { len, room: 0 }),
-                }
-            }
+            None => Err(NotRead::TooLong { len, room: 0 }),
+            Some(crc) if crc == s.crc => Ok(len),
+            Some(_) => Err(NotRead::Code(ErrorCode::BadChecksum)),
         });
     }
     Ok(results)
 }
 
-/// Reads `len` bytes into destination `i`: what the buffer already holds,
-/// then straight from the stream (a block never passes through the
-/// buffer); false (the rest read and dropped) when the destinations were
-/// withdrawn on the way.
-async fn read_one<S: AsyncRead + Unpin>(r: &mut BufReader<S>, dests: &Destinations, i: usize, len: usize) -> std::io::Result<bool> {
+/// Reads `len` bytes into destination `i`, part after part: what the buffer
+/// already holds, then straight from the stream (a block never passes
+/// through the buffer). Answers the CRC-32C of the bytes, computed as each
+/// piece lands (while it is still in cache); `None` (the rest read and
+/// dropped) when the destinations were withdrawn on the way.
+async fn read_one<S: AsyncRead + Unpin>(r: &mut BufReader<S>, dests: &Destinations, i: usize, len: usize) -> std::io::Result<Option<u32>> {
     let mut done = 0;
+    let mut crc = Checksum::new();
     while done < len {
         let n = std::future::poll_fn(|cx| {
             let guard = dests.lock();
             let Some(d) = guard.as_ref() else { return Poll::Ready(Ok(None)) };
-            let (addr, room) = d[i];
-            debug_assert!(len <= room);
+            let Some((addr, in_part)) = d.place(i, done) else { return Poll::Ready(Ok(None)) };
             // SAFETY: the destination is lent (the lock is held and it was
-            // not withdrawn), so the `&mut [u8]` it came from is borrowed by
-            // the call waiting for this answer and by nothing else; `done <
-            // len <= room` keeps the slice inside it.
-            let dst = unsafe { std::slice::from_raw_parts_mut((addr as *mut u8).add(done), len - done) };
+            // not withdrawn), so the `&mut [u8]` this part came from is
+            // borrowed by the call waiting for this answer and by nothing
+            // else; `place` keeps `addr..addr + in_part` inside that part.
+            let dst = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, in_part.min(len - done)) };
             let buffered = r.buffer();
-            if !buffered.is_empty() {
+            let n = if !buffered.is_empty() {
                 let n = buffered.len().min(dst.len());
                 dst[..n].copy_from_slice(&buffered[..n]);
                 Pin::new(&mut *r).consume(n);
-                return Poll::Ready(Ok(Some(n)));
-            }
-            let mut buf = ReadBuf::new(dst);
-            match Pin::new(r.get_mut()).poll_read(cx, &mut buf) {
-                Poll::Ready(Ok(())) => Poll::Ready(Ok(Some(buf.filled().len()))),
-                Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
-                Poll::Pending => Poll::Pending,
-            }
+                n
+            } else {
+                let mut buf = ReadBuf::new(&mut *dst);
+                match Pin::new(r.get_mut()).poll_read(cx, &mut buf) {
+                    Poll::Ready(Ok(())) => buf.filled().len(),
+                    Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                    Poll::Pending => return Poll::Pending,
+                }
+            };
+            crc.update(&dst[..n]);
+            Poll::Ready(Ok(Some(n)))
         })
         .await?;
         match n {
             None => {
                 kvplane_protocol::io::skip(r, (len - done) as u64).await?;
-                return Ok(false);
+                return Ok(None);
             }
             Some(0) => {
                 return Err(std::io::Error::new(
@@ -154,5 +185,5 @@ async fn read_one<S: AsyncRead + Unpin>(r: &mut BufReader<S>, dests: &Destinatio
             Some(n) => done += n,
         }
     }
-    Ok(true)
+    Ok(Some(crc.finish()))
 }

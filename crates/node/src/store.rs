@@ -25,16 +25,30 @@ use crate::cache::{BlockCache, CachedBlock, NewEntry};
 use crate::memory::{Block, BlockMut};
 use crate::tier::{SecondTier, TierSetup};
 
-/// A block as a reader gets it: its bytes and CRC-32C.
+/// A block as a reader gets it. Its CRC-32C may not be computed yet (a
+/// block put through shared memory without one): [`Found::checksummed`]
+/// computes it in a pass of its own, a reader that copies the bytes anyway
+/// may compute it on that copy and [`Found::record_crc`] it.
 pub(crate) struct Found {
-    pub(crate) bytes: Bytes,
-    pub(crate) crc: u32,
+    pub(crate) block: Block,
+}
+
+impl Found {
+    /// The bytes and their CRC-32C (computed now if it never was).
+    pub(crate) fn checksummed(self) -> (Bytes, u32) {
+        let crc = self.block.crc();
+        (self.block.into_bytes(), crc)
+    }
+
+    /// Records the CRC-32C a reader computed from these very bytes.
+    pub(crate) fn record_crc(&self, crc: u32) {
+        self.block.set_crc(crc);
+    }
 }
 
 impl From<CachedBlock> for Found {
     fn from(hit: CachedBlock) -> Found {
-        let crc = hit.crc();
-        Found { bytes: hit.block.into_bytes(), crc }
+        Found { block: hit.block }
     }
 }
 

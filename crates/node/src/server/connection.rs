@@ -936,24 +936,36 @@ where
     }
 
     /// GET_SHM: each block (from either tier) copied into the shared memory.
+    /// A block whose checksum was never computed (put through shared memory
+    /// without one) is checksummed on this copy, a chunk at a time while the
+    /// chunk is in cache, and the checksum kept: the first read across
+    /// engines pays no pass over the block of its own for it.
     async fn get_shm(&self, entries: Vec<ShmGet>) -> Response {
         let Some(region) = &self.shm else {
             return Response::Error { code: ErrorCode::Invalid, message: "GET_SHM before SHM_ATTACH".into() };
         };
         let keys: Vec<Bytes> = entries.iter().map(|e| e.key.clone()).collect();
-        let found = self.get(&keys).await;
+        let found = self.state.store.get(&keys).await;
         let results = entries
             .iter()
             .zip(found)
             .map(|(e, r)| {
                 // The block is held by reference until this copy ends: its
                 // memory cannot be reused under it.
-                let block = r?;
-                if block.data.len() > e.capacity as usize {
+                let found = match r {
+                    Ok(Some(found)) => found,
+                    Ok(None) => return Err(ErrorCode::NotFound),
+                    Err(e) => return Err(ErrorCode::from(&e)),
+                };
+                let bytes = found.block.as_slice();
+                if bytes.len() > e.capacity as usize {
                     return Err(ErrorCode::Capacity);
                 }
-                region.copy_in(e.offset, &block.data).map_err(|_| ErrorCode::Invalid)?;
-                Ok(ShmBlock { len: block.data.len() as u32, crc: block.crc })
+                let crc = match found.block.known_crc() {
+                    Some(crc) => region.copy_in(e.offset, bytes).map(|()| crc),
+                    None => region.copy_in_checksummed(e.offset, bytes).inspect(|&crc| found.record_crc(crc)),
+                };
+                Ok(ShmBlock { len: bytes.len() as u32, crc: crc.map_err(|_| ErrorCode::Invalid)? })
             })
             .collect();
         Response::GetShm { results }
@@ -967,7 +979,10 @@ where
             .await
             .into_iter()
             .map(|r| match r {
-                Ok(Some(found)) => Ok(Block::with_crc(found.bytes, found.crc)),
+                Ok(Some(found)) => {
+                    let (bytes, crc) = found.checksummed();
+                    Ok(Block::with_crc(bytes, crc))
+                }
                 Ok(None) => Err(ErrorCode::NotFound),
                 Err(e) => Err(ErrorCode::from(&e)),
             })

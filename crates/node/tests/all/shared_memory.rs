@@ -109,6 +109,44 @@ async fn get_into_writes_each_value_into_its_destination_and_nothing_past_it() {
     assert!(matches!(mismatched, Err(KvError::Invalid(_))), "{mismatched:?}");
 }
 
+/// GET into a destination made of parts (a KV block whose layers lie in
+/// separate tensors), through shared memory and over TCP alike: the value
+/// fills the parts in order, nothing past its length is written, the bytes
+/// pass the block's checksum however they are cut (over TCP it is computed
+/// as each piece lands), and a value longer than all the parts together
+/// leaves every part untouched.
+#[tokio::test]
+async fn get_into_parts_fills_the_parts_in_order_and_nothing_past_the_value() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = node(&dir, 64 * MIB, 16 * MIB).await;
+    let local = Client::connect(ClientConfig::new(unix(&n))).await.unwrap();
+    assert!(local.connection().await.unwrap().shared_memory().is_some());
+    let tcp = Client::connect(ClientConfig::new(Endpoint::Tcp(n.tcp_addr().unwrap().to_string()))).await.unwrap();
+    let values = [block(1, 64 * KIB), block(2, 100), block(3, 64 * KIB)];
+    let keys: Vec<Bytes> = [&b"a"[..], b"b", b"c", b"absent"].into_iter().map(Bytes::from_static).collect();
+    let entries = keys.iter().zip(&values).map(|(k, v)| (k.clone(), v.clone())).collect();
+    assert!(local.put(entries).await.unwrap().iter().all(Result::is_ok));
+    for (path, client) in [("shared memory", &local), ("tcp", &tcp)] {
+        // a: 65536 bytes over parts of 1000, 0, 40000 and 30000 (the last
+        // one filled to 24536); b: exactly 60 + 40; c: one byte short of
+        // 32 KiB + 32 KiB; absent.
+        let sizes: [&[usize]; 4] = [&[1000, 0, 40_000, 30_000], &[60, 40], &[32 * KIB, 32 * KIB - 1], &[8]];
+        let mut bufs: Vec<Vec<Vec<u8>>> = sizes.iter().map(|s| s.iter().map(|&len| vec![0xEEu8; len]).collect()).collect();
+        let mut parts: Vec<Vec<&mut [u8]>> = bufs.iter_mut().map(|b| b.iter_mut().map(Vec::as_mut_slice).collect()).collect();
+        let mut dests: Vec<&mut [&mut [u8]]> = parts.iter_mut().map(Vec::as_mut_slice).collect();
+        let got = client.get_into_parts(keys.clone(), &mut dests).await.unwrap();
+        assert_eq!(got[0].as_ref().ok(), Some(&(64 * KIB)), "{path}: {:?}", got[0]);
+        assert_eq!(got[1].as_ref().ok(), Some(&100), "{path}: {:?}", got[1]);
+        assert!(matches!(got[2], Err(KvError::Capacity(_))), "{path}: {:?}", got[2]);
+        assert!(matches!(got[3], Err(KvError::NotFound)), "{path}: {:?}", got[3]);
+        let a: Vec<u8> = bufs[0].concat();
+        assert_eq!(&a[..64 * KIB], &values[0][..], "{path}: the parts hold the value in order");
+        assert!(a[64 * KIB..].iter().all(|&b| b == 0xEE), "{path}: written past the value");
+        assert_eq!(bufs[1].concat(), values[1].to_vec(), "{path}");
+        assert!(bufs[2].iter().chain(&bufs[3]).flatten().all(|&b| b == 0xEE), "{path}: a refused destination was written");
+    }
+}
+
 /// Over TCP a large batch is split over several connections of the pool and
 /// sent at once; each key's answer still lands in its own slot, in order,
 /// for PUT, GET and GET into caller memory alike.
