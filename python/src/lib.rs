@@ -436,8 +436,8 @@ impl Destinations {
     /// share memory, all before any I/O. The exports must be kept until the
     /// client is done with the memory: while they live, the exporters may
     /// neither free nor move it.
+    /// The caller has checked that `keys` and `buffers` pair up.
     pub(crate) fn export(keys: &[Bytes], buffers: &[Bound<'_, PyAny>]) -> PyResult<(Exports, Destinations)> {
-        same_length("get_into", keys.len(), buffers.len())?;
         let (mut exports, mut first) = (Vec::with_capacity(buffers.len()), Vec::with_capacity(buffers.len() + 1));
         let mut owner = Vec::with_capacity(buffers.len());
         for (i, (k, b)) in keys.iter().zip(buffers).enumerate() {

@@ -75,14 +75,11 @@ async fn the_client_moves_blocks_through_shared_memory_on_a_unix_socket_by_itsel
     assert_eq!(c2.get(vec![Bytes::from_static(b"a")]).await.unwrap()[0].as_ref().unwrap(), &block(1, 4 * KIB));
 }
 
-/// GET into the caller's memory, through shared memory and over TCP alike:
-/// each value lands at the start of its destination and nothing past it; a
-/// destination too small for its value is left untouched with a typed error
-/// for that key alone; an absent key is not-found.
-#[tokio::test]
-async fn get_into_writes_each_value_into_its_destination_and_nothing_past_it() {
-    let dir = tempfile::tempdir().unwrap();
-    let n = node(&dir, 64 * MIB, 16 * MIB).await;
+/// A node holding `a` (64 KiB), `b` (100 bytes) and `c` (64 KiB), a client
+/// of it through shared memory and one over TCP, and the keys `a`, `b`,
+/// `c` and `absent` with the three values.
+async fn three_stored(dir: &tempfile::TempDir) -> (Node, Client, Client, Vec<Bytes>, [Bytes; 3]) {
+    let n = node(dir, 64 * MIB, 16 * MIB).await;
     let local = Client::connect(ClientConfig::new(unix(&n))).await.unwrap();
     assert!(local.connection().await.unwrap().shared_memory().is_some());
     let tcp = Client::connect(ClientConfig::new(Endpoint::Tcp(n.tcp_addr().unwrap().to_string()))).await.unwrap();
@@ -90,6 +87,17 @@ async fn get_into_writes_each_value_into_its_destination_and_nothing_past_it() {
     let keys: Vec<Bytes> = [&b"a"[..], b"b", b"c", b"absent"].into_iter().map(Bytes::from_static).collect();
     let entries = keys.iter().zip(&values).map(|(k, v)| (k.clone(), v.clone())).collect();
     assert!(local.put(entries).await.unwrap().iter().all(Result::is_ok));
+    (n, local, tcp, keys, values)
+}
+
+/// GET into the caller's memory, through shared memory and over TCP alike:
+/// each value lands at the start of its destination and nothing past it; a
+/// destination too small for its value is left untouched with a typed error
+/// for that key alone; an absent key is not-found.
+#[tokio::test]
+async fn get_into_writes_each_value_into_its_destination_and_nothing_past_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_node, local, tcp, keys, values) = three_stored(&dir).await;
     for (path, client) in [("shared memory", &local), ("tcp", &tcp)] {
         // a: room to spare; b: exactly its length; c: one byte short; absent.
         let mut bufs = [vec![0xEEu8; 64 * KIB + 10], vec![0xEEu8; 100], vec![0xEEu8; 64 * KIB - 1], vec![0xEEu8; 8]];
@@ -118,14 +126,7 @@ async fn get_into_writes_each_value_into_its_destination_and_nothing_past_it() {
 #[tokio::test]
 async fn get_into_parts_fills_the_parts_in_order_and_nothing_past_the_value() {
     let dir = tempfile::tempdir().unwrap();
-    let n = node(&dir, 64 * MIB, 16 * MIB).await;
-    let local = Client::connect(ClientConfig::new(unix(&n))).await.unwrap();
-    assert!(local.connection().await.unwrap().shared_memory().is_some());
-    let tcp = Client::connect(ClientConfig::new(Endpoint::Tcp(n.tcp_addr().unwrap().to_string()))).await.unwrap();
-    let values = [block(1, 64 * KIB), block(2, 100), block(3, 64 * KIB)];
-    let keys: Vec<Bytes> = [&b"a"[..], b"b", b"c", b"absent"].into_iter().map(Bytes::from_static).collect();
-    let entries = keys.iter().zip(&values).map(|(k, v)| (k.clone(), v.clone())).collect();
-    assert!(local.put(entries).await.unwrap().iter().all(Result::is_ok));
+    let (_node, local, tcp, keys, values) = three_stored(&dir).await;
     for (path, client) in [("shared memory", &local), ("tcp", &tcp)] {
         // a: 65536 bytes over parts of 1000, 0, 40000 and 30000 (the last
         // one filled to 24536); b: exactly 60 + 40; c: one byte short of
