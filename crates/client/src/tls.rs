@@ -79,10 +79,10 @@ impl ClientTls {
             return Err(KvError::Invalid(format!("the TLS CA file {}: none of its certificates is a usable CA", ca_file.display())));
         }
         let builder = rustls::ClientConfig::builder_with_provider(kvplane_tls::provider())
-            .with_safe_default_protocol_versions()
+            .with_protocol_versions(kvplane_tls::PROTOCOL_VERSIONS)
             .map_err(|e| KvError::Internal(format!("TLS protocol versions: {e}")))?
             .with_root_certificates(roots);
-        let config = match client {
+        let mut config = match client {
             Some((cert, key)) => {
                 let chain = certificates("client certificate", cert)?;
                 let key = PrivateKeyDer::from_pem_slice(&read("client key", key)?).map_err(|e| {
@@ -97,6 +97,7 @@ impl ClientTls {
             }
             None => builder.with_no_client_auth(),
         };
+        kvplane_tls::configure_client(&mut config);
         let server_name = server_name
             .map(|n| ServerName::try_from(n.to_string()).map_err(|e| KvError::Invalid(format!("TLS server name {n:?}: {e}"))))
             .transpose()?;

@@ -1,49 +1,57 @@
-//! TLS streams for the node's TCP port and its clients (issue 21), on
-//! rustls's unbuffered API.
+//! TLS streams for the node's TCP port and its clients (issue 21): rustls
+//! for the handshake, a record layer of our own after it ([`records`]).
 //!
 //! **Why not tokio-rustls.** Its buffered session copies every received
 //! byte three times around the decryption: from the socket's read buffer
 //! into rustls's deframer, from the deframer (where the record is decrypted
 //! in place) into a fresh allocation per record, and from there into the
-//! reader's buffer; and it reads at most a record per system call. Here the
-//! socket is read straight into the one buffer rustls decrypts in place, up
-//! to 256 KiB (many records) per system call, and each record's plaintext is
-//! copied once into the caller's buffer (rustls 0.23 still hands a
-//! decrypted record over in a vector of its own: that copy is rustls's).
-//! Sending encrypts into one reusable buffer written with one system call
-//! per 1 MiB ([`WRITE_CHUNK_BYTES`]); rustls seals each record in a vector
-//! of its own and copies it into that buffer (that copy is rustls's too).
+//! reader's buffer; and it reads at most a record per system call. rustls's
+//! unbuffered API (which this crate drove until the handshake's end and
+//! after it too, before [`records`]) still seals each record into a vector
+//! of its own and hands each opened one over in one. Here the handshake
+//! runs on the unbuffered API; then rustls hands over the traffic keys (its
+//! `KernelConnection`, the interface kernel-TLS integrations use) and
+//! records are sealed straight from the caller's plaintext into the send
+//! buffer and opened straight from the receive buffer into the caller's
+//! buffer: one pass over each byte per end, the AEAD's. The socket is read
+//! into one buffer, up to 256 KiB (many records) per system call; sending
+//! seals up to 1 MiB ([`WRITE_CHUNK_BYTES`]) into one reusable buffer
+//! written with one system call.
 //!
-//! **One session, two halves.** The node and the client read and write a
-//! connection from different tasks, and a TLS session is one state machine.
-//! The halves share it behind a mutex held only while rustls runs (never
-//! across an await or a system call of the writer): [`Core`] holds the
-//! session, the received TLS bytes and plaintext decrypted but not yet read.
-//! Whichever half calls rustls decrypts what has arrived: the reader
-//! delivers it to its caller, the writer (which must go through the same
-//! state machine to encrypt) sets it aside for the reader and wakes it. TLS
-//! messages rustls produces while reading (an alert, a key update) are sent
-//! by the writer ahead of its next data.
+//! **Two halves.** The node and the client read and write a connection from
+//! different tasks. After the handshake each direction has its own key and
+//! sequence number, so each half owns its own and they share only rustls's
+//! key schedule (behind a mutex taken for a key update or a session
+//! ticket, never per record), the first error either half met, and the
+//! peer's request that our key change too, which the writer honours ahead
+//! of its next data (RFC 8446 4.6.3).
 //!
-//! **What a caller sees.** Errors are `io::Error`s whose inner error is the
+//! **What a caller sees.** Errors are `io::Error`s whose inner error is a
 //! `rustls::Error` (as tokio-rustls gives them), so the node and client name
 //! a refused certificate or a received alert the same way. A corrupted or
-//! forged record fails its AEAD tag: the read is an error and no byte of it
-//! is delivered.
+//! forged record fails its AEAD tag: the read is an error, no byte of it is
+//! delivered (counted in the caller's `ReadBuf`), and both halves refuse
+//! from then on. Only TLS 1.3 is spoken (both ends' configs must allow only
+//! it, and set `enable_secret_extraction`: [`configure_server`], [`configure_client`]).
 
 use std::io;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::task::{Context, Poll, Waker};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::task::{Context, Poll};
 
 use rustls::client::{ClientConnectionData, UnbufferedClientConnection};
+use rustls::kernel::KernelConnection;
 use rustls::server::{ServerConnectionData, UnbufferedServerConnection};
-use rustls::unbuffered::{AppDataRecord, ConnectionState, EncodeError, EncryptError, UnbufferedStatus};
-use rustls::{ClientConfig, ServerConfig};
+use rustls::unbuffered::{AppDataRecord, ConnectionState, EncodeError, UnbufferedStatus};
+use rustls::{ClientConfig, ExtractedSecrets, ServerConfig};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
+
+mod records;
+
+use records::{PostHandshake, RecordKey};
 
 pub use rustls;
 
@@ -87,17 +95,24 @@ pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(p)
 }
 
-/// One side of a TLS session (client or server): the one call of rustls's
-/// unbuffered API that differs between them.
+/// One side of a TLS session (client or server): the calls of rustls's
+/// API that differ between them.
 pub trait Session: Send + 'static {
     /// rustls's side data.
-    type Data;
+    type Data: Send + 'static;
 
     /// rustls's `process_tls_records`.
     fn process<'c, 'i>(&'c mut self, incoming: &'i mut [u8]) -> UnbufferedStatus<'c, 'i, Self::Data>;
 
     /// Whether the handshake is still under way.
     fn handshaking(&self) -> bool;
+
+    /// rustls's `dangerous_into_kernel_connection`: the traffic keys and
+    /// the key schedule, once the handshake is done.
+    fn into_kernel(self) -> Result<(ExtractedSecrets, KernelConnection<Self::Data>), rustls::Error>;
+
+    /// A NewSessionTicket the peer sent after the handshake (its body).
+    fn ticket(kernel: &mut KernelConnection<Self::Data>, body: &[u8]) -> Result<(), rustls::Error>;
 }
 
 impl Session for UnbufferedClientConnection {
@@ -109,6 +124,14 @@ impl Session for UnbufferedClientConnection {
 
     fn handshaking(&self) -> bool {
         self.is_handshaking()
+    }
+
+    fn into_kernel(self) -> Result<(ExtractedSecrets, KernelConnection<ClientConnectionData>), rustls::Error> {
+        self.dangerous_into_kernel_connection()
+    }
+
+    fn ticket(kernel: &mut KernelConnection<ClientConnectionData>, body: &[u8]) -> Result<(), rustls::Error> {
+        kernel.handle_new_session_ticket(body)
     }
 }
 
@@ -122,7 +145,30 @@ impl Session for UnbufferedServerConnection {
     fn handshaking(&self) -> bool {
         self.is_handshaking()
     }
+
+    fn into_kernel(self) -> Result<(ExtractedSecrets, KernelConnection<ServerConnectionData>), rustls::Error> {
+        self.dangerous_into_kernel_connection()
+    }
+
+    fn ticket(_: &mut KernelConnection<ServerConnectionData>, _: &[u8]) -> Result<(), rustls::Error> {
+        Err(rustls::Error::General("a client sent a NewSessionTicket".into()))
+    }
 }
+
+/// What both ends' rustls configs need for this crate: TLS 1.3 only, and
+/// the traffic keys handed over after the handshake. A config without them
+/// fails every handshake, saying so.
+pub fn configure_server(config: &mut ServerConfig) {
+    config.enable_secret_extraction = true;
+}
+
+/// The client's side of [`configure_server`].
+pub fn configure_client(config: &mut ClientConfig) {
+    config.enable_secret_extraction = true;
+}
+
+/// The protocol versions both ends' configs are built with.
+pub const PROTOCOL_VERSIONS: &[&rustls::SupportedProtocolVersion] = &[&rustls::version::TLS13];
 
 /// A handshake that did not complete: the error (its inner error the
 /// `rustls::Error` where rustls refused), and the first bytes the peer sent
@@ -254,33 +300,6 @@ impl Outgoing {
         }
         &mut self.buf[self.filled..]
     }
-
-    fn extend(&mut self, bytes: &[u8]) {
-        self.spare(bytes.len())[..bytes.len()].copy_from_slice(bytes);
-        self.filled += bytes.len();
-    }
-}
-
-/// Where decrypted application data goes: into the reader's buffer while
-/// it has room (`to`), the rest (and everything, when the writer decrypts)
-/// set aside in `rest` for the next read.
-struct Delivery<'a, 'b> {
-    to: Option<&'a mut ReadBuf<'b>>,
-    rest: &'a mut Plaintext,
-}
-
-impl Delivery<'_, '_> {
-    fn deliver(&mut self, payload: &[u8]) {
-        let mut payload = payload;
-        if let Some(to) = self.to.as_deref_mut() {
-            if self.rest.is_empty() {
-                let n = to.remaining().min(payload.len());
-                to.put_slice(&payload[..n]);
-                payload = &payload[n..];
-            }
-        }
-        self.rest.bytes.extend_from_slice(payload);
-    }
 }
 
 /// Plaintext decrypted but not yet read: `bytes[taken..]`.
@@ -306,45 +325,48 @@ impl Plaintext {
     }
 }
 
-/// What a writer asks rustls to encrypt.
-#[derive(Clone, Copy)]
-enum Outbound<'a> {
-    Data(&'a [u8]),
-    /// The alert that ends the session cleanly.
-    CloseNotify,
+impl Plaintext {
+    /// Puts `payload` into `to` as far as it has room (when nothing set
+    /// aside comes first), the rest set aside for the next read.
+    fn deliver(&mut self, to: Option<&mut ReadBuf<'_>>, payload: &[u8]) {
+        let mut payload = payload;
+        if let Some(to) = to {
+            if self.is_empty() {
+                let n = to.remaining().min(payload.len());
+                to.put_slice(&payload[..n]);
+                payload = &payload[n..];
+            }
+        }
+        self.bytes.extend_from_slice(payload);
+    }
 }
 
-/// What one call into rustls came to.
+/// What one call into rustls came to during the handshake.
 #[derive(Debug, PartialEq, Eq)]
 enum Step {
-    /// Application data was delivered.
+    /// Application data was delivered (a client may send its first data
+    /// right behind its last handshake flight).
     Data,
-    /// A TLS message (handshake, alert, key update) was encoded for sending.
+    /// A TLS message (handshake, alert) was encoded for sending.
     Encoded,
     /// What was encoded must now be sent (the caller sends it).
     Transmit,
     /// Ready for application data, and no whole record left to decrypt.
     Writable,
-    /// What was asked was encrypted.
-    Wrote,
     /// The handshake needs more bytes from the peer.
     NeedBytes,
-    /// The peer sent close_notify: no more data will come.
-    PeerClosed,
-    /// Both sides sent close_notify.
+    /// The peer closed the session.
     Closed,
 }
 
 /// One call of `process_tls_records` over the unprocessed bytes, its state
-/// handled: data delivered, messages encoded into `out`, `outbound` (if
-/// any) encrypted into `out` once the session allows it. The processed bytes
-/// are dropped from `incoming` whatever happened.
+/// handled: data set aside in `plaintext`, messages encoded into `out`. The
+/// processed bytes are dropped from `incoming` whatever happened.
 fn step<S: Session>(
     session: &mut S,
     incoming: &mut Incoming,
     out: &mut Outgoing,
-    delivery: &mut Delivery<'_, '_>,
-    outbound: Option<Outbound<'_>>,
+    plaintext: &mut Plaintext,
 ) -> Result<Step, rustls::Error> {
     let UnbufferedStatus { mut discard, state } = session.process(&mut incoming.buf[incoming.start..incoming.end]);
     let result = match state {
@@ -355,7 +377,7 @@ fn step<S: Session>(
                 match record {
                     Ok(AppDataRecord { discard: more, payload }) => {
                         discard += more;
-                        delivery.deliver(payload);
+                        plaintext.deliver(None, payload);
                     }
                     Err(e) => {
                         result = Err(e);
@@ -378,43 +400,14 @@ fn step<S: Session>(
             }
         },
         Ok(ConnectionState::TransmitTlsData(transmit)) => {
-            // The caller sends `out` before it reads or encrypts anything
-            // else: to rustls that is as good as sent.
+            // The caller sends `out` before it reads anything else: to
+            // rustls that is as good as sent.
             transmit.done();
             Ok(Step::Transmit)
         }
-        Ok(ConnectionState::WriteTraffic(mut traffic)) => match outbound {
-            None => Ok(Step::Writable),
-            Some(Outbound::CloseNotify) => loop {
-                match traffic.queue_close_notify(out.spare(MAX_RECORD_BYTES)) {
-                    Ok(n) => {
-                        out.filled += n;
-                        break Ok(Step::Wrote);
-                    }
-                    Err(EncryptError::InsufficientSize(s)) => {
-                        out.spare(s.required_size);
-                    }
-                    Err(EncryptError::EncryptExhausted) => break Err(rustls::Error::EncryptError),
-                }
-            },
-            Some(Outbound::Data(plain)) => {
-                let records = plain.len().div_ceil(1 << 14).max(1);
-                let mut need = plain.len() + records * RECORD_OVERHEAD_BYTES;
-                loop {
-                    match traffic.encrypt(plain, out.spare(need)) {
-                        Ok(n) => {
-                            out.filled += n;
-                            break Ok(Step::Wrote);
-                        }
-                        Err(EncryptError::InsufficientSize(s)) => need = s.required_size,
-                        Err(EncryptError::EncryptExhausted) => break Err(rustls::Error::EncryptError),
-                    }
-                }
-            }
-        },
+        Ok(ConnectionState::WriteTraffic(_)) => Ok(Step::Writable),
         Ok(ConnectionState::BlockedHandshake) => Ok(Step::NeedBytes),
-        Ok(ConnectionState::PeerClosed) => Ok(Step::PeerClosed),
-        Ok(ConnectionState::Closed) => Ok(Step::Closed),
+        Ok(ConnectionState::PeerClosed | ConnectionState::Closed) => Ok(Step::Closed),
         // Early data is never enabled; later states are not known here.
         Ok(_) => Err(rustls::Error::General("unexpected TLS session state".into())),
     };
@@ -426,52 +419,58 @@ fn step<S: Session>(
     result
 }
 
-/// What both halves share.
-struct Core<S> {
-    session: S,
-    incoming: Incoming,
-    plaintext: Plaintext,
-    /// TLS messages rustls produced while the reader ran, for the writer.
-    control: Outgoing,
-    peer_closed: bool,
-    /// The first error rustls reported: the session is unusable after it.
-    failed: Option<rustls::Error>,
-    /// The reader, when it waits for the socket: the writer wakes it when
-    /// it decrypted data for it or saw the peer close.
-    reader: Option<Waker>,
+/// What the two halves share after the handshake.
+struct Shared<D> {
+    /// rustls's key schedule: the next traffic secret at a key update, and
+    /// the tickets a server sends.
+    kernel: Mutex<KernelConnection<D>>,
+    /// The peer asked (in its KeyUpdate) that our sending key change too.
+    update_requested: AtomicBool,
+    /// The first error either half met: the session is unusable after it.
+    failed: OnceLock<rustls::Error>,
 }
 
-impl<S: Session> Core<S> {
-    fn new(session: S) -> Core<S> {
-        Core {
-            session,
-            incoming: Incoming::new(),
-            plaintext: Plaintext::default(),
-            control: Outgoing::new(),
-            peer_closed: false,
-            failed: None,
-            reader: None,
+impl<D> Shared<D> {
+    fn kernel(&self) -> MutexGuard<'_, KernelConnection<D>> {
+        // A panic inside rustls's key schedule leaves nothing half-changed
+        // that matters more than the session error it would be.
+        self.kernel.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records `e` as the session's end (the first one stays) and gives it
+    /// back as the caller's error.
+    fn fail(&self, e: rustls::Error) -> io::Error {
+        let _ = self.failed.set(e);
+        tls_error(self.failed.get().expect("set just now").clone())
+    }
+
+    fn check(&self) -> io::Result<()> {
+        match self.failed.get() {
+            Some(e) => Err(tls_error(e.clone())),
+            None => Ok(()),
         }
     }
 }
 
-fn lock<S>(core: &Mutex<Core<S>>) -> MutexGuard<'_, Core<S>> {
-    // A panic while rustls ran leaves nothing half-changed that matters
-    // more than the session error it would be.
-    core.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 /// A TLS connection over TCP, its handshake done. [`TlsStream::into_split`]
 /// gives its two halves.
-pub struct TlsStream<S> {
+pub struct TlsStream<S: Session> {
     io: TcpStream,
-    core: Core<S>,
+    incoming: Incoming,
+    plaintext: Plaintext,
+    rx: RecordKey,
+    tx: RecordKey,
+    kernel: KernelConnection<S::Data>,
+    /// Records one sending key may seal before it is replaced (the suite's
+    /// confidentiality limit).
+    key_limit: u64,
     meter: Option<BufferMeter>,
 }
 
 impl TlsStream<UnbufferedClientConnection> {
     /// The client's handshake with the server at the other end of `io`,
-    /// checking its certificate for `name`.
+    /// checking its certificate for `name`. `config` must be set up as
+    /// [`configure_client`] says.
     pub async fn connect(
         config: Arc<ClientConfig>,
         name: rustls::pki_types::ServerName<'static>,
@@ -485,6 +484,7 @@ impl TlsStream<UnbufferedClientConnection> {
 
 impl TlsStream<UnbufferedServerConnection> {
     /// The server's handshake with the client at the other end of `io`.
+    /// `config` must be set up as [`configure_server`] says.
     pub async fn accept(config: Arc<ServerConfig>, io: TcpStream) -> Result<TlsStream<UnbufferedServerConnection>, HandshakeError> {
         let session = UnbufferedServerConnection::new(config).map_err(|e| HandshakeError { error: tls_error(e), seen: Vec::new() })?;
         TlsStream::handshake(io, session).await
@@ -492,17 +492,16 @@ impl TlsStream<UnbufferedServerConnection> {
 }
 
 impl<S: Session> TlsStream<S> {
-    /// Drives the handshake to its end. No time limit of its own: callers
-    /// bound it (the node by its handshake deadline, the client by its
-    /// connect timeout).
-    async fn handshake(mut io: TcpStream, session: S) -> Result<TlsStream<S>, HandshakeError> {
-        let mut core = Core::new(session);
+    /// Drives the handshake to its end, then takes the traffic keys over.
+    /// No time limit of its own: callers bound it (the node by its
+    /// handshake deadline, the client by its connect timeout).
+    async fn handshake(mut io: TcpStream, mut session: S) -> Result<TlsStream<S>, HandshakeError> {
+        let mut incoming = Incoming::new();
+        let mut plaintext = Plaintext::default();
         let mut out = Outgoing::new();
         let mut seen = Vec::new();
         loop {
-            let mut delivery = Delivery { to: None, rest: &mut core.plaintext };
-            let stepped = step(&mut core.session, &mut core.incoming, &mut out, &mut delivery, None);
-            match stepped {
+            match step(&mut session, &mut incoming, &mut out, &mut plaintext) {
                 Err(e) => {
                     // Where rustls refused, it queued an alert that tells
                     // the peer why: the next call hands it over before it
@@ -510,8 +509,7 @@ impl<S: Session> TlsStream<S> {
                     // would parse the bytes that failed again, and rustls
                     // sends one fatal alert per session. Sent best effort;
                     // the caller's deadline bounds it.
-                    let mut delivery = Delivery { to: None, rest: &mut core.plaintext };
-                    if let Ok(Step::Encoded) = step(&mut core.session, &mut core.incoming, &mut out, &mut delivery, None) {
+                    if let Ok(Step::Encoded) = step(&mut session, &mut incoming, &mut out, &mut plaintext) {
                         let _ = io.write_all(out.unsent()).await;
                     }
                     return Err(HandshakeError { error: tls_error(e), seen });
@@ -523,16 +521,19 @@ impl<S: Session> TlsStream<S> {
                     }
                     out.clear();
                 }
-                Ok(Step::Writable | Step::Data) if !core.session.handshaking() => {
+                Ok(Step::Writable | Step::Data) if !session.handshaking() => {
                     if let Err(error) = io.write_all(out.unsent()).await {
                         return Err(HandshakeError { error, seen });
                     }
-                    return Ok(TlsStream { io, core, meter: None });
+                    return match TlsStream::take_over(io, session, incoming, plaintext) {
+                        Ok(stream) => Ok(stream),
+                        Err(error) => Err(HandshakeError { error, seen }),
+                    };
                 }
                 // A server may send data before the client's last flight
                 // arrived (and is verified): wait for it.
                 Ok(Step::Writable | Step::Data | Step::NeedBytes) => {
-                    let room = core.incoming.room();
+                    let room = incoming.room();
                     let n = match io.read(room).await {
                         Ok(0) => {
                             let error =
@@ -544,9 +545,9 @@ impl<S: Session> TlsStream<S> {
                     };
                     let keep = n.min(RECORDED_BYTES.saturating_sub(seen.len()));
                     seen.extend_from_slice(&room[..keep]);
-                    core.incoming.end += n;
+                    incoming.end += n;
                 }
-                Ok(Step::PeerClosed | Step::Closed | Step::Wrote) => {
+                Ok(Step::Closed) => {
                     let error = io::Error::new(io::ErrorKind::UnexpectedEof, "the peer closed the TLS session during its handshake");
                     return Err(HandshakeError { error, seen });
                 }
@@ -554,12 +555,44 @@ impl<S: Session> TlsStream<S> {
         }
     }
 
+    /// The traffic keys from rustls, for [`records`]; what rustls decrypted
+    /// and what it left unread stay where they are.
+    fn take_over(io: TcpStream, session: S, incoming: Incoming, plaintext: Plaintext) -> io::Result<TlsStream<S>> {
+        let refused = |e: rustls::Error| {
+            io::Error::other(format!(
+                "the TLS session could not hand its traffic keys over ({e}): the config must allow TLS 1.3 only and set \
+                 enable_secret_extraction (kvplane_tls::configure_server / configure_client)"
+            ))
+        };
+        let (secrets, kernel) = session.into_kernel().map_err(refused)?;
+        if kernel.protocol_version() != rustls::ProtocolVersion::TLSv1_3 {
+            return Err(refused(rustls::Error::General(format!("{:?} was negotiated", kernel.protocol_version()))));
+        }
+        let key_limit = kernel.negotiated_cipher_suite().tls13().map_or(u64::MAX, |s| s.common.confidentiality_limit);
+        let (tx_seq, tx) = secrets.tx;
+        let (rx_seq, rx) = secrets.rx;
+        let tx = RecordKey::new(tx, tx_seq).map_err(refused)?;
+        let rx = RecordKey::new(rx, rx_seq).map_err(refused)?;
+        Ok(TlsStream { io, incoming, plaintext, rx, tx, kernel, key_limit, meter: None })
+    }
+
     /// The reading and the writing half, usable from different tasks.
     pub fn into_split(self) -> (TlsReadHalf<S>, TlsWriteHalf<S>) {
         let (r, w) = self.io.into_split();
-        let core = Arc::new(Mutex::new(self.core));
+        let shared =
+            Arc::new(Shared { kernel: Mutex::new(self.kernel), update_requested: AtomicBool::new(false), failed: OnceLock::new() });
         let out = Outgoing::metered(self.meter);
-        (TlsReadHalf { io: r, core: Arc::clone(&core) }, TlsWriteHalf { io: w, core, out, shut: false })
+        (
+            TlsReadHalf {
+                io: r,
+                incoming: self.incoming,
+                plaintext: self.plaintext,
+                key: self.rx,
+                peer_closed: false,
+                shared: Arc::clone(&shared),
+            },
+            TlsWriteHalf { io: w, out, key: self.tx, key_limit: self.key_limit, shared, shut: false },
+        )
     }
 
     /// Counts this connection's receive and send buffers into `meter` from
@@ -567,107 +600,168 @@ impl<S: Session> TlsStream<S> {
     /// at once, the send buffer as it grows, up to a chunk of
     /// [`WRITE_CHUNK_BYTES`] and its records' overhead).
     pub fn metered(mut self, meter: BufferMeter) -> TlsStream<S> {
-        self.core.incoming.metered(meter.clone());
+        self.incoming.metered(meter.clone());
         self.meter = Some(meter);
         self
     }
 
-    /// The session, to ask what the handshake settled (the protocol
-    /// version, the suite, the peer's certificates).
-    pub fn session(&self) -> &S {
-        &self.core.session
+    /// What the handshake settled (the suite agreed, the protocol version).
+    pub fn kernel(&self) -> &KernelConnection<S::Data> {
+        &self.kernel
+    }
+
+    /// Makes the sending key change after `records` records instead of the
+    /// suite's confidentiality limit (tests reach a key update this way).
+    #[cfg(test)]
+    fn with_key_limit(mut self, records: u64) -> TlsStream<S> {
+        self.key_limit = records;
+        self
     }
 }
 
 /// The reading half of a [`TlsStream`].
-pub struct TlsReadHalf<S> {
+pub struct TlsReadHalf<S: Session> {
     io: OwnedReadHalf,
-    core: Arc<Mutex<Core<S>>>,
+    /// Received TLS bytes not yet opened.
+    incoming: Incoming,
+    /// Opened application data the caller's buffer had no room for.
+    plaintext: Plaintext,
+    key: RecordKey,
+    /// The peer sent close_notify (or closed between records).
+    peer_closed: bool,
+    shared: Arc<Shared<S::Data>>,
+}
+
+impl<S: Session> TlsReadHalf<S> {
+    /// Opens every whole record received while the caller's buffer has
+    /// room: application data into `buf` (straight into it when the whole
+    /// record fits; the rest of a record that does not is set aside),
+    /// alerts and post-handshake messages handled.
+    fn open_records(&mut self, buf: &mut ReadBuf<'_>) -> Result<(), rustls::Error> {
+        while buf.remaining() > 0 && self.plaintext.is_empty() && !self.peer_closed {
+            let Some(len) = records::whole_record(&self.incoming.buf[self.incoming.start..self.incoming.end])? else {
+                break;
+            };
+            let at = self.incoming.start..self.incoming.start + len;
+            let room = records::opened_len(len);
+            if buf.remaining() >= room {
+                // Straight into the caller's buffer; only a record that
+                // opened is counted in it.
+                let out = &mut buf.initialize_unfilled_to(room)[..room];
+                let (kind, n) = records::open_into(&mut self.key, &self.incoming.buf[at.clone()], out)?;
+                if kind == records::APPLICATION_DATA {
+                    buf.advance(n);
+                } else {
+                    let content = out[..n].to_vec();
+                    self.control(kind, &content)?;
+                }
+            } else {
+                let record = &mut self.incoming.buf[at.clone()];
+                let (kind, content) = records::open_in_place(&mut self.key, record)?;
+                if kind == records::APPLICATION_DATA {
+                    self.plaintext.deliver(Some(&mut *buf), &record[content]);
+                } else {
+                    let content = record[content].to_vec();
+                    self.control(kind, &content)?;
+                }
+            }
+            self.incoming.start = at.end;
+            if self.incoming.start == self.incoming.end {
+                self.incoming.start = 0;
+                self.incoming.end = 0;
+            }
+        }
+        Ok(())
+    }
+
+    /// A record that is not application data: an alert, or a message of
+    /// the key schedule.
+    fn control(&mut self, kind: u8, content: &[u8]) -> Result<(), rustls::Error> {
+        match kind {
+            records::ALERT => {
+                records::alert(content)?;
+                self.peer_closed = true;
+                Ok(())
+            }
+            records::HANDSHAKE => {
+                for message in records::post_handshake(content)? {
+                    match message {
+                        PostHandshake::KeyUpdate { requested } => {
+                            let (seq, secrets) = self.shared.kernel().update_rx_secret()?;
+                            self.key = RecordKey::new(secrets, seq)?;
+                            if requested {
+                                self.shared.update_requested.store(true, Ordering::Release);
+                            }
+                        }
+                        PostHandshake::Ticket(body) => S::ticket(&mut self.shared.kernel(), body)?,
+                    }
+                }
+                Ok(())
+            }
+            other => Err(rustls::Error::General(format!("a TLS record of content type {other} after the handshake"))),
+        }
+    }
 }
 
 impl<S: Session> AsyncRead for TlsReadHalf<S> {
     fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        let mut guard = lock(&this.core);
-        let core = &mut *guard;
         loop {
-            if let Some(e) = &core.failed {
-                return Poll::Ready(Err(tls_error(e.clone())));
-            }
-            if !core.plaintext.is_empty() {
-                core.plaintext.take_into(buf);
+            this.shared.check()?;
+            if !this.plaintext.is_empty() {
+                this.plaintext.take_into(buf);
                 return Poll::Ready(Ok(()));
             }
-            if core.peer_closed || buf.remaining() == 0 {
+            if this.peer_closed || buf.remaining() == 0 {
                 return Poll::Ready(Ok(()));
             }
-            // Decrypt every whole record that has arrived, while the
-            // caller's buffer has room.
             let before = buf.filled().len();
-            loop {
-                let mut delivery = Delivery { to: Some(&mut *buf), rest: &mut core.plaintext };
-                match step(&mut core.session, &mut core.incoming, &mut core.control, &mut delivery, None) {
-                    Err(e) => {
-                        core.failed = Some(e.clone());
-                        return Poll::Ready(Err(tls_error(e)));
-                    }
-                    Ok(Step::Data) if buf.remaining() == 0 || !core.plaintext.is_empty() => break,
-                    Ok(Step::Data | Step::Encoded | Step::Transmit) => {}
-                    Ok(Step::PeerClosed | Step::Closed) => {
-                        core.peer_closed = true;
-                        break;
-                    }
-                    Ok(Step::Writable | Step::NeedBytes | Step::Wrote) => break,
-                }
+            if let Err(e) = this.open_records(buf) {
+                return Poll::Ready(Err(this.shared.fail(e)));
             }
-            if buf.filled().len() > before || core.peer_closed {
+            if buf.filled().len() > before || this.peer_closed {
                 return Poll::Ready(Ok(()));
             }
-            if !core.plaintext.is_empty() {
+            if !this.plaintext.is_empty() {
                 continue;
             }
-            // Nothing whole left: read from the socket.
-            let room = core.incoming.room();
+            // Nothing whole left (or only tickets and key updates): read
+            // from the socket.
+            let room = this.incoming.room();
             let mut read = ReadBuf::new(room);
-            match Pin::new(&mut this.io).poll_read(cx, &mut read) {
-                Poll::Pending => {
-                    core.reader = Some(cx.waker().clone());
-                    return Poll::Pending;
+            std::task::ready!(Pin::new(&mut this.io).poll_read(cx, &mut read))?;
+            let n = read.filled().len();
+            if n == 0 {
+                if this.incoming.start == this.incoming.end {
+                    // The peer closed between records without a
+                    // close_notify. The frames above carry their lengths,
+                    // so a cut inside one is still caught.
+                    this.peer_closed = true;
+                    return Poll::Ready(Ok(()));
                 }
-                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
-                Poll::Ready(Ok(())) => {
-                    let n = read.filled().len();
-                    if n == 0 {
-                        if core.incoming.start == core.incoming.end {
-                            // The peer closed between records without a
-                            // close_notify. The frames above carry their
-                            // lengths, so a cut inside one is still caught.
-                            core.peer_closed = true;
-                            return Poll::Ready(Ok(()));
-                        }
-                        return Poll::Ready(Err(io::Error::new(
-                            io::ErrorKind::UnexpectedEof,
-                            "the peer closed the connection inside a TLS record",
-                        )));
-                    }
-                    core.incoming.end += n;
-                }
+                return Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "the peer closed the connection inside a TLS record",
+                )));
             }
+            this.incoming.end += n;
         }
     }
 }
 
 /// The writing half of a [`TlsStream`].
-pub struct TlsWriteHalf<S> {
+pub struct TlsWriteHalf<S: Session> {
     io: OwnedWriteHalf,
-    core: Arc<Mutex<Core<S>>>,
-    /// Encrypted bytes not yet sent.
+    /// Sealed bytes not yet sent.
     out: Outgoing,
+    key: RecordKey,
+    key_limit: u64,
+    shared: Arc<Shared<S::Data>>,
     shut: bool,
 }
 
 impl<S: Session> TlsWriteHalf<S> {
-    /// Sends what is encrypted, until all of it is or the socket is full.
+    /// Sends what is sealed, until all of it is or the socket is full.
     fn poll_send(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         while !self.out.is_empty() {
             let n = std::task::ready!(Pin::new(&mut self.io).poll_write(cx, self.out.unsent()))?;
@@ -680,65 +774,57 @@ impl<S: Session> TlsWriteHalf<S> {
         Poll::Ready(Ok(()))
     }
 
-    /// Encrypts up to [`WRITE_CHUNK_BYTES`] of `bufs` into `out` (after any
-    /// TLS message the reader left for sending), then a close_notify if
+    /// Seals one record into `out`, replacing the key first when it is at
+    /// its limit.
+    fn seal(&mut self, kind: u8, fragment: &[u8]) -> Result<(), rustls::Error> {
+        if self.key.seq().saturating_add(1) >= self.key_limit {
+            self.update_key()?;
+        }
+        let len = records::sealed_len(fragment.len());
+        records::seal(&mut self.key, kind, fragment, &mut self.out.spare(len)[..len])?;
+        self.out.filled += len;
+        Ok(())
+    }
+
+    /// Tells the peer our next records use our next key (a KeyUpdate sealed
+    /// with the current one), then takes it (RFC 8446 4.6.3).
+    fn update_key(&mut self) -> Result<(), rustls::Error> {
+        let len = records::sealed_len(records::KEY_UPDATE_NOT_REQUESTED.len());
+        records::seal(&mut self.key, records::HANDSHAKE, &records::KEY_UPDATE_NOT_REQUESTED, &mut self.out.spare(len)[..len])?;
+        self.out.filled += len;
+        let (seq, secrets) = self.shared.kernel().update_tx_secret()?;
+        self.key = RecordKey::new(secrets, seq)?;
+        Ok(())
+    }
+
+    /// Seals up to [`WRITE_CHUNK_BYTES`] of `bufs` into `out` (after the
+    /// KeyUpdate the peer asked for, if it did), then a close_notify if
     /// `close`; returns how much plaintext it took.
     fn encrypt(&mut self, bufs: &[io::IoSlice<'_>], close: bool) -> io::Result<usize> {
-        let mut guard = lock(&self.core);
-        let core = &mut *guard;
-        if let Some(e) = &core.failed {
-            return Err(tls_error(e.clone()));
-        }
-        if !core.control.is_empty() {
-            self.out.extend(core.control.unsent());
-            core.control.clear();
-        }
-        let mut taken = 0;
-        for slice in bufs.iter().filter(|s| !s.is_empty()) {
-            let room = WRITE_CHUNK_BYTES - taken;
-            if room == 0 {
-                break;
+        self.shared.check()?;
+        let sealed = (|| {
+            if self.shared.update_requested.swap(false, Ordering::AcqRel) {
+                self.update_key()?;
             }
-            let plain = &slice[..slice.len().min(room)];
-            seal(core, &mut self.out, Outbound::Data(plain))?;
-            taken += plain.len();
-        }
-        if close {
-            seal(core, &mut self.out, Outbound::CloseNotify)?;
-        }
-        Ok(taken)
-    }
-}
-
-/// Encrypts `next` into `out`, first handling whatever rustls has to say
-/// (records the reader had not decrypted yet are set aside for it).
-fn seal<S: Session>(core: &mut Core<S>, out: &mut Outgoing, next: Outbound<'_>) -> io::Result<()> {
-    loop {
-        let mut delivery = Delivery { to: None, rest: &mut core.plaintext };
-        match step(&mut core.session, &mut core.incoming, out, &mut delivery, Some(next)) {
-            Err(e) => {
-                core.failed = Some(e.clone());
-                return Err(tls_error(e));
+            let mut taken = 0;
+            for slice in bufs.iter().filter(|s| !s.is_empty()) {
+                let room = WRITE_CHUNK_BYTES - taken;
+                if room == 0 {
+                    break;
+                }
+                let plain = &slice[..slice.len().min(room)];
+                self.out.spare(plain.len() + plain.len().div_ceil(records::MAX_FRAGMENT_BYTES) * RECORD_OVERHEAD_BYTES);
+                for fragment in plain.chunks(records::MAX_FRAGMENT_BYTES) {
+                    self.seal(records::APPLICATION_DATA, fragment)?;
+                }
+                taken += plain.len();
             }
-            Ok(Step::Wrote) => return Ok(()),
-            Ok(Step::Data) => wake(&mut core.reader),
-            Ok(Step::PeerClosed) => {
-                core.peer_closed = true;
-                wake(&mut core.reader);
+            if close {
+                self.seal(records::ALERT, &records::CLOSE_NOTIFY)?;
             }
-            Ok(Step::Encoded | Step::Transmit) => {}
-            Ok(Step::Closed) if matches!(next, Outbound::CloseNotify) => return Ok(()),
-            Ok(Step::Closed) => return Err(io::Error::new(io::ErrorKind::BrokenPipe, "the TLS session is closed")),
-            Ok(Step::Writable | Step::NeedBytes) => {
-                return Err(io::Error::other("the TLS session cannot send (handshake not complete)"));
-            }
-        }
-    }
-}
-
-fn wake(waker: &mut Option<Waker>) {
-    if let Some(w) = waker.take() {
-        w.wake();
+            Ok(taken)
+        })();
+        sealed.map_err(|e| self.shared.fail(e))
     }
 }
 
@@ -749,7 +835,7 @@ impl<S: Session> AsyncWrite for TlsWriteHalf<S> {
 
     fn poll_write_vectored(self: Pin<&mut Self>, cx: &mut Context<'_>, bufs: &[io::IoSlice<'_>]) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
-        // What was encrypted before goes first: new plaintext is taken only
+        // What was sealed before goes first: new plaintext is taken only
         // once the socket took the last, so the send buffer never holds
         // more than one chunk.
         std::task::ready!(this.poll_send(cx))?;
@@ -769,7 +855,7 @@ impl<S: Session> AsyncWrite for TlsWriteHalf<S> {
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
         std::task::ready!(this.poll_send(cx))?;
-        if !lock(&this.core).control.is_empty() {
+        if this.shared.update_requested.load(Ordering::Acquire) {
             this.encrypt(&[], false)?;
             std::task::ready!(this.poll_send(cx))?;
         }

@@ -30,25 +30,26 @@ fn pki_named(ca_name: &str) -> Pki {
     let params = rcgen::CertificateParams::new(vec!["127.0.0.1".to_string()]).unwrap();
     let issuer = rcgen::Issuer::new(ca_params, ca_key);
     let cert = params.signed_by(&key, &issuer).unwrap();
-    let server = ServerConfig::builder_with_provider(provider())
-        .with_safe_default_protocol_versions()
+    let mut server = ServerConfig::builder_with_provider(provider())
+        .with_protocol_versions(PROTOCOL_VERSIONS)
         .unwrap()
         .with_no_client_auth()
         .with_single_cert(vec![cert.der().clone()], PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())))
         .unwrap();
+    configure_server(&mut server);
     Pki { ca: ca.der().clone(), server }
 }
 
 fn client_config(ca: &CertificateDer<'static>) -> Arc<ClientConfig> {
     let mut roots = RootCertStore::empty();
     roots.add(ca.clone()).unwrap();
-    Arc::new(
-        ClientConfig::builder_with_provider(provider())
-            .with_safe_default_protocol_versions()
-            .unwrap()
-            .with_root_certificates(roots)
-            .with_no_client_auth(),
-    )
+    let mut config = ClientConfig::builder_with_provider(provider())
+        .with_protocol_versions(PROTOCOL_VERSIONS)
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    configure_client(&mut config);
+    Arc::new(config)
 }
 
 /// Every test ends within a minute: a session that stalls fails, it does
@@ -194,7 +195,7 @@ async fn a_shutdown_sends_close_notify_and_the_peer_reads_the_end_after_every_by
         sr.read_to_end(&mut got).await.unwrap();
         assert_eq!(got.len(), 100_000);
         assert!(got.iter().all(|b| *b == 7));
-        assert!(lock(&sr.core).peer_closed, "the end came from close_notify");
+        assert!(sr.peer_closed, "the end came from close_notify");
     })
     .await;
 }
@@ -319,6 +320,135 @@ async fn a_peer_that_answers_in_plaintext_fails_the_handshake_with_its_bytes_rec
         let failed = TlsStream::connect(client_config(&pki.ca), name(), TcpStream::connect(addr).await.unwrap()).await;
         let failed = failed.err().expect("a plaintext peer completed a TLS handshake");
         assert!(failed.seen.starts_with(b"KVPL"), "seen: {:?}", failed.seen);
+    })
+    .await;
+}
+
+// rustls's own record layer as the peer: its buffered connection over a
+// blocking socket on a thread of its own. What our record layer seals, the
+// reference opens, and the other way round, through key updates of both
+// ends (ours at a low key limit, rustls's on request) and the session
+// tickets a server sends after its handshake.
+
+fn reference_read(stream: &mut impl std::io::Read, seed: u64, len: u64) {
+    let mut buf = vec![0u8; 100_000];
+    let mut at = 0;
+    while at < len {
+        let want = buf.len().min((len - at) as usize);
+        let n = stream.read(&mut buf[..want]).unwrap();
+        assert!(n > 0, "the reference peer's stream ended at byte {at} of {len}");
+        for (k, b) in buf[..n].iter().enumerate() {
+            assert_eq!(*b, byte(seed, at + k as u64), "the reference peer read byte {} wrong", at + k as u64);
+        }
+        at += n as u64;
+    }
+}
+
+fn reference_write(stream: &mut impl std::io::Write, seed: u64, len: u64) {
+    let bytes: Vec<u8> = (0..len).map(|i| byte(seed, i)).collect();
+    stream.write_all(&bytes).unwrap();
+    stream.flush().unwrap();
+}
+
+/// A client session store that counts the TLS 1.3 tickets put in it.
+#[derive(Debug)]
+struct CountingTickets {
+    inner: rustls::client::ClientSessionMemoryCache,
+    tickets: std::sync::atomic::AtomicUsize,
+}
+
+impl rustls::client::ClientSessionStore for CountingTickets {
+    fn set_kx_hint(&self, name: ServerName<'static>, group: rustls::NamedGroup) {
+        self.inner.set_kx_hint(name, group)
+    }
+    fn kx_hint(&self, name: &ServerName<'_>) -> Option<rustls::NamedGroup> {
+        self.inner.kx_hint(name)
+    }
+    fn set_tls12_session(&self, name: ServerName<'static>, value: rustls::client::Tls12ClientSessionValue) {
+        self.inner.set_tls12_session(name, value)
+    }
+    fn tls12_session(&self, name: &ServerName<'_>) -> Option<rustls::client::Tls12ClientSessionValue> {
+        self.inner.tls12_session(name)
+    }
+    fn remove_tls12_session(&self, name: &ServerName<'static>) {
+        self.inner.remove_tls12_session(name)
+    }
+    fn insert_tls13_ticket(&self, name: ServerName<'static>, value: rustls::client::Tls13ClientSessionValue) {
+        self.tickets.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.inner.insert_tls13_ticket(name, value)
+    }
+    fn take_tls13_ticket(&self, name: &ServerName<'static>) -> Option<rustls::client::Tls13ClientSessionValue> {
+        self.inner.take_tls13_ticket(name)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn our_client_and_rustls_own_server_exchange_bytes_through_key_updates_of_both_and_its_tickets() {
+    within(async {
+        let pki = pki();
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server_config = Arc::new(pki.server.clone());
+        assert!(server_config.send_tls13_tickets > 0, "the reference server sends tickets after its handshake");
+        const LEN: u64 = 3 << 20;
+        let reference = std::thread::spawn(move || {
+            let (tcp, _) = listener.accept().unwrap();
+            let mut tls = rustls::StreamOwned::new(rustls::ServerConnection::new(server_config).unwrap(), tcp);
+            reference_read(&mut tls, 1, LEN);
+            // A KeyUpdate asking for ours: its next records use its next
+            // key, and ours must change before our next data.
+            tls.conn.refresh_traffic_keys().unwrap();
+            reference_write(&mut tls, 2, LEN);
+            reference_read(&mut tls, 3, LEN);
+            tls.conn.send_close_notify();
+            std::io::Write::flush(&mut tls).unwrap();
+        });
+        let store = Arc::new(CountingTickets { inner: rustls::client::ClientSessionMemoryCache::new(8), tickets: 0.into() });
+        let mut config = Arc::unwrap_or_clone(client_config(&pki.ca));
+        config.resumption = rustls::client::Resumption::store(store.clone());
+        let tcp = TcpStream::connect(addr).await.unwrap();
+        // Our key changes every 7 records: about 27 times in 3 MiB.
+        let client = TlsStream::connect(Arc::new(config), name(), tcp).await.unwrap().with_key_limit(7);
+        let (mut cr, mut cw) = client.into_split();
+        let mut rng = fastrand::Rng::with_seed(21);
+        send_pattern(&mut cw, 1, LEN, &mut rng).await;
+        check_pattern(&mut cr, 2, LEN, &mut rng).await;
+        assert!(cw.shared.update_requested.load(Ordering::Acquire), "the reference's KeyUpdate asked for ours");
+        send_pattern(&mut cw, 3, LEN, &mut rng).await;
+        assert!(!cw.shared.update_requested.load(Ordering::Acquire), "our KeyUpdate went ahead of our data");
+        let mut rest = Vec::new();
+        cr.read_to_end(&mut rest).await.unwrap();
+        assert!(rest.is_empty() && cr.peer_closed, "the reference's close_notify ends the stream");
+        reference.join().expect("the reference peer read every byte we sealed");
+        assert!(store.tickets.load(std::sync::atomic::Ordering::Relaxed) > 0, "the server's tickets reached rustls's store");
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn our_server_and_rustls_own_client_exchange_bytes_through_key_updates_of_both() {
+    within(async {
+        let pki = pki();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        const LEN: u64 = 3 << 20;
+        let config = client_config(&pki.ca);
+        let reference = std::thread::spawn(move || {
+            let tcp = std::net::TcpStream::connect(addr).unwrap();
+            let mut tls = rustls::StreamOwned::new(rustls::ClientConnection::new(config, name()).unwrap(), tcp);
+            reference_read(&mut tls, 1, LEN);
+            tls.conn.refresh_traffic_keys().unwrap();
+            reference_write(&mut tls, 2, LEN);
+            reference_read(&mut tls, 3, LEN);
+        });
+        let (tcp, _) = listener.accept().await.unwrap();
+        let server = TlsStream::accept(Arc::new(pki.server.clone()), tcp).await.unwrap().with_key_limit(5);
+        let (mut sr, mut sw) = server.into_split();
+        let mut rng = fastrand::Rng::with_seed(22);
+        send_pattern(&mut sw, 1, LEN, &mut rng).await;
+        check_pattern(&mut sr, 2, LEN, &mut rng).await;
+        send_pattern(&mut sw, 3, LEN, &mut rng).await;
+        reference.join().expect("the reference peer read every byte we sealed");
     })
     .await;
 }

@@ -194,7 +194,7 @@ fn build(files: &TlsConfig, m: &Material) -> Result<Arc<ServerConfig>, String> {
     let key = PrivateKeyDer::from_pem_slice(&m.key)
         .map_err(|e| format!("--tls-key {}: no private key in it (PKCS#8, PKCS#1 or SEC1 PEM expected): {e}", files.key_file.display()))?;
     let builder = ServerConfig::builder_with_provider(Arc::clone(&provider))
-        .with_safe_default_protocol_versions()
+        .with_protocol_versions(kvplane_tls::PROTOCOL_VERSIONS)
         .map_err(|e| format!("TLS protocol versions: {e}"))?;
     let builder = match (&files.client_ca_file, &m.client_ca) {
         (Some(path), Some(pem)) => {
@@ -210,9 +210,10 @@ fn build(files: &TlsConfig, m: &Material) -> Result<Arc<ServerConfig>, String> {
         }
         _ => builder.with_no_client_auth(),
     };
-    let config = builder.with_single_cert(certs, key).map_err(|e| {
+    let mut config = builder.with_single_cert(certs, key).map_err(|e| {
         format!("--tls-key {} and --tls-cert {} do not make a certificate: {e}", files.key_file.display(), files.cert_file.display())
     })?;
+    kvplane_tls::configure_server(&mut config);
     Ok(Arc::new(config))
 }
 

@@ -1,0 +1,292 @@
+//! The TLS 1.3 record layer after the handshake (RFC 8446 section 5), over
+//! the traffic keys rustls hands over (`dangerous_into_kernel_connection`,
+//! the interface kernel-TLS integrations use).
+//!
+//! **Why our own.** rustls 0.23 seals each record into a vector of its own
+//! and hands each opened record over in one too, so every byte is copied
+//! twice on each end besides the AEAD pass. Here a record is sealed out of
+//! place, straight from the caller's plaintext into the send buffer, and
+//! opened out of place, straight from the receive buffer into the caller's
+//! buffer whenever it has room for the whole record: one pass over each
+//! byte per end (the AEAD's), besides the kernel's copy.
+//!
+//! **What stays with rustls.** The handshake, certificates, and the key
+//! schedule: a key update (ours, before a key's confidentiality limit, or
+//! the peer's) asks rustls's `KernelConnection` for the next traffic
+//! secret, and session tickets a server sends after the handshake go to it
+//! too. Only TLS 1.3 is spoken here (the configs of both ends allow no
+//! other version), with the three AEADs TLS 1.3 defines.
+
+use aws_lc_rs::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_128_GCM, AES_256_GCM, CHACHA20_POLY1305};
+use rustls::{AlertDescription, ConnectionTrafficSecrets, PeerMisbehaved};
+
+/// TLS content types (RFC 8446 5.1).
+pub(crate) const ALERT: u8 = 21;
+pub(crate) const HANDSHAKE: u8 = 22;
+pub(crate) const APPLICATION_DATA: u8 = 23;
+
+/// Handshake message types a peer may send after the handshake (RFC 8446 4.6).
+pub(crate) const NEW_SESSION_TICKET: u8 = 4;
+pub(crate) const KEY_UPDATE: u8 = 24;
+
+/// The record header: content type, legacy version, length (RFC 8446 5.1).
+pub(crate) const HEADER_BYTES: usize = 5;
+/// Most plaintext one record carries.
+pub(crate) const MAX_FRAGMENT_BYTES: usize = 1 << 14;
+/// The AEAD tag of every TLS 1.3 suite.
+const TAG_BYTES: usize = 16;
+/// Most protected bytes after a header: the fragment, its content type,
+/// padding and the tag (RFC 8446 5.2: 2^14 + 256).
+const MAX_PROTECTED_BYTES: usize = (1 << 14) + 256;
+const LEGACY_VERSION: [u8; 2] = [0x03, 0x03];
+
+/// One direction's traffic key and its record sequence number, which the
+/// per-record nonce is made of (RFC 8446 5.3).
+pub(crate) struct RecordKey {
+    key: LessSafeKey,
+    iv: [u8; 12],
+    seq: u64,
+}
+
+impl RecordKey {
+    pub(crate) fn new(secrets: ConnectionTrafficSecrets, seq: u64) -> Result<RecordKey, rustls::Error> {
+        let (algorithm, key, iv) = match &secrets {
+            ConnectionTrafficSecrets::Aes128Gcm { key, iv } => (&AES_128_GCM, key, iv),
+            ConnectionTrafficSecrets::Aes256Gcm { key, iv } => (&AES_256_GCM, key, iv),
+            ConnectionTrafficSecrets::Chacha20Poly1305 { key, iv } => (&CHACHA20_POLY1305, key, iv),
+            _ => return Err(rustls::Error::General("the negotiated TLS suite has no record layer here".into())),
+        };
+        let key =
+            UnboundKey::new(algorithm, key.as_ref()).map_err(|_| rustls::Error::General("a TLS traffic key of the wrong length".into()))?;
+        let iv: [u8; 12] = iv.as_ref().try_into().map_err(|_| rustls::Error::General("a TLS traffic IV of the wrong length".into()))?;
+        Ok(RecordKey { key: LessSafeKey::new(key), iv, seq })
+    }
+
+    /// The next record's nonce: the IV with the sequence number XORed into
+    /// its last 8 bytes. A sequence number is never used twice: at its
+    /// last value the key refuses (`exhausted`).
+    fn next_nonce(&mut self, exhausted: rustls::Error) -> Result<Nonce, rustls::Error> {
+        if self.seq == u64::MAX {
+            return Err(exhausted);
+        }
+        let mut nonce = self.iv;
+        for (n, s) in nonce[4..].iter_mut().zip(self.seq.to_be_bytes()) {
+            *n ^= s;
+        }
+        self.seq += 1;
+        Ok(Nonce::assume_unique_for_key(nonce))
+    }
+
+    /// Records protected with this key so far.
+    pub(crate) fn seq(&self) -> u64 {
+        self.seq
+    }
+}
+
+fn header(content_len: usize) -> [u8; HEADER_BYTES] {
+    let [hi, lo] = (content_len as u16).to_be_bytes();
+    [APPLICATION_DATA, LEGACY_VERSION[0], LEGACY_VERSION[1], hi, lo]
+}
+
+/// Seals one record of `content_type` carrying `fragment` (at most
+/// [`MAX_FRAGMENT_BYTES`]) into `out`, which must be exactly
+/// [`sealed_len`]`(fragment.len())` bytes.
+pub(crate) fn seal(key: &mut RecordKey, content_type: u8, fragment: &[u8], out: &mut [u8]) -> Result<(), rustls::Error> {
+    debug_assert!(fragment.len() <= MAX_FRAGMENT_BYTES);
+    debug_assert_eq!(out.len(), sealed_len(fragment.len()));
+    let head = header(fragment.len() + 1 + TAG_BYTES);
+    let nonce = key.next_nonce(rustls::Error::EncryptError)?;
+    let (h, rest) = out.split_at_mut(HEADER_BYTES);
+    h.copy_from_slice(&head);
+    let (body, extra_and_tag) = rest.split_at_mut(fragment.len());
+    key.key
+        .seal_out_of_place_scatter(nonce, Aad::from(head), fragment, body, &[content_type], extra_and_tag)
+        .map_err(|_| rustls::Error::EncryptError)
+}
+
+/// Bytes on the wire of a record carrying `fragment_len` bytes.
+pub(crate) const fn sealed_len(fragment_len: usize) -> usize {
+    HEADER_BYTES + fragment_len + 1 + TAG_BYTES
+}
+
+/// The length of the first record of `received` (header included) when
+/// all of it has arrived, `None` while it has not.
+pub(crate) fn whole_record(received: &[u8]) -> Result<Option<usize>, rustls::Error> {
+    let Some(head) = received.get(..HEADER_BYTES) else { return Ok(None) };
+    let len = u16::from_be_bytes([head[3], head[4]]) as usize;
+    if head[0] != APPLICATION_DATA {
+        // After the handshake every TLS 1.3 record is protected and says
+        // application data outside; a change_cipher_spec is allowed only
+        // during the handshake.
+        return Err(match head[0] {
+            20 => rustls::Error::PeerMisbehaved(PeerMisbehaved::IllegalMiddleboxChangeCipherSpec),
+            other => rustls::Error::General(format!("a TLS record of outer content type {other} after the handshake")),
+        });
+    }
+    if len > MAX_PROTECTED_BYTES {
+        return Err(rustls::Error::PeerSentOversizedRecord);
+    }
+    if len <= TAG_BYTES {
+        // Not even a content type under the tag.
+        return Err(rustls::Error::DecryptError);
+    }
+    Ok((received.len() >= HEADER_BYTES + len).then_some(HEADER_BYTES + len))
+}
+
+/// Room a record needs to be opened into: its protected bytes less the tag
+/// (the content, its content type and any padding).
+pub(crate) fn opened_len(record_len: usize) -> usize {
+    record_len - HEADER_BYTES - TAG_BYTES
+}
+
+/// Opens `record` (one whole record, header included, as
+/// [`whole_record`] measured it) into `out` of [`opened_len`] bytes. On
+/// success: the content type and the content's length (the start of
+/// `out`); on a failed tag `out` holds nothing meaningful and the caller
+/// must not deliver any of it.
+pub(crate) fn open_into(key: &mut RecordKey, record: &[u8], out: &mut [u8]) -> Result<(u8, usize), rustls::Error> {
+    let (head, protected) = record.split_at(HEADER_BYTES);
+    let (ciphertext, tag) = protected.split_at(protected.len() - TAG_BYTES);
+    let nonce = key.next_nonce(rustls::Error::DecryptError)?;
+    key.key.open_separate_gather(nonce, Aad::from(head), ciphertext, tag, out).map_err(|_| rustls::Error::DecryptError)?;
+    inner_type(out)
+}
+
+/// Opens `record` in place; its content type and where its content is in
+/// `record`.
+pub(crate) fn open_in_place(key: &mut RecordKey, record: &mut [u8]) -> Result<(u8, std::ops::Range<usize>), rustls::Error> {
+    let (head, protected) = record.split_at_mut(HEADER_BYTES);
+    let head: [u8; HEADER_BYTES] = (&*head).try_into().expect("a header is 5 bytes");
+    let nonce = key.next_nonce(rustls::Error::DecryptError)?;
+    let opened = key.key.open_in_place(nonce, Aad::from(head), protected).map_err(|_| rustls::Error::DecryptError)?;
+    let (content_type, len) = inner_type(opened)?;
+    Ok((content_type, HEADER_BYTES..HEADER_BYTES + len))
+}
+
+/// The inner plaintext's content type and content length: the last
+/// non-zero byte is the type, the zeros after it padding (RFC 8446 5.4).
+fn inner_type(opened: &[u8]) -> Result<(u8, usize), rustls::Error> {
+    let Some(at) = opened.iter().rposition(|b| *b != 0) else {
+        return Err(rustls::Error::PeerMisbehaved(PeerMisbehaved::IllegalTlsInnerPlaintext));
+    };
+    if at > MAX_FRAGMENT_BYTES {
+        return Err(rustls::Error::PeerSentOversizedRecord);
+    }
+    Ok((opened[at], at))
+}
+
+/// What an alert record says: `Ok(())` for close_notify, the alert as an
+/// error otherwise.
+pub(crate) fn alert(content: &[u8]) -> Result<(), rustls::Error> {
+    match content {
+        [_, 0] => Ok(()),
+        [_, description] => Err(rustls::Error::AlertReceived(AlertDescription::from(*description))),
+        _ => Err(rustls::Error::General(format!("a malformed TLS alert of {} bytes", content.len()))),
+    }
+}
+
+/// The close_notify alert's content (RFC 8446 6.1: its level is ignored).
+pub(crate) const CLOSE_NOTIFY: [u8; 2] = [1, 0];
+
+/// A KeyUpdate handshake message that asks the peer for nothing in return
+/// (RFC 8446 4.6.3: `update_not_requested`).
+pub(crate) const KEY_UPDATE_NOT_REQUESTED: [u8; 5] = [KEY_UPDATE, 0, 0, 1, 0];
+
+/// A post-handshake message from the peer.
+pub(crate) enum PostHandshake<'a> {
+    /// The peer's next records use its next key; `requested`: it asks for
+    /// ours to change too.
+    KeyUpdate { requested: bool },
+    /// A session ticket (the body of the message) for the client.
+    Ticket(&'a [u8]),
+}
+
+/// The handshake messages of one record, in order. A KeyUpdate must end
+/// its record (RFC 8446 5.1: handshake messages never span a key change);
+/// a message split over records is refused (none that may come after a
+/// handshake is anywhere near a record's size).
+pub(crate) fn post_handshake(mut content: &[u8]) -> Result<Vec<PostHandshake<'_>>, rustls::Error> {
+    let mut messages = Vec::new();
+    while !content.is_empty() {
+        let &[kind, a, b, c, ref rest @ ..] = content else {
+            return Err(rustls::Error::General("a post-handshake message split over TLS records".into()));
+        };
+        let len = u32::from_be_bytes([0, a, b, c]) as usize;
+        if rest.len() < len {
+            return Err(rustls::Error::General("a post-handshake message split over TLS records".into()));
+        }
+        let (body, after) = rest.split_at(len);
+        content = after;
+        match (kind, body) {
+            (KEY_UPDATE, [requested @ (0 | 1)]) => {
+                if !content.is_empty() {
+                    return Err(rustls::Error::PeerMisbehaved(PeerMisbehaved::KeyEpochWithPendingFragment));
+                }
+                messages.push(PostHandshake::KeyUpdate { requested: *requested == 1 });
+            }
+            (KEY_UPDATE, _) => return Err(rustls::Error::General("a malformed TLS KeyUpdate".into())),
+            (NEW_SESSION_TICKET, body) => messages.push(PostHandshake::Ticket(body)),
+            (kind, _) => return Err(rustls::Error::General(format!("a TLS handshake message of type {kind} after the handshake"))),
+        }
+    }
+    Ok(messages)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(seq: u64) -> RecordKey {
+        let secrets = ConnectionTrafficSecrets::Aes256Gcm { key: [7u8; 32].into(), iv: [9u8; 12].into() };
+        RecordKey::new(secrets, seq).unwrap()
+    }
+
+    #[test]
+    fn a_sealed_record_opens_both_ways_and_a_changed_byte_or_sequence_number_fails_it() {
+        let fragment: Vec<u8> = (0..1000u32).map(|i| i as u8).collect();
+        let mut record = vec![0u8; sealed_len(fragment.len())];
+        seal(&mut key(5), APPLICATION_DATA, &fragment, &mut record).unwrap();
+        assert_eq!(whole_record(&record).unwrap(), Some(record.len()));
+        assert_eq!(whole_record(&record[..record.len() - 1]).unwrap(), None);
+
+        let mut out = vec![0u8; opened_len(record.len())];
+        assert_eq!(open_into(&mut key(5), &record, &mut out).unwrap(), (APPLICATION_DATA, fragment.len()));
+        assert_eq!(&out[..fragment.len()], &fragment[..]);
+        let mut in_place = record.clone();
+        let (kind, at) = open_in_place(&mut key(5), &mut in_place).unwrap();
+        assert_eq!((kind, &in_place[at]), (APPLICATION_DATA, &fragment[..]));
+
+        // Another sequence number is another nonce.
+        assert_eq!(open_into(&mut key(6), &record, &mut out), Err(rustls::Error::DecryptError));
+        for at in [0, 3, HEADER_BYTES, record.len() / 2, record.len() - 1] {
+            let mut bad = record.clone();
+            bad[at] ^= 1;
+            let opened = whole_record(&bad).and_then(|_| open_into(&mut key(5), &bad, &mut out));
+            assert!(opened.is_err(), "byte {at} changed and the record still opened");
+        }
+    }
+
+    #[test]
+    fn a_record_of_padding_alone_or_too_long_is_refused() {
+        let mut record = vec![0u8; sealed_len(0)];
+        // Content type 0: all of it padding.
+        seal(&mut key(0), 0, &[], &mut record).unwrap();
+        let mut out = vec![0u8; opened_len(record.len())];
+        assert_eq!(open_into(&mut key(0), &record, &mut out), Err(rustls::Error::PeerMisbehaved(PeerMisbehaved::IllegalTlsInnerPlaintext)));
+        let mut long = header(MAX_PROTECTED_BYTES + 1).to_vec();
+        long.resize(HEADER_BYTES + MAX_PROTECTED_BYTES + 1, 0);
+        assert_eq!(whole_record(&long), Err(rustls::Error::PeerSentOversizedRecord));
+    }
+
+    #[test]
+    fn post_handshake_messages_are_read_in_order_and_a_key_update_ends_its_record() {
+        let mut content = vec![NEW_SESSION_TICKET, 0, 0, 2, 0xaa, 0xbb];
+        content.extend_from_slice(&[KEY_UPDATE, 0, 0, 1, 1]);
+        let read = post_handshake(&content).unwrap();
+        assert!(matches!(read[..], [PostHandshake::Ticket([0xaa, 0xbb]), PostHandshake::KeyUpdate { requested: true }]));
+        content.extend_from_slice(&[NEW_SESSION_TICKET, 0, 0, 0]);
+        assert!(post_handshake(&content).is_err(), "a message after a KeyUpdate in its record");
+        assert!(post_handshake(&[KEY_UPDATE, 0, 0, 1, 2]).is_err());
+        assert!(post_handshake(&[NEW_SESSION_TICKET, 0, 0, 9, 1]).is_err(), "split over records");
+    }
+}
