@@ -78,6 +78,10 @@ const MAX_RECORD_BYTES: usize = 5 + (1 << 14) + 256;
 /// rustls says when it needs more.
 const RECORD_OVERHEAD_BYTES: usize = 5 + 1 + 16;
 
+/// KeyUpdates a peer may send in a row with no application data between
+/// them (rustls itself allows a handful too).
+const MAX_KEY_UPDATES_IN_A_ROW: u32 = 32;
+
 /// Most bytes the peer sent during a handshake that are kept, to explain a
 /// failed one (a plaintext kvplane error frame fits many times over).
 pub const RECORDED_BYTES: usize = 16 << 10;
@@ -359,16 +363,19 @@ enum Step {
     Closed,
 }
 
-/// One call of `process_tls_records` over the unprocessed bytes, its state
-/// handled: data set aside in `plaintext`, messages encoded into `out`. The
-/// processed bytes are dropped from `incoming` whatever happened.
+/// One call of `process_tls_records` over the unprocessed bytes (none when
+/// `read` is false), its state handled: data set aside in `plaintext`,
+/// messages encoded into `out`. The processed bytes are dropped from
+/// `incoming` whatever happened.
 fn step<S: Session>(
     session: &mut S,
     incoming: &mut Incoming,
     out: &mut Outgoing,
     plaintext: &mut Plaintext,
+    read: bool,
 ) -> Result<Step, rustls::Error> {
-    let UnbufferedStatus { mut discard, state } = session.process(&mut incoming.buf[incoming.start..incoming.end]);
+    let received = if read { &mut incoming.buf[incoming.start..incoming.end] } else { &mut [][..] };
+    let UnbufferedStatus { mut discard, state } = session.process(received);
     let result = match state {
         Err(e) => Err(e),
         Ok(ConnectionState::ReadTraffic(mut traffic)) => {
@@ -501,7 +508,16 @@ impl<S: Session> TlsStream<S> {
         let mut out = Outgoing::new();
         let mut seen = Vec::new();
         loop {
-            match step(&mut session, &mut incoming, &mut out, &mut plaintext) {
+            // Once the handshake is done rustls is given no more received
+            // bytes: what it still has to send (the client's Finished, the
+            // server's tickets) it encodes from its own state, and every
+            // record after the peer's Finished is the record layer's. Were
+            // rustls to read on, it would act on records itself: a
+            // KeyUpdate asking for ours would have its answer queued
+            // inside rustls, where the hand-over drops it, and our next
+            // records would use a key the peer was never told of.
+            let read = session.handshaking();
+            match step(&mut session, &mut incoming, &mut out, &mut plaintext, read) {
                 Err(e) => {
                     // Where rustls refused, it queued an alert that tells
                     // the peer why: the next call hands it over before it
@@ -509,7 +525,7 @@ impl<S: Session> TlsStream<S> {
                     // would parse the bytes that failed again, and rustls
                     // sends one fatal alert per session. Sent best effort;
                     // the caller's deadline bounds it.
-                    if let Ok(Step::Encoded) = step(&mut session, &mut incoming, &mut out, &mut plaintext) {
+                    if let Ok(Step::Encoded) = step(&mut session, &mut incoming, &mut out, &mut plaintext, read) {
                         let _ = io.write_all(out.unsent()).await;
                     }
                     return Err(HandshakeError { error: tls_error(e), seen });
@@ -529,6 +545,10 @@ impl<S: Session> TlsStream<S> {
                         Ok(stream) => Ok(stream),
                         Err(error) => Err(HandshakeError { error, seen }),
                     };
+                }
+                Ok(Step::Writable | Step::Data | Step::NeedBytes) if !read => {
+                    let error = io::Error::other("rustls asked for received bytes after its handshake was done");
+                    return Err(HandshakeError { error, seen });
                 }
                 // A server may send data before the client's last flight
                 // arrived (and is verified): wait for it.
@@ -589,6 +609,7 @@ impl<S: Session> TlsStream<S> {
                 plaintext: self.plaintext,
                 key: self.rx,
                 peer_closed: false,
+                updates_in_a_row: 0,
                 shared: Arc::clone(&shared),
             },
             TlsWriteHalf { io: w, out, key: self.tx, key_limit: self.key_limit, shared, shut: false },
@@ -629,6 +650,8 @@ pub struct TlsReadHalf<S: Session> {
     key: RecordKey,
     /// The peer sent close_notify (or closed between records).
     peer_closed: bool,
+    /// KeyUpdates received since the last application data.
+    updates_in_a_row: u32,
     shared: Arc<Shared<S::Data>>,
 }
 
@@ -648,8 +671,14 @@ impl<S: Session> TlsReadHalf<S> {
                 // Straight into the caller's buffer; only a record that
                 // opened is counted in it.
                 let out = &mut buf.initialize_unfilled_to(room)[..room];
-                let (kind, n) = records::open_into(&mut self.key, &self.incoming.buf[at.clone()], out)?;
+                let opened = records::open_into(&mut self.key, &self.incoming.buf[at.clone()], out);
+                if opened.is_err() {
+                    // What a failed tag left there is no one's to see.
+                    out.fill(0);
+                }
+                let (kind, n) = opened?;
                 if kind == records::APPLICATION_DATA {
+                    self.updates_in_a_row = 0;
                     buf.advance(n);
                 } else {
                     let content = out[..n].to_vec();
@@ -659,6 +688,7 @@ impl<S: Session> TlsReadHalf<S> {
                 let record = &mut self.incoming.buf[at.clone()];
                 let (kind, content) = records::open_in_place(&mut self.key, record)?;
                 if kind == records::APPLICATION_DATA {
+                    self.updates_in_a_row = 0;
                     self.plaintext.deliver(Some(&mut *buf), &record[content]);
                 } else {
                     let content = record[content].to_vec();
@@ -687,6 +717,14 @@ impl<S: Session> TlsReadHalf<S> {
                 for message in records::post_handshake(content)? {
                     match message {
                         PostHandshake::KeyUpdate { requested } => {
+                            // Each costs a key derivation: a peer gets a few
+                            // in a row, not a stream of them.
+                            self.updates_in_a_row += 1;
+                            if self.updates_in_a_row > MAX_KEY_UPDATES_IN_A_ROW {
+                                return Err(rustls::Error::General(format!(
+                                    "the peer sent more than {MAX_KEY_UPDATES_IN_A_ROW} TLS KeyUpdates with no data between them"
+                                )));
+                            }
                             let (seq, secrets) = self.shared.kernel().update_rx_secret()?;
                             self.key = RecordKey::new(secrets, seq)?;
                             if requested {
@@ -808,7 +846,9 @@ impl<S: Session> TlsWriteHalf<S> {
             }
             let mut taken = 0;
             for slice in bufs.iter().filter(|s| !s.is_empty()) {
-                let room = WRITE_CHUNK_BYTES - taken;
+                // A chunk of plaintext, or of sealed bytes where many small
+                // slices (a record each) make those the more.
+                let room = WRITE_CHUNK_BYTES.saturating_sub(taken.max(self.out.filled));
                 if room == 0 {
                     break;
                 }
@@ -835,6 +875,9 @@ impl<S: Session> AsyncWrite for TlsWriteHalf<S> {
 
     fn poll_write_vectored(self: Pin<&mut Self>, cx: &mut Context<'_>, bufs: &[io::IoSlice<'_>]) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
+        if this.shut {
+            return Poll::Ready(Err(io::Error::new(io::ErrorKind::BrokenPipe, "written after the TLS session's close_notify")));
+        }
         // What was sealed before goes first: new plaintext is taken only
         // once the socket took the last, so the send buffer never holds
         // more than one chunk.

@@ -89,10 +89,10 @@ fn header(content_len: usize) -> [u8; HEADER_BYTES] {
 }
 
 /// Seals one record of `content_type` carrying `fragment` (at most
-/// [`MAX_FRAGMENT_BYTES`]) into `out`, which must be exactly
+/// [`MAX_FRAGMENT_BYTES`] from the writer) into `out`, which must be exactly
 /// [`sealed_len`]`(fragment.len())` bytes.
 pub(crate) fn seal(key: &mut RecordKey, content_type: u8, fragment: &[u8], out: &mut [u8]) -> Result<(), rustls::Error> {
-    debug_assert!(fragment.len() <= MAX_FRAGMENT_BYTES);
+    debug_assert!(fragment.len() + 1 + TAG_BYTES <= MAX_PROTECTED_BYTES);
     debug_assert_eq!(out.len(), sealed_len(fragment.len()));
     let head = header(fragment.len() + 1 + TAG_BYTES);
     let nonce = key.next_nonce(rustls::Error::EncryptError)?;
@@ -166,12 +166,14 @@ pub(crate) fn open_in_place(key: &mut RecordKey, record: &mut [u8]) -> Result<(u
 /// The inner plaintext's content type and content length: the last
 /// non-zero byte is the type, the zeros after it padding (RFC 8446 5.4).
 fn inner_type(opened: &[u8]) -> Result<(u8, usize), rustls::Error> {
+    // The inner plaintext, padding included, is at most a fragment and its
+    // content type (RFC 8446 5.4).
+    if opened.len() > MAX_FRAGMENT_BYTES + 1 {
+        return Err(rustls::Error::PeerSentOversizedRecord);
+    }
     let Some(at) = opened.iter().rposition(|b| *b != 0) else {
         return Err(rustls::Error::PeerMisbehaved(PeerMisbehaved::IllegalTlsInnerPlaintext));
     };
-    if at > MAX_FRAGMENT_BYTES {
-        return Err(rustls::Error::PeerSentOversizedRecord);
-    }
     Ok((opened[at], at))
 }
 
@@ -206,6 +208,10 @@ pub(crate) enum PostHandshake<'a> {
 /// a message split over records is refused (none that may come after a
 /// handshake is anywhere near a record's size).
 pub(crate) fn post_handshake(mut content: &[u8]) -> Result<Vec<PostHandshake<'_>>, rustls::Error> {
+    if content.is_empty() {
+        // RFC 8446 5.1: never a zero-length handshake fragment.
+        return Err(rustls::Error::General("an empty TLS handshake record".into()));
+    }
     let mut messages = Vec::new();
     while !content.is_empty() {
         let &[kind, a, b, c, ref rest @ ..] = content else {
@@ -273,6 +279,13 @@ mod tests {
         seal(&mut key(0), 0, &[], &mut record).unwrap();
         let mut out = vec![0u8; opened_len(record.len())];
         assert_eq!(open_into(&mut key(0), &record, &mut out), Err(rustls::Error::PeerMisbehaved(PeerMisbehaved::IllegalTlsInnerPlaintext)));
+        // A whole fragment with padding past it.
+        let mut padded = vec![1u8; MAX_FRAGMENT_BYTES];
+        padded.extend_from_slice(&[APPLICATION_DATA, 0]);
+        let mut record = vec![0u8; sealed_len(padded.len() - 1)];
+        seal(&mut key(0), 0, &padded[..padded.len() - 1], &mut record).unwrap();
+        let mut out = vec![0u8; opened_len(record.len())];
+        assert_eq!(open_into(&mut key(0), &record, &mut out), Err(rustls::Error::PeerSentOversizedRecord));
         let mut long = header(MAX_PROTECTED_BYTES + 1).to_vec();
         long.resize(HEADER_BYTES + MAX_PROTECTED_BYTES + 1, 0);
         assert_eq!(whole_record(&long), Err(rustls::Error::PeerSentOversizedRecord));
@@ -288,5 +301,6 @@ mod tests {
         assert!(post_handshake(&content).is_err(), "a message after a KeyUpdate in its record");
         assert!(post_handshake(&[KEY_UPDATE, 0, 0, 1, 2]).is_err());
         assert!(post_handshake(&[NEW_SESSION_TICKET, 0, 0, 9, 1]).is_err(), "split over records");
+        assert!(post_handshake(&[]).is_err(), "an empty handshake record");
     }
 }

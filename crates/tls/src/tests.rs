@@ -452,3 +452,54 @@ async fn our_server_and_rustls_own_client_exchange_bytes_through_key_updates_of_
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_update_right_behind_the_clients_finished_is_the_record_layers_and_is_answered() {
+    within(async {
+        let pki = pki();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        const LEN: u64 = 1 << 20;
+        let config = client_config(&pki.ca);
+        let reference = std::thread::spawn(move || {
+            use std::io::Write;
+            let mut tcp = std::net::TcpStream::connect(addr).unwrap();
+            let mut conn = rustls::ClientConnection::new(config, name()).unwrap();
+            // The handshake by hand, so that the client's Finished and a
+            // KeyUpdate asking for ours leave in one flight.
+            while conn.is_handshaking() {
+                while conn.wants_write() {
+                    conn.write_tls(&mut tcp).unwrap();
+                }
+                if !conn.is_handshaking() {
+                    break;
+                }
+                conn.read_tls(&mut tcp).unwrap();
+                conn.process_new_packets().unwrap();
+            }
+            conn.refresh_traffic_keys().unwrap();
+            let mut flight = Vec::new();
+            while conn.wants_write() {
+                conn.write_tls(&mut flight).unwrap();
+            }
+            tcp.write_all(&flight).unwrap();
+            let mut tls = rustls::StreamOwned::new(conn, tcp);
+            // Data under its next key, behind the KeyUpdate.
+            tls.write_all(b"after the update").unwrap();
+            tls.flush().unwrap();
+            reference_read(&mut tls, 1, LEN);
+        });
+        let (tcp, _) = listener.accept().await.unwrap();
+        let server = TlsStream::accept(Arc::new(pki.server.clone()), tcp).await.unwrap();
+        let (mut sr, mut sw) = server.into_split();
+        // The data behind the KeyUpdate opens under the client's next key,
+        // and our answer goes ahead of our data, which the reference opens.
+        let mut after = [0u8; 16];
+        sr.read_exact(&mut after).await.unwrap();
+        assert_eq!(&after, b"after the update");
+        assert!(sw.shared.update_requested.load(Ordering::Acquire), "the KeyUpdate reached the record layer");
+        send_pattern(&mut sw, 1, LEN, &mut fastrand::Rng::with_seed(23)).await;
+        reference.join().expect("the reference read what we sealed after its KeyUpdate");
+    })
+    .await;
+}
