@@ -6,17 +6,17 @@
 //! into rustls's deframer, from the deframer (where the record is decrypted
 //! in place) into a fresh allocation per record, and from there into the
 //! reader's buffer; and it reads at most a record per system call. rustls's
-//! unbuffered API (which this crate drove until the handshake's end and
-//! after it too, before [`records`]) still seals each record into a vector
-//! of its own and hands each opened one over in one. Here the handshake
-//! runs on the unbuffered API; then rustls hands over the traffic keys (its
-//! `KernelConnection`, the interface kernel-TLS integrations use) and
-//! records are sealed straight from the caller's plaintext into the send
-//! buffer and opened straight from the receive buffer into the caller's
-//! buffer: one pass over each byte per end, the AEAD's. The socket is read
-//! into one buffer, up to 256 KiB (many records) per system call; sending
-//! seals up to 1 MiB ([`WRITE_CHUNK_BYTES`]) into one reusable buffer
-//! written with one system call.
+//! unbuffered API, which this crate used for every record before, still
+//! seals each record into a vector of its own and hands each opened one
+//! over in one. So the handshake runs on the unbuffered API, and then
+//! rustls hands over the traffic keys (its `KernelConnection`, the
+//! interface kernel-TLS integrations use): records are sealed straight from
+//! the caller's plaintext into the send buffer and opened straight from the
+//! receive buffer into the caller's buffer: one pass over each byte per
+//! end, the AEAD's. The socket is read into one buffer, up to 256 KiB (many
+//! records) per system call; sending seals up to 1 MiB
+//! ([`WRITE_CHUNK_BYTES`]) into one reusable buffer written with one system
+//! call.
 //!
 //! **Two halves.** The node and the client read and write a connection from
 //! different tasks. After the handshake each direction has its own key and
@@ -159,9 +159,10 @@ impl Session for UnbufferedServerConnection {
     }
 }
 
-/// What both ends' rustls configs need for this crate: TLS 1.3 only, and
-/// the traffic keys handed over after the handshake. A config without them
-/// fails every handshake, saying so.
+/// What a server config needs besides being built with
+/// [`PROTOCOL_VERSIONS`] (TLS 1.3 only): rustls must hand the traffic keys
+/// over after the handshake. A config without either fails every
+/// handshake, saying so.
 pub fn configure_server(config: &mut ServerConfig) {
     config.enable_secret_extraction = true;
 }
