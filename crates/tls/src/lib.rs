@@ -651,7 +651,8 @@ pub struct TlsReadHalf<S: Session> {
     key: RecordKey,
     /// The peer sent close_notify (or closed between records).
     peer_closed: bool,
-    /// KeyUpdates received since the last application data.
+    /// KeyUpdates received since the last record of application data
+    /// that carried any.
     updates_in_a_row: u32,
     shared: Arc<Shared<S::Data>>,
 }
@@ -679,7 +680,10 @@ impl<S: Session> TlsReadHalf<S> {
                 }
                 let (kind, n) = opened?;
                 if kind == records::APPLICATION_DATA {
-                    self.updates_in_a_row = 0;
+                    // Empty records of data do not reset it.
+                    if n > 0 {
+                        self.updates_in_a_row = 0;
+                    }
                     buf.advance(n);
                 } else {
                     let content = out[..n].to_vec();
@@ -689,7 +693,9 @@ impl<S: Session> TlsReadHalf<S> {
                 let record = &mut self.incoming.buf[at.clone()];
                 let (kind, content) = records::open_in_place(&mut self.key, record)?;
                 if kind == records::APPLICATION_DATA {
-                    self.updates_in_a_row = 0;
+                    if !content.is_empty() {
+                        self.updates_in_a_row = 0;
+                    }
                     self.plaintext.deliver(Some(&mut *buf), &record[content]);
                 } else {
                     let content = record[content].to_vec();

@@ -503,3 +503,30 @@ async fn a_key_update_right_behind_the_clients_finished_is_the_record_layers_and
     })
     .await;
 }
+
+#[tokio::test]
+async fn a_peer_gets_32_key_updates_in_a_row_and_not_33() {
+    within(async {
+        let pki = pki();
+        for (updates, refused) in [(MAX_KEY_UPDATES_IN_A_ROW, false), (MAX_KEY_UPDATES_IN_A_ROW + 1, true)] {
+            let (client, server) = pair(&pki).await;
+            let (_cr, mut cw) = client.into_split();
+            let (mut sr, _sw) = server.into_split();
+            for _ in 0..updates {
+                cw.update_key().unwrap();
+            }
+            cw.write_all(b"data").await.unwrap();
+            cw.flush().await.unwrap();
+            let mut got = [0u8; 4];
+            let read = sr.read_exact(&mut got).await;
+            if refused {
+                let error = read.expect_err("the 33rd KeyUpdate in a row was taken");
+                assert!(error.to_string().contains("KeyUpdates with no data between them"), "{error}");
+            } else {
+                read.unwrap();
+                assert_eq!(&got, b"data");
+            }
+        }
+    })
+    .await;
+}
