@@ -1,6 +1,6 @@
-//! TLS on the client port (issue 21): rustls, its record layer on aws-lc-rs
-//! through kvplane-tls's streams (one copy per received byte fewer than
-//! tokio-rustls; that crate says why), the certificate reloaded when its
+//! TLS on the client port (issue 21): rustls's TLS 1.3 handshake, then
+//! kvplane-tls's own record layer on aws-lc-rs (one pass over each byte per
+//! end; that crate says why), the certificate reloaded when its
 //! files change, client certificates checked against a CA when one is given
 //! (mutual TLS).
 //!
