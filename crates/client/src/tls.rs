@@ -1,7 +1,7 @@
 //! TLS to a node's TCP port: rustls's TLS 1.3 handshake and kvplane-tls's
-//! record layer on aws-lc-rs (as the node), the node's certificate checked against a CA
-//! file, an optional client certificate for nodes that require one (mutual
-//! TLS).
+//! record layer on aws-lc-rs (as the node), the node's certificate checked
+//! against a CA file, an optional client certificate for nodes that require
+//! one (mutual TLS).
 //!
 //! Every way a TLS connection can fail is named in the error the caller
 //! gets (each starts `TLS: `): a node that speaks no TLS on that port, a
