@@ -627,11 +627,6 @@ impl<S: Session> TlsStream<S> {
         self
     }
 
-    /// What the handshake settled (the suite agreed, the protocol version).
-    pub fn kernel(&self) -> &KernelConnection<S::Data> {
-        &self.kernel
-    }
-
     /// Makes the sending key change after `records` records instead of the
     /// suite's confidentiality limit (tests reach a key update this way).
     #[cfg(test)]
@@ -847,31 +842,34 @@ impl<S: Session> TlsWriteHalf<S> {
     /// `close`; returns how much plaintext it took.
     fn encrypt(&mut self, bufs: &[io::IoSlice<'_>], close: bool) -> io::Result<usize> {
         self.shared.check()?;
-        let sealed = (|| {
-            if self.shared.update_requested.swap(false, Ordering::AcqRel) {
-                self.update_key()?;
+        self.seal_chunk(bufs, close).map_err(|e| self.shared.fail(e))
+    }
+
+    /// [`TlsWriteHalf::encrypt`]'s work; an error ends the session.
+    fn seal_chunk(&mut self, bufs: &[io::IoSlice<'_>], close: bool) -> Result<usize, rustls::Error> {
+        if self.shared.update_requested.swap(false, Ordering::AcqRel) {
+            self.update_key()?;
+        }
+        let mut taken = 0;
+        for slice in bufs.iter().filter(|s| !s.is_empty()) {
+            // A chunk of plaintext, or of sealed bytes where many small
+            // slices (a record each) make those the more.
+            let room = WRITE_CHUNK_BYTES.saturating_sub(taken.max(self.out.filled));
+            if room == 0 {
+                break;
             }
-            let mut taken = 0;
-            for slice in bufs.iter().filter(|s| !s.is_empty()) {
-                // A chunk of plaintext, or of sealed bytes where many small
-                // slices (a record each) make those the more.
-                let room = WRITE_CHUNK_BYTES.saturating_sub(taken.max(self.out.filled));
-                if room == 0 {
-                    break;
-                }
-                let plain = &slice[..slice.len().min(room)];
-                self.out.spare(plain.len() + plain.len().div_ceil(records::MAX_FRAGMENT_BYTES) * RECORD_OVERHEAD_BYTES);
-                for fragment in plain.chunks(records::MAX_FRAGMENT_BYTES) {
-                    self.seal(records::APPLICATION_DATA, fragment)?;
-                }
-                taken += plain.len();
+            let plain = &slice[..slice.len().min(room)];
+            // Grown once for the slice, not record by record.
+            self.out.spare(plain.len() + plain.len().div_ceil(records::MAX_FRAGMENT_BYTES) * RECORD_OVERHEAD_BYTES);
+            for fragment in plain.chunks(records::MAX_FRAGMENT_BYTES) {
+                self.seal(records::APPLICATION_DATA, fragment)?;
             }
-            if close {
-                self.seal(records::ALERT, &records::CLOSE_NOTIFY)?;
-            }
-            Ok(taken)
-        })();
-        sealed.map_err(|e| self.shared.fail(e))
+            taken += plain.len();
+        }
+        if close {
+            self.seal(records::ALERT, &records::CLOSE_NOTIFY)?;
+        }
+        Ok(taken)
     }
 }
 

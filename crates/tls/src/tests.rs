@@ -425,24 +425,34 @@ async fn our_client_and_rustls_own_server_exchange_bytes_through_key_updates_of_
     .await;
 }
 
+/// Our server's end of a connection from rustls's own client, which
+/// `script` drives (from its TCP stream and a client config trusting the
+/// server) on a thread of its own.
+async fn our_server_and_a_reference_client(
+    script: impl FnOnce(std::net::TcpStream, Arc<ClientConfig>) + Send + 'static,
+) -> (TlsStream<UnbufferedServerConnection>, std::thread::JoinHandle<()>) {
+    let pki = pki();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let config = client_config(&pki.ca);
+    let reference = std::thread::spawn(move || script(std::net::TcpStream::connect(addr).unwrap(), config));
+    let (tcp, _) = listener.accept().await.unwrap();
+    (TlsStream::accept(Arc::new(pki.server.clone()), tcp).await.unwrap(), reference)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn our_server_and_rustls_own_client_exchange_bytes_through_key_updates_of_both() {
     within(async {
-        let pki = pki();
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
         const LEN: u64 = 3 << 20;
-        let config = client_config(&pki.ca);
-        let reference = std::thread::spawn(move || {
-            let tcp = std::net::TcpStream::connect(addr).unwrap();
+        let (server, reference) = our_server_and_a_reference_client(|tcp, config| {
             let mut tls = rustls::StreamOwned::new(rustls::ClientConnection::new(config, name()).unwrap(), tcp);
             reference_read(&mut tls, 1, LEN);
             tls.conn.refresh_traffic_keys().unwrap();
             reference_write(&mut tls, 2, LEN);
             reference_read(&mut tls, 3, LEN);
-        });
-        let (tcp, _) = listener.accept().await.unwrap();
-        let server = TlsStream::accept(Arc::new(pki.server.clone()), tcp).await.unwrap().with_key_limit(5);
+        })
+        .await;
+        let server = server.with_key_limit(5);
         let (mut sr, mut sw) = server.into_split();
         let mut rng = fastrand::Rng::with_seed(22);
         send_pattern(&mut sw, 1, LEN, &mut rng).await;
@@ -456,14 +466,9 @@ async fn our_server_and_rustls_own_client_exchange_bytes_through_key_updates_of_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_update_right_behind_the_clients_finished_is_the_record_layers_and_is_answered() {
     within(async {
-        let pki = pki();
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
         const LEN: u64 = 1 << 20;
-        let config = client_config(&pki.ca);
-        let reference = std::thread::spawn(move || {
+        let (server, reference) = our_server_and_a_reference_client(|mut tcp, config| {
             use std::io::Write;
-            let mut tcp = std::net::TcpStream::connect(addr).unwrap();
             let mut conn = rustls::ClientConnection::new(config, name()).unwrap();
             // The handshake by hand, so that the client's Finished and a
             // KeyUpdate asking for ours leave in one flight.
@@ -488,9 +493,8 @@ async fn a_key_update_right_behind_the_clients_finished_is_the_record_layers_and
             tls.write_all(b"after the update").unwrap();
             tls.flush().unwrap();
             reference_read(&mut tls, 1, LEN);
-        });
-        let (tcp, _) = listener.accept().await.unwrap();
-        let server = TlsStream::accept(Arc::new(pki.server.clone()), tcp).await.unwrap();
+        })
+        .await;
         let (mut sr, mut sw) = server.into_split();
         // The data behind the KeyUpdate opens under the client's next key,
         // and our answer goes ahead of our data, which the reference opens.
