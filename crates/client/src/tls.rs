@@ -1,5 +1,5 @@
 //! TLS to a node's TCP port: rustls's TLS 1.3 handshake and kvplane-tls's
-//! record layer on aws-lc-rs (as the node), the node's certificate checked
+//! record layer (as the node), the node's certificate checked
 //! against a CA file, an optional client certificate for nodes that require
 //! one (mutual TLS).
 //!

@@ -10,6 +10,19 @@
 //! buffer whenever it has room for the whole record: one pass over each
 //! byte per end (the AEAD's), besides the kernel's copy.
 //!
+//! **Whose AES-GCM.** Both aws-lc-rs and ring are in the process (rustls's
+//! provider is aws-lc-rs; the rest of the process's TLS uses ring), and
+//! neither is the faster everywhere: on a CPU with AVX-512 and VAES,
+//! aws-lc's AVX-512 AES-GCM was about three times ring's; on one with VAES
+//! and AVX2 alone (AMD EPYC, the CI kind of 3 Dec 2026) ring's VAES/AVX2
+//! code sealed 16 KiB records at 6.1-7.3 GB/s against aws-lc's 3.8 (aws-lc
+//! falls back to its AES-NI code there; see docs/security.md, "Cost").
+//! [`Backend::for_this_cpu`] picks by those features; on a CPU with
+//! neither both run the same AES-NI code. aws-lc-rs opens and seals out of
+//! place (the AEAD's pass is the copy); ring works in place, so with it a
+//! record's bytes are copied into place first (a copy of a record that is
+//! in the cache, against an AEAD pass that costs several).
+//!
 //! **What stays with rustls.** The handshake, certificates, and the key
 //! schedule: a key update (ours, before a key's confidentiality limit, or
 //! the peer's) asks rustls's `KernelConnection` for the next traffic
@@ -17,7 +30,8 @@
 //! too. Only TLS 1.3 is spoken here (the configs of both ends allow no
 //! other version), with the three AEADs TLS 1.3 defines.
 
-use aws_lc_rs::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_128_GCM, AES_256_GCM, CHACHA20_POLY1305};
+use aws_lc_rs::aead as lc;
+use ring::aead as rg;
 use rustls::{AlertDescription, ConnectionTrafficSecrets, PeerMisbehaved};
 
 /// TLS content types (RFC 8446 5.1).
@@ -40,32 +54,103 @@ const TAG_BYTES: usize = 16;
 const MAX_PROTECTED_BYTES: usize = (1 << 14) + 256;
 const LEGACY_VERSION: [u8; 2] = [0x03, 0x03];
 
+/// Which library's AEAD a [`RecordKey`] runs on (see the module
+/// documentation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Backend {
+    AwsLc,
+    Ring,
+}
+
+impl Backend {
+    /// aws-lc-rs where its AVX-512 AES-GCM runs (AVX-512 with VAES and
+    /// VPCLMULQDQ), ring elsewhere on x86-64 (its VAES/AVX2 AES-GCM, or the
+    /// same AES-NI code as aws-lc's); aws-lc-rs on other architectures.
+    pub(crate) fn for_this_cpu() -> Backend {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx512 = std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512vl")
+                && std::arch::is_x86_feature_detected!("avx512bw")
+                && std::arch::is_x86_feature_detected!("vaes")
+                && std::arch::is_x86_feature_detected!("vpclmulqdq");
+            if avx512 {
+                Backend::AwsLc
+            } else {
+                Backend::Ring
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        Backend::AwsLc
+    }
+}
+
+/// The AEADs of TLS 1.3's suites.
+#[derive(Clone, Copy, Debug)]
+enum Suite {
+    Aes128Gcm,
+    Aes256Gcm,
+    Chacha20Poly1305,
+}
+
+enum Aead {
+    AwsLc(lc::LessSafeKey),
+    /// Boxed: ring's key schedule is held inline (over 500 bytes).
+    Ring(Box<rg::LessSafeKey>),
+}
+
 /// One direction's traffic key and its record sequence number, which the
 /// per-record nonce is made of (RFC 8446 5.3).
 pub(crate) struct RecordKey {
-    key: LessSafeKey,
+    aead: Aead,
     iv: [u8; 12],
     seq: u64,
 }
 
 impl RecordKey {
     pub(crate) fn new(secrets: ConnectionTrafficSecrets, seq: u64) -> Result<RecordKey, rustls::Error> {
-        let (algorithm, key, iv) = match &secrets {
-            ConnectionTrafficSecrets::Aes128Gcm { key, iv } => (&AES_128_GCM, key, iv),
-            ConnectionTrafficSecrets::Aes256Gcm { key, iv } => (&AES_256_GCM, key, iv),
-            ConnectionTrafficSecrets::Chacha20Poly1305 { key, iv } => (&CHACHA20_POLY1305, key, iv),
+        RecordKey::on(Backend::for_this_cpu(), secrets, seq)
+    }
+
+    /// [`RecordKey::new`] on a given backend.
+    pub(crate) fn on(backend: Backend, secrets: ConnectionTrafficSecrets, seq: u64) -> Result<RecordKey, rustls::Error> {
+        let (suite, key, iv) = match &secrets {
+            ConnectionTrafficSecrets::Aes128Gcm { key, iv } => (Suite::Aes128Gcm, key.as_ref(), iv.as_ref()),
+            ConnectionTrafficSecrets::Aes256Gcm { key, iv } => (Suite::Aes256Gcm, key.as_ref(), iv.as_ref()),
+            ConnectionTrafficSecrets::Chacha20Poly1305 { key, iv } => (Suite::Chacha20Poly1305, key.as_ref(), iv.as_ref()),
             _ => return Err(rustls::Error::General("the negotiated TLS suite has no record layer here".into())),
         };
-        let key =
-            UnboundKey::new(algorithm, key.as_ref()).map_err(|_| rustls::Error::General("a TLS traffic key of the wrong length".into()))?;
-        let iv: [u8; 12] = iv.as_ref().try_into().map_err(|_| rustls::Error::General("a TLS traffic IV of the wrong length".into()))?;
-        Ok(RecordKey { key: LessSafeKey::new(key), iv, seq })
+        RecordKey::with_key(backend, suite, key, iv, seq)
+    }
+
+    fn with_key(backend: Backend, suite: Suite, key: &[u8], iv: &[u8], seq: u64) -> Result<RecordKey, rustls::Error> {
+        let aead = match backend {
+            Backend::AwsLc => {
+                let algorithm = match suite {
+                    Suite::Aes128Gcm => &lc::AES_128_GCM,
+                    Suite::Aes256Gcm => &lc::AES_256_GCM,
+                    Suite::Chacha20Poly1305 => &lc::CHACHA20_POLY1305,
+                };
+                lc::UnboundKey::new(algorithm, key).ok().map(|k| Aead::AwsLc(lc::LessSafeKey::new(k)))
+            }
+            Backend::Ring => {
+                let algorithm = match suite {
+                    Suite::Aes128Gcm => &rg::AES_128_GCM,
+                    Suite::Aes256Gcm => &rg::AES_256_GCM,
+                    Suite::Chacha20Poly1305 => &rg::CHACHA20_POLY1305,
+                };
+                rg::UnboundKey::new(algorithm, key).ok().map(|k| Aead::Ring(Box::new(rg::LessSafeKey::new(k))))
+            }
+        }
+        .ok_or_else(|| rustls::Error::General("a TLS traffic key of the wrong length".into()))?;
+        let iv: [u8; 12] = iv.try_into().map_err(|_| rustls::Error::General("a TLS traffic IV of the wrong length".into()))?;
+        Ok(RecordKey { aead, iv, seq })
     }
 
     /// The next record's nonce: the IV with the sequence number XORed into
     /// its last 8 bytes. A sequence number is never used twice: at its
     /// last value the key refuses (`exhausted`).
-    fn next_nonce(&mut self, exhausted: rustls::Error) -> Result<Nonce, rustls::Error> {
+    fn next_nonce(&mut self, exhausted: rustls::Error) -> Result<[u8; 12], rustls::Error> {
         if self.seq == u64::MAX {
             return Err(exhausted);
         }
@@ -74,7 +159,7 @@ impl RecordKey {
             *n ^= s;
         }
         self.seq += 1;
-        Ok(Nonce::assume_unique_for_key(nonce))
+        Ok(nonce)
     }
 
     /// Records protected with this key so far.
@@ -98,10 +183,30 @@ pub(crate) fn seal(key: &mut RecordKey, content_type: u8, fragment: &[u8], out: 
     let nonce = key.next_nonce(rustls::Error::EncryptError)?;
     let (h, rest) = out.split_at_mut(HEADER_BYTES);
     h.copy_from_slice(&head);
-    let (body, extra_and_tag) = rest.split_at_mut(fragment.len());
-    key.key
-        .seal_out_of_place_scatter(nonce, Aad::from(head), fragment, body, &[content_type], extra_and_tag)
-        .map_err(|_| rustls::Error::EncryptError)
+    match &key.aead {
+        Aead::AwsLc(k) => {
+            let (body, extra_and_tag) = rest.split_at_mut(fragment.len());
+            k.seal_out_of_place_scatter(
+                lc::Nonce::assume_unique_for_key(nonce),
+                lc::Aad::from(head),
+                fragment,
+                body,
+                &[content_type],
+                extra_and_tag,
+            )
+            .map_err(|_| rustls::Error::EncryptError)
+        }
+        Aead::Ring(k) => {
+            let (inner, tag) = rest.split_at_mut(fragment.len() + 1);
+            inner[..fragment.len()].copy_from_slice(fragment);
+            inner[fragment.len()] = content_type;
+            let sealed = k
+                .seal_in_place_separate_tag(rg::Nonce::assume_unique_for_key(nonce), rg::Aad::from(head), inner)
+                .map_err(|_| rustls::Error::EncryptError)?;
+            tag.copy_from_slice(sealed.as_ref());
+            Ok(())
+        }
+    }
 }
 
 /// Bytes on the wire of a record carrying `fragment_len` bytes.
@@ -148,7 +253,17 @@ pub(crate) fn open_into(key: &mut RecordKey, record: &[u8], out: &mut [u8]) -> R
     let (head, protected) = record.split_at(HEADER_BYTES);
     let (ciphertext, tag) = protected.split_at(protected.len() - TAG_BYTES);
     let nonce = key.next_nonce(rustls::Error::DecryptError)?;
-    key.key.open_separate_gather(nonce, Aad::from(head), ciphertext, tag, out).map_err(|_| rustls::Error::DecryptError)?;
+    match &key.aead {
+        Aead::AwsLc(k) => k
+            .open_separate_gather(lc::Nonce::assume_unique_for_key(nonce), lc::Aad::from(head), ciphertext, tag, out)
+            .map_err(|_| rustls::Error::DecryptError)?,
+        Aead::Ring(k) => {
+            out.copy_from_slice(ciphertext);
+            let tag = rg::Tag::try_from(tag).map_err(|_| rustls::Error::DecryptError)?;
+            k.open_in_place_separate_tag(rg::Nonce::assume_unique_for_key(nonce), rg::Aad::from(head), tag, out, 0..)
+                .map_err(|_| rustls::Error::DecryptError)?;
+        }
+    }
     inner_type(out)
 }
 
@@ -158,7 +273,11 @@ pub(crate) fn open_in_place(key: &mut RecordKey, record: &mut [u8]) -> Result<(u
     let (head, protected) = record.split_at_mut(HEADER_BYTES);
     let head: [u8; HEADER_BYTES] = (&*head).try_into().expect("a header is 5 bytes");
     let nonce = key.next_nonce(rustls::Error::DecryptError)?;
-    let opened = key.key.open_in_place(nonce, Aad::from(head), protected).map_err(|_| rustls::Error::DecryptError)?;
+    let opened = match &key.aead {
+        Aead::AwsLc(k) => k.open_in_place(lc::Nonce::assume_unique_for_key(nonce), lc::Aad::from(head), protected).ok(),
+        Aead::Ring(k) => k.open_in_place(rg::Nonce::assume_unique_for_key(nonce), rg::Aad::from(head), protected).ok(),
+    }
+    .ok_or(rustls::Error::DecryptError)?;
     let (content_type, len) = inner_type(opened)?;
     Ok((content_type, HEADER_BYTES..HEADER_BYTES + len))
 }
@@ -245,6 +364,50 @@ mod tests {
     fn key(seq: u64) -> RecordKey {
         let secrets = ConnectionTrafficSecrets::Aes256Gcm { key: [7u8; 32].into(), iv: [9u8; 12].into() };
         RecordKey::new(secrets, seq).unwrap()
+    }
+
+    /// Each suite with a key and an IV, the same bytes for either backend.
+    const SUITES: [(Suite, &[u8], [u8; 12]); 3] =
+        [(Suite::Aes128Gcm, &[3; 16], [4; 12]), (Suite::Aes256Gcm, &[7; 32], [9; 12]), (Suite::Chacha20Poly1305, &[5; 32], [6; 12])];
+
+    /// The two backends make the same records: each opens what the other
+    /// sealed (into a buffer and in place), whatever the suite and the
+    /// fragment's length, and both refuse a record with a changed byte.
+    #[test]
+    fn records_sealed_by_either_backend_open_with_the_other_and_a_changed_byte_fails_both() {
+        let backends = [Backend::AwsLc, Backend::Ring];
+        for (suite, key, iv) in SUITES {
+            let secrets = |b| RecordKey::with_key(b, suite, key, &iv, 41).unwrap();
+            for len in [0, 1, 15, 16, 17, 1000, MAX_FRAGMENT_BYTES] {
+                let fragment: Vec<u8> = (0..len).map(|i| (i * 7 + 1) as u8).collect();
+                let sealed: Vec<Vec<u8>> = backends
+                    .iter()
+                    .map(|&b| {
+                        let mut record = vec![0u8; sealed_len(len)];
+                        seal(&mut secrets(b), APPLICATION_DATA, &fragment, &mut record).unwrap();
+                        record
+                    })
+                    .collect();
+                assert_eq!(sealed[0], sealed[1], "{suite:?}, {len} bytes: the backends sealed different records");
+                for &b in &backends {
+                    let mut out = vec![0u8; opened_len(sealed[0].len())];
+                    let opened = open_into(&mut secrets(b), &sealed[0], &mut out);
+                    assert_eq!(opened, Ok((APPLICATION_DATA, len)), "{suite:?}, {len} bytes, opened with {b:?}");
+                    assert_eq!(&out[..len], &fragment[..]);
+                    let mut in_place = sealed[0].clone();
+                    let (kind, at) = open_in_place(&mut secrets(b), &mut in_place).unwrap();
+                    assert_eq!((kind, &in_place[at]), (APPLICATION_DATA, &fragment[..]), "{suite:?}, {len} bytes, in place with {b:?}");
+                    let mut bad = sealed[0].clone();
+                    let last = bad.len() - 1;
+                    bad[last] ^= 0x80;
+                    let refused = open_into(&mut secrets(b), &bad, &mut out);
+                    assert_eq!(refused, Err(rustls::Error::DecryptError), "{suite:?}, {len} bytes: {b:?} opened a changed tag");
+                    let mut bad = sealed[0].clone();
+                    bad[HEADER_BYTES] ^= 1;
+                    assert_eq!(open_in_place(&mut secrets(b), &mut bad).map(|_| ()), Err(rustls::Error::DecryptError));
+                }
+            }
+        }
     }
 
     #[test]

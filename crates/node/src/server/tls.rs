@@ -1,6 +1,6 @@
 //! TLS on the client port (issue 21): rustls's TLS 1.3 handshake, then
-//! kvplane-tls's own record layer on aws-lc-rs (one pass over each byte per
-//! end; that crate says why), the certificate reloaded when its
+//! kvplane-tls's own record layer (on aws-lc-rs or ring, whichever has the
+//! faster AES-GCM on this CPU; that crate says why), the certificate reloaded when its
 //! files change, client certificates checked against a CA when one is given
 //! (mutual TLS).
 //!
