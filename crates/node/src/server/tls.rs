@@ -1,8 +1,8 @@
 //! TLS on the client port (issue 21): rustls's TLS 1.3 handshake, then
 //! kvplane-tls's own record layer (on aws-lc-rs or ring, whichever has the
-//! faster AES-GCM on this CPU; that crate says why), the certificate reloaded when its
-//! files change, client certificates checked against a CA when one is given
-//! (mutual TLS).
+//! faster AES-GCM on this CPU; that crate says why), the certificate
+//! reloaded when its files change, client certificates checked against a CA
+//! when one is given (mutual TLS).
 //!
 //! Only the TCP port speaks TLS. The Unix socket reaches this host alone and
 //! carries the shared-memory path, whose block bytes never cross the socket
