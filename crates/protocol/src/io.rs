@@ -351,18 +351,27 @@ mod tests {
         assert!(through_buffer <= 3, "only the prefix and the small blocks went through the buffer: {asked:?}");
     }
 
-    /// The wire's checksum is CRC-32C whichever implementation computes it:
-    /// the node's shared-memory and RDMA paths use the `crc32c` crate.
+    /// The wire's checksum is CRC-32C whichever implementation computes it
+    /// (either of `checksum`'s, chosen by the CPU; the node's shared-memory
+    /// and RDMA paths use the `crc32c` crate), whole and in pieces of any
+    /// size. The reference is the CRC-32C check value of "123456789".
     #[test]
     fn checksum_is_the_reference_crc32c_at_every_size_and_in_pieces() {
-        for len in [0, 1, 7, 8, 63, 64, 255, 256, 4095, 4096, 65_537, 300_001] {
-            let data = pattern(len + 3, len);
-            let data = &data[3..]; // unaligned
-            assert_eq!(crate::checksum(data), crc32c::crc32c(data), "{len} bytes");
-            let mut pieces = Checksum::new();
-            data.chunks(1000).for_each(|p| pieces.update(p));
-            assert_eq!(pieces.finish(), crc32c::crc32c(data), "{len} bytes in pieces");
+        use crate::message::Crc;
+        for crc in [Crc::Folding, Crc::Sse42] {
+            assert_eq!(crc.checksum(b"123456789"), 0xe306_9283, "{crc:?}");
+            for len in [0, 1, 7, 8, 63, 64, 255, 256, 4095, 4096, 65_537, 300_001] {
+                let data = pattern(len + 3, len);
+                let data = &data[3..]; // unaligned
+                assert_eq!(crc.checksum(data), crc32c::crc32c(data), "{crc:?}, {len} bytes");
+                for piece in [1, 1000, 4096] {
+                    let mut pieces = Checksum::on(crc);
+                    data.chunks(piece).for_each(|p| pieces.update(p));
+                    assert_eq!(pieces.finish(), crc32c::crc32c(data), "{crc:?}, {len} bytes in pieces of {piece}");
+                }
+            }
         }
+        assert_eq!(crate::checksum(b"123456789"), 0xe306_9283);
     }
 
     #[tokio::test]
