@@ -19,7 +19,8 @@
 //! code sealed 16 KiB records at 6.1-7.3 GB/s against aws-lc's 3.8 (aws-lc
 //! falls back to its AES-NI code there; see docs/security.md, "Cost").
 //! [`Backend::for_this_cpu`] picks by those features; on a CPU with
-//! neither both run the same AES-NI code. aws-lc-rs opens and seals out of
+//! neither both run the same AES-NI code, and aws-lc-rs is kept (it saves
+//! ring's copy, below). aws-lc-rs opens and seals out of
 //! place (the AEAD's pass is the copy); ring works in place, so with it a
 //! record's bytes are copied into place first. That copy takes over the
 //! cache misses the AEAD met before (a GET answer's blocks are cold in the
@@ -65,24 +66,21 @@ pub(crate) enum Backend {
 }
 
 impl Backend {
-    /// aws-lc-rs where its AVX-512 AES-GCM runs (AVX-512 with VAES and
-    /// VPCLMULQDQ), ring elsewhere on x86-64 (its VAES/AVX2 AES-GCM, or the
-    /// same AES-NI code as aws-lc's); aws-lc-rs on other architectures.
+    /// ring where its VAES/AVX2 AES-GCM runs and aws-lc's AVX-512 code does
+    /// not (VAES, VPCLMULQDQ and AVX2 without AVX-512); aws-lc-rs
+    /// everywhere else: with AVX-512, and on CPUs where both would run the
+    /// same AES-NI code, which aws-lc-rs runs out of place, without ring's
+    /// copy.
     pub(crate) fn for_this_cpu() -> Backend {
         #[cfg(target_arch = "x86_64")]
         {
-            let avx512 = std::arch::is_x86_feature_detected!("avx512f")
-                && std::arch::is_x86_feature_detected!("avx512vl")
-                && std::arch::is_x86_feature_detected!("avx512bw")
-                && std::arch::is_x86_feature_detected!("vaes")
-                && std::arch::is_x86_feature_detected!("vpclmulqdq");
-            if avx512 {
-                Backend::AwsLc
-            } else {
-                Backend::Ring
+            use std::arch::is_x86_feature_detected as has;
+            let vaes = has!("vaes") && has!("vpclmulqdq");
+            let avx512 = has!("avx512f") && has!("avx512vl") && has!("avx512bw");
+            if vaes && has!("avx2") && !avx512 {
+                return Backend::Ring;
             }
         }
-        #[cfg(not(target_arch = "x86_64"))]
         Backend::AwsLc
     }
 }
