@@ -97,7 +97,10 @@ fn build_rust_fixtures(root: &Path) -> [PathBuf; 5] {
         // Flags meant for the host build (coverage, sanitizers, target-cpu)
         // are wrong for, or rejected by, the wasm target.
         .env_remove("CARGO_ENCODED_RUSTFLAGS")
-        .env_remove("RUSTFLAGS");
+        .env_remove("RUSTFLAGS")
+        // As in crates/runtime/build.rs: an outer linter is for the host
+        // crates, and target/wasm stays one build.
+        .env_remove("RUSTC_WORKSPACE_WRAPPER");
     match cmd.status() {
         Ok(s) if s.success() => {}
         Ok(s) => fail(&format!("building the Wasm test fixtures failed ({s}); is the target installed? `rustup target add wasm32-wasip2`")),

@@ -45,7 +45,12 @@ fn main() {
         // The outer build's flags are for the host target, not for wasm.
         .env_remove("CARGO_ENCODED_RUSTFLAGS")
         .env_remove("RUSTFLAGS")
-        .env_remove("CARGO_BUILD_TARGET");
+        .env_remove("CARGO_BUILD_TARGET")
+        // A linter the outer build runs under (`cargo clippy`, or CI's lint
+        // build: scripts/lib/lint_build.py) is for the host crates; the
+        // plugins are linted as components by a clippy run of their own, and
+        // target/wasm stays one build whichever outer command ran.
+        .env_remove("RUSTC_WORKSPACE_WRAPPER");
     for (_, krate) in BUILTINS {
         cmd.args(["-p", krate]);
     }

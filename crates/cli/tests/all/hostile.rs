@@ -335,7 +335,7 @@ async fn failed_handshakes_are_throttled_per_peer_counted_and_logged() {
     .unwrap();
     assert!(metrics.contains("kvplane_handshake_failures_total 5"), "{metrics}");
     assert!(metrics.contains("kvplane_handshakes_throttled_total 1"), "{metrics}");
-    let log = node.log.lock().unwrap().join("\n");
+    let log = node.said_eventually("handshake failed", PATIENCE);
     let logged = log.lines().filter(|l| l.contains("handshake failed") && l.contains("127.0.0.1")).count();
     assert!((1..=2).contains(&logged), "the failures are logged sampled, with the peer: {logged} lines in\n{log}");
 }

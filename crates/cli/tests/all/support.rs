@@ -120,6 +120,22 @@ impl NodeProcess {
         NodeProcess { child, endpoint, log }
     }
 
+    /// Everything the node printed so far, once it holds `needle` (within
+    /// `patience`; all of it either way). A line reaches the test through
+    /// the stderr pipe and a reader thread: one the node printed before it
+    /// served a counter over its admin port may still be on its way when
+    /// the test has read that counter.
+    pub fn said_eventually(&self, needle: &str, patience: Duration) -> String {
+        let deadline = Instant::now() + patience;
+        loop {
+            let said = self.log.lock().unwrap().join("\n");
+            if said.contains(needle) || Instant::now() >= deadline {
+                return said;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     pub fn sigterm_and_wait(mut self) -> std::process::ExitStatus {
         // SAFETY: plain kill(2) on our own child's PID.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };

@@ -332,7 +332,7 @@ async fn a_reload_adds_a_tenant_and_removes_one_whose_connections_are_then_refus
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(series(&m, "kvplane_tenants_reload_failures_total", ""), 1, "{m}");
-    let said = node.log.lock().unwrap().join("\n");
+    let said = node.said_eventually("tenants reload failed", PATIENCE);
     assert!(said.contains("tenants reload failed") && said.contains("tenants.0.tokenSha256"), "{said}");
     assert!(b.get(vec![Bytes::from_static(b"k")]).await.unwrap()[0].is_ok(), "b still served after a failed reload");
 
