@@ -11,8 +11,9 @@ process. Each engine is a process of its own (vllm_engine.py). The phases:
    vLLM's own prefix cache, the reference for a load.
 2. Engine B, fresh, runs them: every block it can skip comes from the node
    (the node's GET key count equals the blocks vLLM says it did not
-   compute), and its tokens and logprobs are identical to both of A's
-   answers.
+   compute), its tokens and logprobs are identical to A's prefix-cache
+   answer, and its tokens equal A's first answer, logprobs within a few
+   bf16 units (a full prefill runs other kernels).
 3. One block is altered in the node (another block's bytes, same length),
    B's prefix cache is reset, and the answer changes: the comparison above
    can fail.
@@ -26,6 +27,7 @@ Fails, saying so, where the engines environment has no CPU build of vLLM
 from __future__ import annotations
 
 import json
+import math
 import os
 import select
 import signal
@@ -216,6 +218,33 @@ def max_logprob_gap(x: list[dict[str, Any]], y: list[dict[str, Any]]) -> float:
     return gap
 
 
+# How far a logprob computed after a cached prefix may be from the same
+# logprob of a full prefill, in units in the last place of bfloat16 (the
+# model's dtype) at the larger of the two magnitudes.
+LOGPROB_TOLERANCE_ULPS = 4.0
+
+
+def bf16_ulp(x: float) -> float:
+    """The spacing of bfloat16 values (8 significant bits) around x."""
+    _, exponent = math.frexp(abs(x) or 1.0)
+    return math.ldexp(1.0, exponent - 8)
+
+
+def max_logprob_gap_in_ulps(x: list[dict[str, Any]], y: list[dict[str, Any]]) -> tuple[float, str]:
+    """The largest difference between the logprobs of the same token at the
+    same step, in bf16 units at their magnitude, and where it is."""
+    gap, where = 0.0, ""
+    for p, (a, b) in enumerate(zip(x, y)):
+        for step, (sa, sb) in enumerate(zip(a["logprobs"], b["logprobs"])):
+            db = dict((t, lp) for t, lp in sb)
+            for t, lp in sa:
+                if t in db:
+                    units = abs(lp - db[t]) / bf16_ulp(max(abs(lp), abs(db[t])))
+                    if units > gap:
+                        gap, where = units, f" at prompt {p}, step {step}, token {t}: {lp} vs {db[t]}"
+    return gap, where
+
+
 def test_vllm_serves_through_kvplane_end_to_end(tmp_path: Path) -> None:
     from tiny_model import write_model
 
@@ -260,11 +289,17 @@ def test_vllm_serves_through_kvplane_end_to_end(tmp_path: Path) -> None:
         assert got == sum(loadable), f"node GET keys {got} != blocks loaded {sum(loadable)}"
         assert tokens(loaded) == tokens(computed), "B's tokens differ from A's"
         assert logprobs(loaded) == logprobs(hit), "B's logprobs differ from A's prefix-cache hit"
-        # Also bit for bit what A computed from scratch (vLLM's CPU attention
-        # gives a query after a cached prefix the same sums as a full
-        # prefill); the gap is printed first should that ever change.
-        print(f"B's loaded logprobs vs A's full computation: largest difference {max_logprob_gap(loaded, computed)}")
-        assert logprobs(loaded) == logprobs(computed), "B's logprobs differ from A's computation"
+        # Against what A computed from scratch: the same tokens, and logprobs
+        # within a few bf16 units in the last place. Not bit for bit: a query
+        # after a cached prefix runs other attention kernels than a full
+        # prefill, and on some CPUs their sums round differently (on an AMD
+        # EPYC without AVX-512, one step differed by 0.0328, about one bf16
+        # unit at that logprob's magnitude; on Intel with AVX-512, by 0.0).
+        # The exact comparison above, with A's own prefix-cache hit, is the
+        # one that says a load is the engine's own cache.
+        gap, where = max_logprob_gap_in_ulps(loaded, computed)
+        print(f"B's loaded logprobs vs A's full computation: largest difference {max_logprob_gap(loaded, computed)} ({gap:.2f} bf16 units{where})")
+        assert gap <= LOGPROB_TOLERANCE_ULPS, f"B's logprobs differ from A's computation by {gap:.2f} bf16 units{where}"
 
         # 3. One block altered in the node: the answer must change.
         victim = keys[0][1]
