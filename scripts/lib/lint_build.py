@@ -1,5 +1,5 @@
 """Builds with clippy's lints on, and fails as `cargo clippy -- -D warnings`
-would: one compile for both the tests and the linter.
+would: the dependencies compiled once for both the tests and the linter.
 
     lint_build.py CARGO_SUBCOMMAND [ARG...]     e.g.  lint_build.py test --no-run --all-targets
 
@@ -10,8 +10,11 @@ members alone took about as long as their test build). Clippy's driver is a
 complete rustc with clippy's lints added (the Linux kernel builds with it
 the same way): cargo runs it for the workspace's own crates when it is
 `RUSTC_WORKSPACE_WRAPPER`, and plain rustc for the dependencies, so the
-artifacts are the test build's own. `.ci/run` sets the same wrapper for
-`scripts/test`, whose cargo runs then find everything built.
+dependencies' artifacts are the test build's own. The workspace's crates
+are compiled again for the tests, by rustc: clippy's driver turns off MIR
+passes a test build wants (at MIR opt level 0, without the CheckNull and
+CheckAlignment passes that make a debug build panic on a null or misaligned
+pointer dereference), so its artifacts are for the lints alone.
 
 The lints run at their own levels (warnings stay warnings, so one run shows
 every one of them and the build goes on), and cargo replays a fresh crate's
