@@ -1,10 +1,8 @@
 """The kvplane client for asyncio.
 
 ``kvplane.aio.Client`` has the operations of `kvplane.Client`, as
-coroutines, on the same native core: each call runs as one task on the
-client's I/O runtime (Rust, tokio) and the coroutine awaits that task
-directly; no Python thread is involved and the event loop never waits for
-the network::
+awaitables, on the same native core, with no Python thread involved and an
+event loop that never waits for the network::
 
     import kvplane.aio
 
@@ -12,6 +10,20 @@ the network::
         await kv.put_from(keys, blocks)
         matched, lease_ms = await kv.match_prefix(keys, lease_ms=5000)
         lengths = await kv.get_into(keys[:matched], blocks[:matched])
+
+Where the I/O happens: a node client over plain TCP uses sockets the event
+loop itself watches (``loop.add_reader``), so the node's answer wakes the
+loop, which reads it straight into the caller's buffers: the same system
+calls as the sync client, and no thread hand-off. Its connections belong to
+the loop of its first call: a call from another loop that runs at the same
+time is refused (make one client per loop); once that loop is closed, the
+next loop takes the client over. A cluster client, TLS and a Unix socket
+run each call as one task on an I/O thread (Rust, tokio), which wakes the
+loop when the call is done; ``KVPLANE_AIO_IO=thread`` does so for every
+client (``loop`` insists on the loop, and refuses a client it cannot carry).
+
+Each call's arguments are checked, and its buffers exported, when the
+method is called; nothing is sent until it is first awaited.
 
 Making a client does no I/O; it connects on ``await kv.connect()``, on
 ``async with``, or at its first call (once, however many calls wait for
@@ -22,10 +34,11 @@ Buffers passed to ``put_from`` / ``get_into`` stay exported (they cannot be
 resized or freed) until the call is done; do not touch them meanwhile.
 
 Cancelling a call (``task.cancel()``, ``asyncio.timeout``, ``wait_for``)
-aborts its task, and the coroutine raises ``CancelledError`` only once that
-task is gone: after that no buffer of the call is written any more. Which
-buffers a cancelled ``get_into`` had written is not known (treat them all
-as unwritten); a cancelled ``put_from`` may have stored some of its keys.
+drops it (on an I/O thread: aborts its task, and raises ``CancelledError``
+only once that task is gone): after that no buffer of the call is written
+any more. Which buffers a cancelled ``get_into`` had written is not known
+(treat them all as unwritten); a cancelled ``put_from`` may have stored
+some of its keys.
 
 ``ReconnectingClient`` is what the engine connectors hold: a client made
 on first use and dropped when the node is lost, so that a node that is down

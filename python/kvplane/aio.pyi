@@ -17,13 +17,15 @@ from kvplane._settings import Settings
 @final
 class Client:
     """An asyncio client of one kvplane node, or of a whole cluster: the
-    operations of ``kvplane.Client`` as coroutines, each run as one task on
-    the client's I/O runtime and awaited directly (no Python threads).
+    operations of ``kvplane.Client`` as awaitables (coroutines to
+    ``asyncio``), with no Python threads. A node client over TCP reads and
+    writes its sockets on the event loop itself; any other (or with
+    ``KVPLANE_AIO_IO=thread``) runs each call as one task on an I/O thread.
 
     Making one does no I/O: it connects on ``await connect()``, on
-    ``async with``, or at its first call. Cancelling a call aborts its task;
-    the coroutine raises ``CancelledError`` once the task is gone, after
-    which no buffer of the call is written (which were is not known).
+    ``async with``, or at its first call. Once a cancelled call raised
+    ``CancelledError``, no buffer of it is written any more (which were
+    before is not known).
     """
 
     def __new__(

@@ -1,66 +1,71 @@
-//! `kvplane.aio.Client`: the client's calls as asyncio coroutines, on the
+//! `kvplane.aio.Client`: the client's calls as asyncio awaitables, on the
 //! same native core as `kvplane.Client`.
 //!
-//! Each call is a pyo3 coroutine (`experimental-async`): awaiting it checks
-//! the keys and exports the buffers (on the event loop's thread, attached
-//! to the interpreter), spawns the call as one task on an I/O runtime and
-//! awaits that task's `JoinHandle`. A node client's runtime is a
-//! current-thread one that a thread of its own drives
-//! ([`crate::aio_node_runtime`]), one per process: the call's task, its
-//! connection's reader and the I/O driver all run there, as they all run
-//! on the calling thread of a sync node client. On the process's
-//! multi-thread runtime ([`crate::runtime`], which cluster clients keep:
-//! their slot-table follower runs between calls) a node client's batched
-//! GET cost 0.67-0.74 of the sync client's at 16 x 64 KiB: with one
-//! connection, 2-3x the CPU time per call and 7 context switches against 2
-//! (perf: the worker threads parked and woke in `epoll_wait` and on their
-//! condition variable around every read, and each wake-up of the loop
-//! created and destroyed a Python thread state). The price: the asyncio
-//! node clients of a process share one I/O thread. The loop's thread never
-//! waits for the network and no Python thread is used:
-//! when the task finishes, its waker (pyo3's) hands the event loop the
-//! result through `loop.call_soon_threadsafe`, one wake-up per call however
-//! many frames the call exchanged. The task is spawned rather than polled
-//! on the loop's thread because the client's futures belong to the I/O
-//! runtime (its timers and sockets), and because a call polled there would
-//! wake the loop once per answer.
+//! Each call returns a [`LoopCall`] (the coroutine protocol: `await` it, or
+//! make it a task); the keys are checked and the buffers exported when the
+//! method is called, and nothing is sent until the call is first awaited.
+//! Its Rust future is polled on the event loop's thread (`loop_io.rs`).
+//! Where the I/O happens depends on the client ([`Io`]):
+//!
+//! - **On the loop** (a node client over plain TCP; the default, or
+//!   `KVPLANE_AIO_IO=loop`): the connections' sockets are watched by the
+//!   loop's own selector, so the node's answer wakes the loop, whose
+//!   callback reads it straight into the caller's buffers and completes the
+//!   call. No other thread takes part (timers aside). The connections
+//!   belong to the loop of the first call; a call from another loop while
+//!   that one still runs is refused, saying so, and once that loop is
+//!   closed the next call connects again on its own loop.
+//! - **On an I/O thread** (a cluster client, TLS, a Unix socket, or
+//!   `KVPLANE_AIO_IO=thread`): the call runs as one task on an I/O runtime
+//!   and the loop waits for that task. A node client's runtime is a
+//!   current-thread one that a thread of its own drives
+//!   ([`crate::aio_node_runtime`], one per process), so the task, its
+//!   connection's reader and the I/O driver share that thread as they share
+//!   the calling thread of a sync node client; cluster clients keep the
+//!   process's multi-thread runtime ([`crate::runtime`]: their slot-table
+//!   follower runs between calls). The task's end wakes the loop through
+//!   `loop.call_soon_threadsafe`: two thread hand-offs per call, about
+//!   80-90 us on a 2-core machine, which at 16 x 64 KiB cost the asyncio
+//!   client a fifth of the sync client's throughput.
 //!
 //! Connecting is lazy: `Client(...)` checks its options and does no I/O;
 //! the first call (or `await connect()`, or `async with`) connects, once,
 //! however many calls are waiting for it; a failed connection is tried
 //! again by the next call.
 //!
-//! Cancellation (`task.cancel()`, `asyncio.timeout`, `wait_for`): the
-//! coroutine is told through pyo3's `CancelHandle`, aborts its task and
-//! waits until the task's future is dropped before it raises
-//! `CancelledError`. A `get_into` writes its buffers only from that future
-//! (the client guarantees no write after it is dropped), so once the
-//! cancelled coroutine has raised, no buffer of its call is written any
-//! more; which of them were written before is not known (treat them as
-//! unwritten). A cancelled `put_from` may have stored some keys, or all.
-//! A coroutine closed without being cancelled (garbage-collected while
-//! pending) aborts its task too, without waiting: the buffers stay exported
-//! (the memory alive) until the task is gone.
+//! Cancellation (`task.cancel()`, `asyncio.timeout`, `wait_for`): on the
+//! loop, the call's future is dropped on the loop's thread when the
+//! cancellation is thrown in; on an I/O thread, the call's task is aborted
+//! and the awaitable raises `CancelledError` only once the task's future is
+//! dropped. Either way, once it raised, no buffer of a `get_into` is
+//! written any more (the client guarantees no write after its future is
+//! dropped); which of them were written before is not known (treat them as
+//! unwritten). A cancelled `put_from` may have stored some keys, or all. A
+//! call closed without being cancelled (garbage-collected while pending)
+//! drops its future without waiting: the buffers stay exported (the memory
+//! alive) until an I/O thread's task is gone.
 
 use std::future::{poll_fn, Future};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, RwLock};
-use std::task::{Context, Poll, Wake, Waker};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex, RwLock};
+use std::task::Poll;
+use std::time::Duration;
 
 use bytes::Bytes;
-use kvplane_client::{Client as NodeClient, ClientConfig, ClusterClient, ClusterClientConfig, Endpoint, KvError};
-use pyo3::coroutine::CancelHandle;
+use kvplane_client::{Client as NodeClient, ClientConfig, ClusterClient, ClusterClientConfig, Endpoint, KvError, Transport};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyString};
+use pyo3::IntoPyObjectExt;
 use tokio::runtime::Runtime;
 use tokio::task::JoinHandle;
 
+use crate::loop_io::{running_executor, CancelSignal, Cancellation, LoopCall, LoopExecutor, LoopTransport};
 use crate::{
     export, key_of, kv_error, lengths, put_failure, raise, runtime, same_length, show, Borrowed, Destinations, Exports, GetFailure,
     MemberRow, Target,
 };
+
+pub(crate) use crate::loop_io::register_exit_hook;
 
 /// What a client connects with (the constructor's checked options).
 struct Spec {
@@ -75,7 +80,7 @@ struct Spec {
 }
 
 impl Spec {
-    async fn connect(&self) -> Result<Target, KvError> {
+    async fn connect(&self, transport: Option<Arc<dyn Transport>>) -> Result<Target, KvError> {
         if self.cluster {
             let mut config = ClusterClientConfig::new(self.endpoints.clone());
             config.token = self.token.clone();
@@ -92,17 +97,69 @@ impl Spec {
         config.tls = self.tls.clone();
         config.timeout = self.timeout;
         config.shared_memory = self.shared_memory;
+        config.transport = transport;
         if let Some(n) = self.connections {
             config.connections = n;
         }
-        NodeClient::connect(config).await.map(Target::Node)
+        NodeClient::connect(config).await.map(|c| Target::Node(Box::new(c)))
     }
+}
+
+/// Where a client's I/O happens (see the module documentation).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Io {
+    Loop,
+    Thread,
+}
+
+/// The environment variable that chooses [`Io`] (`loop` or `thread`), for
+/// A/B runs; unset, a client whose I/O can be the loop's uses the loop.
+const IO_VARIABLE: &str = "KVPLANE_AIO_IO";
+
+impl Io {
+    /// The I/O of a client of `spec`: the loop's where it can carry it (a
+    /// node client over plain TCP), unless the environment says otherwise.
+    fn of(spec: &Spec) -> PyResult<Io> {
+        let why_not = if spec.cluster {
+            Some("a cluster client")
+        } else if spec.tls.is_some() {
+            Some("TLS")
+        } else if matches!(spec.endpoints[0], Endpoint::Unix(_)) {
+            Some("a Unix socket")
+        } else {
+            None
+        };
+        match std::env::var(IO_VARIABLE).ok().as_deref() {
+            None | Some("") => Ok(if why_not.is_some() { Io::Thread } else { Io::Loop }),
+            Some("thread") => Ok(Io::Thread),
+            Some("loop") => match why_not {
+                None => Ok(Io::Loop),
+                Some(what) => Err(raise(
+                    "Invalid",
+                    format!("aio.Client: {IO_VARIABLE}=loop carries plain TCP to one node only, not {what}; unset it or set it to thread"),
+                    None,
+                    None,
+                )),
+            },
+            Some(other) => Err(raise("Invalid", format!("aio.Client: {IO_VARIABLE} must be loop or thread, not {other:?}"), None, None)),
+        }
+    }
+}
+
+/// A loop-I/O client's connections and the loop they belong to.
+struct Binding {
+    exec: Arc<LoopExecutor>,
+    target: tokio::sync::OnceCell<Target>,
 }
 
 /// One client's connections (once made) and the runtime they live on.
 struct Shared {
     rt: std::mem::ManuallyDrop<Arc<Runtime>>,
+    io: Io,
+    /// Thread I/O: the connected target.
     target: std::mem::ManuallyDrop<tokio::sync::OnceCell<Target>>,
+    /// Loop I/O: the connections, bound to the loop of the first call.
+    binding: std::mem::ManuallyDrop<Mutex<Option<Arc<Binding>>>>,
     spec: Spec,
     /// The endpoints, for messages.
     what: String,
@@ -110,15 +167,70 @@ struct Shared {
 }
 
 impl Shared {
-    /// The connected target: connects first when no call has yet.
+    /// Thread I/O: the connected target, connecting first when no call has
+    /// yet.
     async fn connected(&self) -> Result<&Target, KvError> {
-        self.target.get_or_try_init(|| self.spec.connect()).await
+        self.target.get_or_try_init(|| self.spec.connect(None)).await
     }
 
-    /// The target of a task that [`run`] started (it connected first).
-    fn target(&self) -> &Target {
-        self.target.get().expect("run connects before it calls")
+    /// Loop I/O: the connections of the running loop (the caller is a
+    /// poll on its thread), bound to it by the first call.
+    fn bind_here(&self, py: Python<'_>) -> PyResult<Arc<Binding>> {
+        let exec = running_executor(py, self.rt.handle())?;
+        let mut binding = self.binding.lock().unwrap_or_else(|e| e.into_inner());
+        match binding.as_ref() {
+            Some(b) if b.exec.is(&exec) => return Ok(Arc::clone(b)),
+            Some(b) if !b.exec.closed(py) => {
+                return Err(raise(
+                    "Error",
+                    format!(
+                        "the client of {} made its connections on another event loop, which still runs; \
+                         make one client per event loop (or set {IO_VARIABLE}=thread)",
+                        self.what
+                    ),
+                    None,
+                    None,
+                ))
+            }
+            // Unbound, or bound to a loop that is closed (its connections
+            // can never run again): this loop's connections from here on.
+            _ => {}
+        }
+        let fresh = Arc::new(Binding { exec, target: tokio::sync::OnceCell::new() });
+        if let Some(old) = binding.replace(Arc::clone(&fresh)) {
+            let _context = self.rt.enter();
+            drop(old);
+        }
+        Ok(fresh)
     }
+
+    /// The target, once connected (no I/O).
+    fn target_now(&self) -> Option<TargetRef> {
+        match self.io {
+            Io::Thread => self.target.get().map(|_| TargetRef::Shared),
+            Io::Loop => {
+                let binding = self.binding.lock().unwrap_or_else(|e| e.into_inner()).clone()?;
+                binding.target.get().is_some().then_some(TargetRef::Bound(binding))
+            }
+        }
+    }
+
+    /// How a cancellation is handled for a call of this client.
+    fn cancellation(&self) -> (Cancellation, Option<Arc<CancelSignal>>) {
+        match self.io {
+            Io::Loop => (Cancellation::Drop, None),
+            Io::Thread => {
+                let signal = Arc::new(CancelSignal::default());
+                (Cancellation::Wait(Arc::clone(&signal)), Some(signal))
+            }
+        }
+    }
+}
+
+/// Where a connected target is.
+enum TargetRef {
+    Shared,
+    Bound(Arc<Binding>),
 }
 
 impl Drop for Shared {
@@ -126,17 +238,35 @@ impl Drop for Shared {
     fn drop(&mut self) {
         if self.pid != std::process::id() {
             // A forked child: the connections' tasks live on the parent's
-            // runtime, whose threads are not here. Leak both.
+            // runtime (or loop), whose threads are not here. Leak them.
             return;
         }
         {
             let _context = self.rt.enter();
             // SAFETY: dropped once, here, and never used again.
             unsafe { std::mem::ManuallyDrop::drop(&mut self.target) };
+            // SAFETY: as above.
+            unsafe { std::mem::ManuallyDrop::drop(&mut self.binding) };
         }
-        // SAFETY: as above; the target that used it is gone. The runtime
+        // SAFETY: as above; the targets that used it are gone. The runtime
         // itself lives on (the process's static holds it).
         unsafe { std::mem::ManuallyDrop::drop(&mut self.rt) };
+    }
+}
+
+/// A call's connected target, as the call's closure gets it.
+struct Connected {
+    shared: Arc<Shared>,
+    binding: Option<Arc<Binding>>,
+}
+
+impl Connected {
+    fn target(&self) -> &Target {
+        let cell = match &self.binding {
+            Some(b) => &b.target,
+            None => &*self.shared.target,
+        };
+        cell.get().expect("a call connects before it runs")
     }
 }
 
@@ -146,64 +276,8 @@ enum Failed {
     Call(KvError),
 }
 
-/// Wake-ups of event loops running on I/O threads now (see [`LoopWaker`]).
-static WAKING: AtomicUsize = AtomicUsize::new(0);
-/// The longest the atexit hook waits for wake-ups in progress (each takes
-/// microseconds once it has the GIL, which the hook releases to let it).
-const EXIT_WAIT_LIMIT: Duration = Duration::from_secs(2);
-
-/// pyo3's waker of a call's coroutine, as the call's task sees it.
-///
-/// Waking pyo3's waker calls `loop.call_soon_threadsafe` from the I/O
-/// thread the task finished on, and that call releases the GIL while it
-/// writes to the loop's self-pipe. The loop's thread can take the GIL
-/// then, finish the call (its result is already there), return from
-/// `asyncio.run` and start finalizing the interpreter; the I/O thread,
-/// taking the GIL back, is then ended by Python (`PyThread_exit_thread`)
-/// in the middle of Rust frames, and the process aborts ("Fatal Python
-/// error: Aborted" at the exit of scripts/bench-python's asyncio client,
-/// 3 runs in 10). So each wake-up is counted while it runs, and an atexit
-/// hook, which Python runs before it finalizes, waits (GIL released) until
-/// none is running. The wake-up that resumed a program's last call is
-/// counted before that call could return, so the hook waits for it. Later
-/// wake-ups are not refused: an atexit handler that runs after this one
-/// may still await kvplane.aio calls, and must not hang.
-struct LoopWaker(Waker);
-
-impl Wake for LoopWaker {
-    fn wake(self: Arc<Self>) {
-        self.wake_by_ref();
-    }
-
-    fn wake_by_ref(self: &Arc<Self>) {
-        WAKING.fetch_add(1, Ordering::SeqCst);
-        self.0.wake_by_ref();
-        WAKING.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
-/// Registers the hook that [`LoopWaker`] needs with `atexit` (once, at the
-/// module's import). It is a closure, not a function of the module, so the
-/// module's names (and its stubs) stay as they are.
-pub(crate) fn register_exit_hook(py: Python<'_>) -> PyResult<()> {
-    let hook = pyo3::types::PyCFunction::new_closure(py, Some(c"_kvplane_aio_exit"), None, |args, _kwargs| {
-        args.py().detach(|| {
-            let start = Instant::now();
-            while WAKING.load(Ordering::SeqCst) > 0 && start.elapsed() < EXIT_WAIT_LIMIT {
-                std::thread::sleep(Duration::from_micros(100));
-            }
-        });
-        let left = WAKING.load(Ordering::SeqCst);
-        if left > 0 {
-            eprintln!("kvplane.aio: {left} event-loop wake-up(s) still running at exit after {EXIT_WAIT_LIMIT:?}");
-        }
-    })?;
-    py.import("atexit")?.call_method1("register", (hook,))?;
-    Ok(())
-}
-
-/// Aborts the task when the coroutine's future is dropped without having
-/// waited for it (a coroutine closed while pending).
+/// Aborts the task when the call's future is dropped without having
+/// waited for it (a call closed while pending).
 struct AbortOnDrop<T>(JoinHandle<T>);
 
 impl<T> Drop for AbortOnDrop<T> {
@@ -212,15 +286,62 @@ impl<T> Drop for AbortOnDrop<T> {
     }
 }
 
+/// What a call's body runs its I/O through (see [`Shared::start`]).
+struct CallIo {
+    shared: Arc<Shared>,
+    signal: Option<Arc<CancelSignal>>,
+}
+
+impl CallIo {
+    /// Runs `call` on the client's target, connecting first, where the
+    /// client's I/O happens. Connection failures are raised here; the
+    /// call's own error is the caller's to put in context.
+    async fn run<T, F>(self, call: impl FnOnce(Connected) -> F + Send + 'static) -> PyResult<Result<T, KvError>>
+    where
+        F: Future<Output = Result<T, KvError>> + Send + 'static,
+        T: Send + 'static,
+    {
+        let what = self.shared.what.clone();
+        match self.shared.io {
+            Io::Thread => run(self.shared, self.signal.expect("thread I/O has a cancel signal"), call).await,
+            Io::Loop => {
+                let binding = Python::attach(|py| self.shared.bind_here(py))?;
+                let transport: Arc<dyn Transport> = Arc::new(LoopTransport(Arc::clone(&binding.exec)));
+                if let Err(e) = binding.target.get_or_try_init(|| self.shared.spec.connect(Some(transport))).await {
+                    return Err(kv_error(&e, format!("connect to {what}"), None, None));
+                }
+                Ok(call(Connected { shared: self.shared, binding: Some(binding) }).await)
+            }
+        }
+    }
+}
+
+impl Shared {
+    /// The awaitable of one call: `body` runs when it is first awaited,
+    /// its value is what the awaiter gets.
+    fn start<T, F>(self: Arc<Self>, body: impl FnOnce(CallIo) -> F + Send + 'static) -> LoopCall
+    where
+        F: Future<Output = PyResult<T>> + Send + 'static,
+        T: for<'py> IntoPyObject<'py> + Send + 'static,
+    {
+        let (cancellation, signal) = self.cancellation();
+        let handle = self.rt.handle().clone();
+        let io = CallIo { shared: self, signal };
+        let future = async move {
+            let value = body(io).await?;
+            Python::attach(|py| value.into_py_any(py))
+        };
+        LoopCall::new(Box::pin(future), cancellation, handle)
+    }
+}
+
 /// Runs `call` as a task on the I/O runtime, connecting first, and awaits
-/// it; a cancellation of the coroutine aborts the task and returns (the
-/// `CancelledError` it was thrown) only once the task's future is dropped.
-/// Connection failures are raised here; the call's own error is the
-/// caller's to put in context.
+/// it; a cancellation thrown into the call aborts the task and fails (with
+/// the thrown exception) only once the task's future is dropped.
 async fn run<T, F>(
     shared: Arc<Shared>,
-    mut cancel: CancelHandle,
-    call: impl FnOnce(Arc<Shared>) -> F + Send + 'static,
+    cancel: Arc<CancelSignal>,
+    call: impl FnOnce(Connected) -> F + Send + 'static,
 ) -> PyResult<Result<T, KvError>>
 where
     F: Future<Output = Result<T, KvError>> + Send + 'static,
@@ -232,21 +353,10 @@ where
         if let Err(e) = shared.connected().await {
             return Err(Failed::Connect(e));
         }
-        call(shared).await.map_err(Failed::Call)
+        call(Connected { shared, binding: None }).await.map_err(Failed::Call)
     }));
-    // The task wakes the loop through a LoopWaker (made once per waker
-    // pyo3 hands this future); a cancellation comes on the loop's thread.
-    let mut guarded: Option<(Waker, Waker)> = None;
     let outcome = poll_fn(|cx| {
-        let waker = match &guarded {
-            Some((inner, outer)) if inner.will_wake(cx.waker()) => outer.clone(),
-            _ => {
-                let outer = Waker::from(Arc::new(LoopWaker(cx.waker().clone())));
-                guarded = Some((cx.waker().clone(), outer.clone()));
-                outer
-            }
-        };
-        if let Poll::Ready(joined) = Pin::new(&mut task.0).poll(&mut Context::from_waker(&waker)) {
+        if let Poll::Ready(joined) = Pin::new(&mut task.0).poll(cx) {
             return Poll::Ready(Ok(joined));
         }
         cancel.poll_cancelled(cx).map(Err)
@@ -270,6 +380,10 @@ where
         Err(e) => Err(raise("Internal", format!("the I/O runtime dropped a call: {e}"), None, None)),
     }
 }
+
+/// What a call with nothing to answer returns to Python: `None` (a `()`
+/// would be an empty tuple).
+const NONE: Option<()> = None;
 
 /// Keys given to a coroutine, as bytes (checked as the sync client does).
 fn keys_of(keys: &[Py<PyAny>]) -> PyResult<Vec<Bytes>> {
@@ -304,8 +418,9 @@ impl AsyncClient {
     /// The target, for the attributes that need one (no I/O).
     fn target_now<T>(&self, what: &str, f: impl FnOnce(&Target) -> PyResult<T>) -> PyResult<T> {
         let shared = self.shared()?;
-        match shared.target.get() {
-            Some(target) => f(target),
+        match shared.target_now() {
+            Some(TargetRef::Shared) => f(shared.target.get().expect("checked by target_now")),
+            Some(TargetRef::Bound(binding)) => f(binding.target.get().expect("checked by target_now")),
             None => Err(raise(
                 "Error",
                 format!("{what}: the client of {} is not connected yet; await connect() first", self.endpoints.join(", ")),
@@ -314,27 +429,29 @@ impl AsyncClient {
             )),
         }
     }
+}
 
-    async fn get_many(&self, keys: Vec<Bytes>, cancel: CancelHandle) -> PyResult<Vec<Option<Py<PyBytes>>>> {
-        if keys.is_empty() {
-            return Ok(Vec::new());
-        }
-        let request = keys.clone();
-        let values = run(self.shared()?, cancel, move |s| async move { s.target().get(request).await })
-            .await?
-            .map_err(|e| kv_error(&e, format!("get of {} keys", keys.len()), None, None))?;
-        Python::attach(|py| {
-            values
-                .into_iter()
-                .enumerate()
-                .map(|(i, v)| match v {
-                    Ok(v) => Ok(Some(PyBytes::new(py, &v).unbind())),
-                    Err(KvError::NotFound) => Ok(None),
-                    Err(e) => Err(kv_error(&e, format!("get: key '{}' (keys[{i}])", show(&keys[i])), Some(&keys[i]), Some(i))),
-                })
-                .collect()
-        })
+/// `get` of several keys: their values as new `bytes`, None when absent.
+async fn get_many(io: CallIo, keys: Vec<Bytes>) -> PyResult<Vec<Option<Py<PyBytes>>>> {
+    if keys.is_empty() {
+        return Ok(Vec::new());
     }
+    let request = keys.clone();
+    let values = io
+        .run(move |c| async move { c.target().get(request).await })
+        .await?
+        .map_err(|e| kv_error(&e, format!("get of {} keys", keys.len()), None, None))?;
+    Python::attach(|py| {
+        values
+            .into_iter()
+            .enumerate()
+            .map(|(i, v)| match v {
+                Ok(v) => Ok(Some(PyBytes::new(py, &v).unbind())),
+                Err(KvError::NotFound) => Ok(None),
+                Err(e) => Err(kv_error(&e, format!("get: key '{}' (keys[{i}])", show(&keys[i])), Some(&keys[i]), Some(i))),
+            })
+            .collect()
+    })
 }
 
 #[pymethods]
@@ -398,9 +515,12 @@ impl AsyncClient {
             write_quorum,
             shared_memory,
         };
+        let io = Io::of(&spec)?;
         let shared = Shared {
             rt: std::mem::ManuallyDrop::new(if cluster { runtime()? } else { crate::aio_node_runtime()? }),
+            io,
             target: std::mem::ManuallyDrop::new(tokio::sync::OnceCell::new()),
+            binding: std::mem::ManuallyDrop::new(Mutex::new(None)),
             spec,
             what: if cluster { format!("the cluster of {}", endpoints.join(", ")) } else { endpoints.join(", ") },
             pid: std::process::id(),
@@ -410,156 +530,157 @@ impl AsyncClient {
 
     /// Connects now (once; later calls return at once), so that a wrong
     /// address or token fails here rather than at the first call.
-    async fn connect(&self, #[pyo3(cancel_handle)] cancel: CancelHandle) -> PyResult<()> {
-        run(self.shared()?, cancel, |_| async { Ok(()) }).await?.map_err(|e| kv_error(&e, "connect".into(), None, None))
+    fn connect(&self) -> PyResult<LoopCall> {
+        Ok(self.shared()?.start(|io| async move {
+            io.run(|_| async { Ok(()) }).await?.map_err(|e| kv_error(&e, "connect".into(), None, None))?;
+            Ok(NONE)
+        }))
     }
 
     /// `put_from` of the sync client: `buffers[i]` stored under `keys[i]`,
     /// sent from the buffers' own memory, which stays exported until the
-    /// call is done. Do not modify the buffers until the coroutine returns.
-    async fn put_from(&self, keys: Vec<Py<PyAny>>, buffers: Vec<Py<PyAny>>, #[pyo3(cancel_handle)] cancel: CancelHandle) -> PyResult<()> {
+    /// call is done. Do not modify the buffers until the call returns.
+    fn put_from(&self, py: Python<'_>, keys: Vec<Py<PyAny>>, buffers: Vec<Py<PyAny>>) -> PyResult<LoopCall> {
         let shared = self.shared()?;
-        let (keys, exports) = Python::attach(|py| -> PyResult<_> {
-            same_length("put_from", keys.len(), buffers.len())?;
-            let keys = keys_of(&keys)?;
-            let exports =
-                keys.iter().zip(&buffers).enumerate().map(|(i, (k, b))| export(b.bind(py), i, k, false)).collect::<PyResult<Vec<_>>>()?;
-            Ok((keys, Arc::new(Exports(exports))))
-        })?;
-        if keys.is_empty() {
-            return Ok(());
-        }
-        let entries: Vec<(Bytes, Bytes)> = keys
-            .iter()
-            .enumerate()
-            .map(|(index, k)| (k.clone(), Bytes::from_owner(Borrowed { exports: Arc::clone(&exports), index })))
-            .collect();
-        let n = entries.len();
-        let results = run(shared, cancel, move |s| async move { s.target().put(entries).await }).await;
-        // Released here, attached, unless a task still holds a slice.
-        drop(exports);
-        let results = results?.map_err(|e| kv_error(&e, format!("put_from of {n} keys"), None, None))?;
-        put_failure("put_from", &keys, &results)
+        same_length("put_from", keys.len(), buffers.len())?;
+        let keys = keys_of(&keys)?;
+        let exports =
+            keys.iter().zip(&buffers).enumerate().map(|(i, (k, b))| export(b.bind(py), i, k, false)).collect::<PyResult<Vec<_>>>()?;
+        let exports = Arc::new(Exports(exports));
+        Ok(shared.start(move |io| async move {
+            if keys.is_empty() {
+                return Ok(NONE);
+            }
+            let entries: Vec<(Bytes, Bytes)> = keys
+                .iter()
+                .enumerate()
+                .map(|(index, k)| (k.clone(), Bytes::from_owner(Borrowed { exports: Arc::clone(&exports), index })))
+                .collect();
+            let n = entries.len();
+            let results = io.run(move |c| async move { c.target().put(entries).await }).await;
+            // Released here, attached, unless a task still holds a slice.
+            Python::attach(|_| drop(exports));
+            let results = results?.map_err(|e| kv_error(&e, format!("put_from of {n} keys"), None, None))?;
+            put_failure("put_from", &keys, &results).map(|()| NONE)
+        }))
     }
 
     /// `get_into` of the sync client: the value of `keys[i]` read into
     /// `buffers[i]` (a buffer, or a list of buffers filled in order); per
     /// key the bytes written, or None when absent. The buffers stay
-    /// exported until the call's task is gone; after a cancelled call
-    /// raised, none is written any more.
+    /// exported until the call is gone; after a cancelled call raised,
+    /// none is written any more.
     #[allow(unsafe_code)]
-    async fn get_into(
-        &self,
-        keys: Vec<Py<PyAny>>,
-        buffers: Vec<Py<PyAny>>,
-        #[pyo3(cancel_handle)] cancel: CancelHandle,
-    ) -> PyResult<Vec<Option<usize>>> {
+    fn get_into(&self, py: Python<'_>, keys: Vec<Py<PyAny>>, buffers: Vec<Py<PyAny>>) -> PyResult<LoopCall> {
         let shared = self.shared()?;
-        let (keys, exports, dests) = Python::attach(|py| -> PyResult<_> {
-            same_length("get_into", keys.len(), buffers.len())?;
-            let keys = keys_of(&keys)?;
-            let buffers: Vec<Bound<'_, PyAny>> = buffers.iter().map(|b| b.bind(py).clone()).collect();
-            let (exports, dests) = Destinations::export(&keys, &buffers)?;
-            Ok((keys, exports, dests))
-        })?;
-        if keys.is_empty() {
-            return Ok(Vec::new());
-        }
-        let request = keys.clone();
-        let (exports, values) = run(shared, cancel, move |s| async move {
-            // SAFETY: this task's future owns the exports and drops them
-            // only after the read is done (or dropped with it).
-            let values = unsafe { dests.read(s.target(), request).await };
-            Ok((exports, values))
-        })
-        .await?
-        .expect("the task answers its outcome as its value");
-        // Released here, attached, rather than on an I/O thread.
-        drop(exports);
-        values.map_err(GetFailure::Call).and_then(lengths).map_err(|f| f.raise(&keys))
+        same_length("get_into", keys.len(), buffers.len())?;
+        let keys = keys_of(&keys)?;
+        let buffers: Vec<Bound<'_, PyAny>> = buffers.iter().map(|b| b.bind(py).clone()).collect();
+        let (exports, dests) = Destinations::export(&keys, &buffers)?;
+        Ok(shared.start(move |io| async move {
+            if keys.is_empty() {
+                return Ok(Vec::new());
+            }
+            let request = keys.clone();
+            let (exports, values) = io
+                .run(move |c| async move {
+                    // SAFETY: this future owns the exports and drops them
+                    // only after the read is done (or dropped with it).
+                    let values = unsafe { dests.read(c.target(), request).await };
+                    Ok((exports, values))
+                })
+                .await?
+                .expect("the call answers its outcome as its value");
+            // Released here, attached, rather than on an I/O thread.
+            Python::attach(|_| drop(exports));
+            values.map_err(GetFailure::Call).and_then(lengths).map_err(|f| f.raise(&keys))
+        }))
     }
 
     /// The value of `key` as new `bytes` (None when absent), or of a list
     /// of keys, in order: a copying convenience; engines use `get_into`.
-    async fn get(&self, key: Py<PyAny>, #[pyo3(cancel_handle)] cancel: CancelHandle) -> PyResult<Py<PyAny>> {
-        let one = Python::attach(|py| {
-            let k = key.bind(py);
-            k.is_instance_of::<PyString>() || k.is_instance_of::<PyBytes>()
-        });
-        if one {
-            let keys = keys_of(std::slice::from_ref(&key))?;
-            let value = self.get_many(keys, cancel).await?.pop().flatten();
-            return Ok(Python::attach(|py| value.map_or_else(|| py.None(), Py::into_any)));
+    fn get(&self, key: &Bound<'_, PyAny>) -> PyResult<LoopCall> {
+        let shared = self.shared()?;
+        if key.is_instance_of::<PyString>() || key.is_instance_of::<PyBytes>() {
+            let keys = keys_of(&[key.clone().unbind()])?;
+            return Ok(shared.start(move |io| async move {
+                let value = get_many(io, keys).await?.pop().flatten();
+                Ok(Python::attach(|py| value.map_or_else(|| py.None(), Py::into_any)))
+            }));
         }
-        let keys: Vec<Py<PyAny>> = Python::attach(|py| {
-            let k = key.bind(py);
-            k.extract().map_err(|_| {
-                raise("Invalid", format!("get: expected a key (str or bytes) or a list of keys, not {}", k.get_type()), None, None)
-            })
+        let keys: Vec<Py<PyAny>> = key.extract().map_err(|_| {
+            raise("Invalid", format!("get: expected a key (str or bytes) or a list of keys, not {}", key.get_type()), None, None)
         })?;
-        let values = self.get_many(keys_of(&keys)?, cancel).await?;
-        Python::attach(|py| Ok(PyList::new(py, values)?.into_any().unbind()))
+        let keys = keys_of(&keys)?;
+        Ok(shared.start(move |io| async move {
+            let values = get_many(io, keys).await?;
+            Python::attach(|py| Ok(PyList::new(py, values)?.into_any().unbind()))
+        }))
     }
 
     /// Stores `value` under `key`: `put_from` of one key.
-    async fn put(&self, key: Py<PyAny>, value: Py<PyAny>, #[pyo3(cancel_handle)] cancel: CancelHandle) -> PyResult<()> {
-        self.put_from(vec![key], vec![value], cancel).await
+    fn put(&self, py: Python<'_>, key: Py<PyAny>, value: Py<PyAny>) -> PyResult<LoopCall> {
+        self.put_from(py, vec![key], vec![value])
     }
 
     /// Which of `keys` are stored, in order.
-    async fn exists(&self, keys: Vec<Py<PyAny>>, #[pyo3(cancel_handle)] cancel: CancelHandle) -> PyResult<Vec<bool>> {
+    fn exists(&self, keys: Vec<Py<PyAny>>) -> PyResult<LoopCall> {
         let shared = self.shared()?;
         let keys = keys_of(&keys)?;
-        if keys.is_empty() {
-            return Ok(Vec::new());
-        }
-        let n = keys.len();
-        run(shared, cancel, move |s| async move { s.target().exists(keys).await })
-            .await?
-            .map_err(|e| kv_error(&e, format!("exists of {n} keys"), None, None))
+        Ok(shared.start(move |io| async move {
+            if keys.is_empty() {
+                return Ok(Vec::new());
+            }
+            let n = keys.len();
+            io.run(move |c| async move { c.target().exists(keys).await })
+                .await?
+                .map_err(|e| kv_error(&e, format!("exists of {n} keys"), None, None))
+        }))
     }
 
     /// Removes `keys`; per key, whether it was stored.
-    async fn delete(&self, keys: Vec<Py<PyAny>>, #[pyo3(cancel_handle)] cancel: CancelHandle) -> PyResult<Vec<bool>> {
+    fn delete(&self, keys: Vec<Py<PyAny>>) -> PyResult<LoopCall> {
         let shared = self.shared()?;
         let keys = keys_of(&keys)?;
-        if keys.is_empty() {
-            return Ok(Vec::new());
-        }
-        let n = keys.len();
-        run(shared, cancel, move |s| async move { s.target().delete(keys).await })
-            .await?
-            .map_err(|e| kv_error(&e, format!("delete of {n} keys"), None, None))
+        Ok(shared.start(move |io| async move {
+            if keys.is_empty() {
+                return Ok(Vec::new());
+            }
+            let n = keys.len();
+            io.run(move |c| async move { c.target().delete(keys).await })
+                .await?
+                .map_err(|e| kv_error(&e, format!("delete of {n} keys"), None, None))
+        }))
     }
 
     /// How many leading keys of a chain are stored, and the pin lease
     /// granted on them (`lease_ms > 0`, capped by the node): `(matched,
     /// granted_lease_ms)`.
     #[pyo3(signature = (keys, lease_ms = 0))]
-    async fn match_prefix(
-        &self,
-        keys: Vec<Py<PyAny>>,
-        lease_ms: u64,
-        #[pyo3(cancel_handle)] cancel: CancelHandle,
-    ) -> PyResult<(usize, u64)> {
+    fn match_prefix(&self, keys: Vec<Py<PyAny>>, lease_ms: u64) -> PyResult<LoopCall> {
         let shared = self.shared()?;
         let keys = keys_of(&keys)?;
-        if keys.is_empty() {
-            return Ok((0, 0));
-        }
-        let n = keys.len();
-        let m = run(shared, cancel, move |s| async move { s.target().match_prefix(keys, Duration::from_millis(lease_ms)).await })
-            .await?
-            .map_err(|e| kv_error(&e, format!("match_prefix of {n} keys"), None, None))?;
-        Ok((m.matched, u64::try_from(m.lease.as_millis()).unwrap_or(u64::MAX)))
+        Ok(shared.start(move |io| async move {
+            if keys.is_empty() {
+                return Ok((0, 0));
+            }
+            let n = keys.len();
+            let m = io
+                .run(move |c| async move { c.target().match_prefix(keys, Duration::from_millis(lease_ms)).await })
+                .await?
+                .map_err(|e| kv_error(&e, format!("match_prefix of {n} keys"), None, None))?;
+            Ok((m.matched, u64::try_from(m.lease.as_millis()).unwrap_or(u64::MAX)))
+        }))
     }
 
     /// The node's counters, by name. `Unsupported` on a cluster client.
-    async fn stats(&self, #[pyo3(cancel_handle)] cancel: CancelHandle) -> PyResult<std::collections::HashMap<String, u64>> {
-        run(self.shared()?, cancel, |s| async move { s.target().stats().await })
-            .await?
-            .map(|entries| entries.into_iter().collect())
-            .map_err(|e| kv_error(&e, "stats".into(), None, None))
+    fn stats(&self) -> PyResult<LoopCall> {
+        Ok(self.shared()?.start(|io| async move {
+            io.run(|c| async move { c.target().stats().await })
+                .await?
+                .map(|entries| entries.into_iter().collect::<std::collections::HashMap<String, u64>>())
+                .map_err(|e| kv_error(&e, "stats".into(), None, None))
+        }))
     }
 
     /// The slot table of a connected cluster client: `(version, members)`.
@@ -597,7 +718,7 @@ impl AsyncClient {
     /// Whether a connection was made (by `connect` or a call).
     #[getter]
     fn connected(&self) -> bool {
-        self.shared.read().unwrap_or_else(|p| p.into_inner()).as_ref().is_some_and(|s| s.target.initialized())
+        self.shared.read().unwrap_or_else(|p| p.into_inner()).as_ref().is_some_and(|s| s.target_now().is_some())
     }
 
     /// The endpoints given (for a cluster: the seeds).
@@ -625,15 +746,23 @@ impl AsyncClient {
         self.target_now("max_lease_ms", |t| Ok(t.max_lease_ms()))
     }
 
-    async fn __aenter__(slf: Py<Self>, #[pyo3(cancel_handle)] cancel: CancelHandle) -> PyResult<Py<Self>> {
-        slf.get().connect(cancel).await?;
-        Ok(slf)
+    fn __aenter__(slf: Py<Self>) -> PyResult<LoopCall> {
+        let shared = slf.get().shared()?;
+        Ok(shared.start(move |io| async move {
+            io.run(|_| async { Ok(()) }).await?.map_err(|e| kv_error(&e, "connect".into(), None, None))?;
+            Ok(slf)
+        }))
     }
 
+    /// Closes the client (at once: nothing is left to wait for).
     #[pyo3(signature = (*_args))]
-    async fn __aexit__(&self, _args: Py<pyo3::types::PyTuple>) -> bool {
-        Python::attach(|py| self.close(py));
-        false
+    fn __aexit__(&self, py: Python<'_>, _args: Py<pyo3::types::PyTuple>) -> PyResult<LoopCall> {
+        self.close(py);
+        Ok(LoopCall::new(
+            Box::pin(async { Python::attach(|py| false.into_py_any(py)) }),
+            Cancellation::Drop,
+            crate::aio_node_runtime()?.handle().clone(),
+        ))
     }
 
     fn __repr__(&self) -> String {

@@ -28,6 +28,7 @@
 
 mod aio;
 mod device;
+mod loop_io;
 mod pages;
 
 use std::sync::{Arc, Mutex, RwLock};
@@ -263,7 +264,8 @@ impl AsRef<[u8]> for Borrowed {
 // --- the client ---------------------------------------------------------------------
 
 enum Target {
-    Node(NodeClient),
+    // Boxed: a node client is several times a cluster client's size.
+    Node(Box<NodeClient>),
     Cluster(ClusterClient),
 }
 
@@ -678,7 +680,7 @@ impl Client {
             );
             let client = py
                 .detach(|| rt.block_on(NodeClient::connect(config)))
-                .map(Target::Node)
+                .map(|c| Target::Node(Box::new(c)))
                 .map_err(|e| kv_error(&e, format!("connect to {what}"), None, None))?;
             (client, Some(rt))
         };

@@ -1,15 +1,21 @@
 """kvplane.aio.Client against real `kvplane node` processes: the sync
 client's operations as coroutines on the same native core, typed errors,
 lazy connection, an event loop that keeps running while a call waits, and
-cancellation that leaves no buffer written after the coroutine raised."""
+cancellation that leaves no buffer written after the coroutine raised.
+
+Every test runs twice: with the client's default I/O (for a node over TCP,
+the event loop's own sockets) and with ``KVPLANE_AIO_IO=thread`` (every
+call a task on an I/O thread)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,6 +28,17 @@ from test_cluster import PATIENCE_S, cluster_node, etcd  # noqa: F401 -- etcd is
 
 DEADLINE_S = 30.0
 MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True, params=["default", "thread"], ids=lambda io: f"io-{io}")
+def io(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Where the clients made in the test do their I/O (read by the
+    constructor; subprocesses inherit it)."""
+    if request.param == "default":
+        monkeypatch.delenv("KVPLANE_AIO_IO", raising=False)
+    else:
+        monkeypatch.setenv("KVPLANE_AIO_IO", request.param)
+    return str(request.param)
 
 
 def pattern(seed: int, n: int) -> bytes:
@@ -337,3 +354,83 @@ print("ok")
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=DEADLINE_S)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_the_io_choice_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVPLANE_AIO_IO", "fibers")
+    with pytest.raises(kvplane.Invalid, match="KVPLANE_AIO_IO must be loop or thread, not \"fibers\""):
+        kvplane.aio.Client("127.0.0.1:1")
+    monkeypatch.setenv("KVPLANE_AIO_IO", "loop")
+    with pytest.raises(kvplane.Invalid, match="KVPLANE_AIO_IO=loop carries plain TCP to one node only, not a cluster client"):
+        kvplane.aio.Client(["127.0.0.1:1"], cluster=True)
+    kvplane.aio.Client("127.0.0.1:1").close()
+
+
+def test_a_node_that_never_answers_times_out() -> None:
+    """A listener that accepts and never answers the handshake: the call
+    fails with Timeout after the client's timeout (the timer fires on the
+    I/O runtime's thread and wakes the loop), and the loop is not held."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        endpoint = "127.0.0.1:%d" % listener.getsockname()[1]
+
+        async def main() -> None:
+            kv = kvplane.aio.Client(endpoint, timeout=0.3)
+            call = asyncio.create_task(kv.connect())
+            turns = 0
+            while not call.done():
+                await asyncio.sleep(0.01)
+                turns += 1
+                assert turns < DEADLINE_S * 100, "no timeout"
+            assert turns > 3, "the loop ran while the call waited"
+            with pytest.raises(kvplane.Timeout, match=f"connect to {endpoint}"):
+                await call
+            kv.close()
+
+        asyncio.run(main())
+
+
+def test_a_client_moves_to_the_next_event_loop_once_its_own_is_closed(node: Node, unique: str, io: str) -> None:
+    """One client, two asyncio.run in turn: the second loop's calls work.
+    A call from another loop while the first one still runs is refused
+    (loop I/O: its connections belong to the first loop), saying so."""
+    kv = kvplane.aio.Client(node.endpoint)
+
+    async def put() -> None:
+        await kv.put(f"{unique}k", b"v")
+
+    async def get() -> bytes | None:
+        return await kv.get(f"{unique}k")
+
+    asyncio.run(put())
+    assert asyncio.run(get()) == b"v"
+
+    outcome: list[object] = []
+    holding = threading.Event()
+    release = threading.Event()
+
+    async def hold() -> None:
+        await kv.exists([f"{unique}k"])
+        holding.set()
+        while not release.is_set():
+            await asyncio.sleep(0.01)
+
+    holder = threading.Thread(target=lambda: asyncio.run(hold()))
+    holder.start()
+    try:
+        assert holding.wait(DEADLINE_S)
+        try:
+            outcome.append(asyncio.run(get()))
+        except kvplane.Error as e:
+            outcome.append(e)
+    finally:
+        release.set()
+        holder.join(DEADLINE_S)
+    if io == "thread":
+        assert outcome == [b"v"]
+    else:
+        assert isinstance(outcome[0], kvplane.Error) and "another event loop, which still runs" in str(outcome[0]), outcome
+        # That loop is closed now: this one takes the client over.
+        assert asyncio.run(get()) == b"v"
+    kv.close()

@@ -13,6 +13,7 @@ use crate::key_error::KeyContext;
 use crate::rdma;
 use crate::shm::{Range, SharedMemory};
 use crate::tls::ClientTls;
+use crate::transport::Transport;
 
 /// How to reach a node.
 #[derive(Debug, Clone)]
@@ -32,11 +33,23 @@ pub struct ClientConfig {
     /// TLS to a TCP endpoint (a node started with `--tls-cert`); a Unix
     /// endpoint ignores it.
     pub tls: Option<ClientTls>,
+    /// The sockets of the connections to a TCP endpoint and their
+    /// background readers, when not tokio's (see [`Transport`]). A Unix
+    /// endpoint ignores it; TLS and a transport together are refused.
+    pub transport: Option<Arc<dyn Transport>>,
 }
 
 impl ClientConfig {
     pub fn new(endpoint: Endpoint) -> ClientConfig {
-        ClientConfig { endpoint, connections: 4, token: None, timeout: Duration::from_secs(30), shared_memory: true, tls: None }
+        ClientConfig {
+            endpoint,
+            connections: 4,
+            token: None,
+            timeout: Duration::from_secs(30),
+            shared_memory: true,
+            tls: None,
+            transport: None,
+        }
     }
 }
 
@@ -66,9 +79,15 @@ impl Client {
     /// Opens the first connection (so a wrong address or token fails here,
     /// not at the first request); the others open on first use.
     pub async fn connect(config: ClientConfig) -> Result<Client, KvError> {
-        let first =
-            Connection::open_with(&config.endpoint, config.token.as_deref(), config.timeout, config.shared_memory, config.tls.as_ref())
-                .await?;
+        let first = Connection::open_via(
+            &config.endpoint,
+            config.token.as_deref(),
+            config.timeout,
+            config.shared_memory,
+            config.tls.as_ref(),
+            config.transport.as_deref(),
+        )
+        .await?;
         let limits = first.hello_ack().limits;
         // One STATS at connect, for the node's largest block: a PUT of a
         // longer one is then refused here, by name, without sending it.
@@ -107,12 +126,13 @@ impl Client {
             return Ok(Arc::clone(c));
         }
         let c = Arc::new(
-            Connection::open_with(
+            Connection::open_via(
                 &self.config.endpoint,
                 self.config.token.as_deref(),
                 self.config.timeout,
                 self.config.shared_memory,
                 self.config.tls.as_ref(),
+                self.config.transport.as_deref(),
             )
             .await?,
         );

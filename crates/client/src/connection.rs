@@ -24,6 +24,7 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use futures::future::AbortHandle;
 use futures::task::AtomicWaker;
 use kvplane_protocol::{
     decode_body, encode, ErrorCode, Features, Frame, FrameHeader, Hello, HelloAck, KvError, Limits, Message, Meta, Request, Response,
@@ -31,7 +32,6 @@ use kvplane_protocol::{
 };
 use tokio::io::{AsyncRead, AsyncWrite, BufReader};
 use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
 
 use crate::endpoint::Endpoint;
 use crate::into::{read_get_into, Destinations, Lease, NotRead};
@@ -39,6 +39,7 @@ use crate::key_error::KeyContext;
 use crate::rdma;
 use crate::shm::SharedMemory;
 use crate::tls::ClientTls;
+use crate::transport::Transport;
 use bytes::Bytes;
 use kvplane_protocol::io::{read_frame, read_meta, read_payloads, write_frame, ReadError};
 
@@ -237,8 +238,8 @@ pub struct Connection {
     ack: HelloAck,
     timeout: Duration,
     read: Arc<ReadSide>,
-    /// [`drive_in_background`].
-    reader: JoinHandle<()>,
+    /// Stops [`drive_in_background`], wherever it runs.
+    reader: AbortHandle,
     shm: Option<Arc<SharedMemory>>,
     /// A queue pair connected to the node's, when both ends offered RDMA.
     rdma: Option<rdma::Reader>,
@@ -272,9 +273,36 @@ impl Connection {
         shared_memory: bool,
         tls: Option<&ClientTls>,
     ) -> Result<Connection, KvError> {
+        Connection::open_via(endpoint, token, timeout, shared_memory, tls, None).await
+    }
+
+    /// As [`Connection::open_with`], with a TCP socket and a background
+    /// reader from `transport` rather than tokio's (see [`Transport`]). A
+    /// transport carries plain TCP only: with `tls` too it is refused.
+    pub async fn open_via(
+        endpoint: &Endpoint,
+        token: Option<&str>,
+        timeout: Duration,
+        shared_memory: bool,
+        tls: Option<&ClientTls>,
+        transport: Option<&dyn Transport>,
+    ) -> Result<Connection, KvError> {
         let unavailable = |e: std::io::Error| KvError::Unavailable(format!("connect to {endpoint}: {e}"));
         let too_slow = || KvError::Timeout(format!("connect to {endpoint}: no answer in {timeout:?}"));
         let (reader, writer, ack, shm): (Reader, Writer, HelloAck, Option<Arc<SharedMemory>>) = match endpoint {
+            Endpoint::Tcp(addr) if transport.is_some() => {
+                let transport = transport.expect("matched on is_some");
+                if tls.is_some() {
+                    return Err(KvError::Invalid(format!(
+                        "connect to {endpoint}: TLS is not carried by a custom transport ({transport:?})"
+                    )));
+                }
+                let (r, mut w) =
+                    tokio::time::timeout(timeout, transport.connect_tcp(addr)).await.map_err(|_| too_slow())?.map_err(unavailable)?;
+                let mut r: Reader = BufReader::with_capacity(READ_BUFFER_BYTES, r);
+                let ack = with_timeout(timeout, endpoint, handshake(&mut r, &mut w, endpoint, token, Features::ALL, None)).await?;
+                (r, w, ack, None)
+            }
             Endpoint::Tcp(addr) => {
                 let stream = tokio::time::timeout(timeout, tokio::net::TcpStream::connect(addr))
                     .await
@@ -330,7 +358,14 @@ impl Connection {
             broken: AtomicBool::new(false),
         });
         let read = Arc::new(ReadSide::new(Box::pin(read_loop(reader, Arc::clone(&shared), endpoint.clone()))));
-        let reader = tokio::spawn(drive_in_background(Arc::clone(&read)));
+        let (background, reader) = futures::future::abortable(drive_in_background(Arc::clone(&read)));
+        let background = Box::pin(async move {
+            let _ = background.await;
+        });
+        match transport.filter(|_| matches!(endpoint, Endpoint::Tcp(_))) {
+            Some(transport) => transport.spawn(background),
+            None => drop(tokio::spawn(background)),
+        }
         let mut conn = Connection {
             endpoint: endpoint.clone(),
             writer: tokio::sync::Mutex::new(Some(writer)),

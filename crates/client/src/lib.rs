@@ -28,6 +28,7 @@ mod rdma;
 #[allow(unsafe_code)] // recvmsg and mmap of the node's memfd; see the module docs.
 mod shm;
 mod tls;
+mod transport;
 
 pub use client::{Client, ClientConfig, PrefixMatch};
 pub use cluster::{BackgroundWrites, ClusterClient, ClusterClientConfig, DEFAULT_MAX_BACKGROUND_BYTES};
@@ -36,3 +37,4 @@ pub use endpoint::Endpoint;
 pub use kvplane_protocol::{ErrorKind, KvError, Limits};
 pub use shm::SharedMemory;
 pub use tls::ClientTls;
+pub use transport::{BoxedFuture, Halves, Transport};
