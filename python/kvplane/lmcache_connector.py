@@ -41,7 +41,7 @@ for ``batched_get`` and ``batched_get_non_blocking``, and one MATCH_PREFIX
 for ``batched_async_contains`` (with ``pin``, a lease keeps the matched
 chunks until the GET that follows). LMCache's coroutines (``exists``,
 ``batched_async_contains``, the gets and puts) await `kvplane.aio.Client`,
-whose calls run on the client's own I/O runtime: LMCache's event loop never
+whose sockets LMCache's event loop itself watches (over TCP): the loop never
 waits on the network and no thread is spent per call. Its synchronous calls
 (``exists_sync``, ``batched_contains``, ``remove_sync``), made from
 LMCache's own threads, use the synchronous `kvplane.Client`; both are made

@@ -232,8 +232,10 @@ impl LoopTask {
         self.scheduled.store(false, Ordering::Release);
         let Ok(mut slot) = self.future.try_lock() else {
             // Polled from inside its own poll (a finalizer run by the
-            // garbage collector): the poll in progress sees the wake-up.
+            // garbage collector starting a nested turn): polled again once
+            // the poll in progress returned, by the outermost turn.
             self.scheduled.store(true, Ordering::Release);
+            READY.with(|ready| ready.borrow_mut().push_back(Arc::clone(self)));
             return;
         };
         if self.cancelled.load(Ordering::Acquire) {
