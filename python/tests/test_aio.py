@@ -434,3 +434,45 @@ def test_a_client_moves_to_the_next_event_loop_once_its_own_is_closed(node: Node
         # That loop is closed now: this one takes the client over.
         assert asyncio.run(get()) == b"v"
     kv.close()
+
+
+def test_a_node_killed_mid_call_fails_the_call_and_the_next_call_reconnects(unique: str) -> None:
+    """The node is frozen with a GET sent, then killed: the call fails with
+    Unavailable (the connection's end reaches the waiting call), other
+    coroutines kept running meanwhile, and a new node at the same address
+    serves the same client's next call. The GET was never read, so the kill
+    resets the connection: the client's reads see ECONNRESET, then end of
+    stream; the call is failed by whichever it meets (it waited forever, in
+    the event loop's mode, when the socket took both for "not ready yet")."""
+    node = Node()
+    try:
+
+        async def main() -> None:
+            kv = kvplane.aio.Client(node.endpoint, timeout=DEADLINE_S, connections=1)
+            await kv.put(f"{unique}k", b"v" * MiB)
+            stop_and_wait(node.proc.pid)
+            call = asyncio.create_task(kv.get_into([f"{unique}k"], [bytearray(MiB)]))
+            await asyncio.sleep(0)
+            node.proc.kill()
+            node.proc.wait(DEADLINE_S)
+            turns = 0
+            deadline = time.monotonic() + DEADLINE_S
+            while not call.done():
+                await asyncio.sleep(0.001)
+                turns += 1
+                assert time.monotonic() < deadline, "the call never learnt that the node is gone"
+            with pytest.raises(kvplane.Unavailable):
+                await call
+            assert turns > 0, "the loop ran while the call waited"
+            again = Node(listen=node.endpoint)
+            try:
+                assert await kv.get(f"{unique}k") is None, "a new, empty node"
+                await kv.put(f"{unique}k", b"w")
+                assert await kv.get(f"{unique}k") == b"w"
+            finally:
+                again.stop()
+            kv.close()
+
+        asyncio.run(main())
+    finally:
+        node.stop()
