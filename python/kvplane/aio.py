@@ -16,8 +16,8 @@ loop itself watches (``loop.add_reader``), so the node's answer wakes the
 loop, which reads it straight into the caller's buffers: the same system
 calls as the sync client, and no thread hand-off. Its connections belong to
 the loop of its first call: a call from another loop that runs at the same
-time is refused (make one client per loop); once that loop is closed, the
-next loop takes the client over. A cluster client, TLS and a Unix socket
+time is refused (make one client per loop); once that loop is not running
+(closed, or stopped), the next loop takes the client over. A cluster client, TLS and a Unix socket
 run each call as one task on an I/O thread (Rust, tokio), which wakes the
 loop when the call is done; ``KVPLANE_AIO_IO=thread`` does so for every
 client (``loop`` insists on the loop, and refuses a client it cannot carry).

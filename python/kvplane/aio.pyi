@@ -93,7 +93,9 @@ class Client:
         client; ``Error`` before a connection is made."""
 
     def close(self) -> None:
-        """Closes the connections; later calls raise ``kvplane.Error``."""
+        """Closes the connections; later calls raise ``kvplane.Error``. With
+        the event loop's own sockets, a loop that is not running closes them
+        when it next runs, or when it is closed."""
 
     @property
     def closed(self) -> bool:

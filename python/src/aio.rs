@@ -13,8 +13,8 @@
 //!   callback reads it straight into the caller's buffers and completes the
 //!   call. No other thread takes part (timers aside). The connections
 //!   belong to the loop of the first call; a call from another loop while
-//!   that one still runs is refused, saying so, and once that loop is
-//!   closed the next call connects again on its own loop.
+//!   that one is running is refused, saying so, and once it is not (closed
+//!   or stopped) the next call connects again on its own loop.
 //! - **On an I/O thread** (a cluster client, TLS, a Unix socket, or
 //!   `KVPLANE_AIO_IO=thread`): the call runs as one task on an I/O runtime
 //!   and the loop waits for that task. A node client's runtime is a
@@ -59,7 +59,7 @@ use pyo3::IntoPyObjectExt;
 use tokio::runtime::Runtime;
 use tokio::task::JoinHandle;
 
-use crate::loop_io::{running_executor, CancelSignal, Cancellation, LoopCall, LoopExecutor, LoopTransport};
+use crate::loop_io::{panic_message, running_executor, CancelSignal, Cancellation, LoopCall, LoopExecutor, LoopTransport};
 use crate::{
     export, key_of, kv_error, lengths, put_failure, raise, runtime, same_length, show, Borrowed, Destinations, Exports, GetFailure,
     MemberRow, Target,
@@ -176,15 +176,15 @@ impl Shared {
     /// Loop I/O: the connections of the running loop (the caller is a
     /// poll on its thread), bound to it by the first call.
     fn bind_here(&self, py: Python<'_>) -> PyResult<Arc<Binding>> {
-        let exec = running_executor(py, self.rt.handle())?;
+        let exec = running_executor(py)?;
         let mut binding = self.binding.lock().unwrap_or_else(|e| e.into_inner());
         match binding.as_ref() {
             Some(b) if b.exec.is(&exec) => return Ok(Arc::clone(b)),
-            Some(b) if !b.exec.closed(py) => {
+            Some(b) if b.exec.running(py) => {
                 return Err(raise(
                     "Error",
                     format!(
-                        "the client of {} made its connections on another event loop, which still runs; \
+                        "the client of {} made its connections on another event loop, which is running; \
                          make one client per event loop (or set {IO_VARIABLE}=thread)",
                         self.what
                     ),
@@ -192,8 +192,9 @@ impl Shared {
                     None,
                 ))
             }
-            // Unbound, or bound to a loop that is closed (its connections
-            // can never run again): this loop's connections from here on.
+            // Unbound, or bound to a loop that is not running (closed, or
+            // stopped: calls it still holds keep their connections until
+            // they end): this loop's connections from here on.
             _ => {}
         }
         let fresh = Arc::new(Binding { exec, target: tokio::sync::OnceCell::new() });
@@ -306,7 +307,8 @@ impl CallIo {
             Io::Thread => run(self.shared, self.signal.expect("thread I/O has a cancel signal"), call).await,
             Io::Loop => {
                 let binding = Python::attach(|py| self.shared.bind_here(py))?;
-                let transport: Arc<dyn Transport> = Arc::new(LoopTransport(Arc::clone(&binding.exec)));
+                let transport: Arc<dyn Transport> =
+                    Arc::new(LoopTransport { exec: Arc::clone(&binding.exec), runtime: self.shared.rt.handle().clone() });
                 if let Err(e) = binding.target.get_or_try_init(|| self.shared.spec.connect(Some(transport))).await {
                     return Err(kv_error(&e, format!("connect to {what}"), None, None));
                 }
@@ -376,7 +378,7 @@ where
         Ok(Ok(value)) => Ok(Ok(value)),
         Ok(Err(Failed::Call(e))) => Ok(Err(e)),
         Ok(Err(Failed::Connect(e))) => Err(kv_error(&e, format!("connect to {what}"), None, None)),
-        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(e) if e.is_panic() => Err(raise("Internal", format!("the call panicked: {}", panic_message(&*e.into_panic())), None, None)),
         Err(e) => Err(raise("Internal", format!("the I/O runtime dropped a call: {e}"), None, None)),
     }
 }
@@ -703,7 +705,9 @@ impl AsyncClient {
     }
 
     /// Closes the connections; later calls raise `kvplane.Error`. Calls in
-    /// flight finish first.
+    /// flight finish first. Loop I/O: the connections' readers end at the
+    /// loop's next turn, so a loop that is not running closes their sockets
+    /// when it next runs, or when it is closed (`TaskRunner`'s drop).
     fn close(&self, py: Python<'_>) {
         let shared = self.shared.write().unwrap_or_else(|p| p.into_inner()).take();
         py.detach(move || drop(shared));

@@ -45,6 +45,7 @@ use std::thread::ThreadId;
 use std::time::{Duration, Instant};
 
 use futures::task::AtomicWaker;
+use futures::FutureExt;
 use kvplane_client::{BoxedFuture, Halves, Transport};
 use pyo3::exceptions::{PyBaseException, PyStopIteration};
 use pyo3::prelude::*;
@@ -65,15 +66,12 @@ pub(crate) struct LoopExecutor {
     remove_reader: Py<PyAny>,
     add_writer: Py<PyAny>,
     remove_writer: Py<PyAny>,
-    /// Whose context every poll runs in (the timers of the client's
-    /// timeouts).
-    runtime: tokio::runtime::Handle,
 }
 
 impl LoopExecutor {
     /// The running loop's executor (made once per loop and thread, kept
     /// until another loop runs there). Called on the loop's thread.
-    fn of_running_loop(py: Python<'_>, runtime: &tokio::runtime::Handle) -> PyResult<Arc<LoopExecutor>> {
+    fn of_running_loop(py: Python<'_>) -> PyResult<Arc<LoopExecutor>> {
         static GET_RUNNING_LOOP: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
         let running = GET_RUNNING_LOOP.import(py, "asyncio", "get_running_loop")?.call0()?;
         LAST.with(|last| {
@@ -91,7 +89,6 @@ impl LoopExecutor {
                 add_writer: method("add_writer")?,
                 remove_writer: method("remove_writer")?,
                 event_loop: running.unbind(),
-                runtime: runtime.clone(),
             });
             *last = Some(Arc::clone(&exec));
             Ok(exec)
@@ -108,8 +105,13 @@ impl LoopExecutor {
     }
 
     /// Whether the loop was closed (its sockets and tasks can never run).
-    pub(crate) fn closed(&self, py: Python<'_>) -> bool {
+    fn closed(&self, py: Python<'_>) -> bool {
         self.event_loop.bind(py).call_method0("is_closed").and_then(|c| c.is_truthy()).unwrap_or(true)
+    }
+
+    /// Whether the loop is running now (on whichever thread).
+    pub(crate) fn running(&self, py: Python<'_>) -> bool {
+        self.event_loop.bind(py).call_method0("is_running").and_then(|c| c.is_truthy()).unwrap_or(false)
     }
 
     /// `loop.call_soon(callback, *args)` on the loop's thread, else
@@ -149,15 +151,32 @@ pub(crate) const TURN_BUDGET_BYTES: usize = 4 << 20;
 /// inside a poll) leave the draining to the outermost.
 fn turn(first: impl FnOnce()) {
     let outer = DRAINING.replace(true);
-    if !outer {
-        BUDGET.set(TURN_BUDGET_BYTES);
+    if outer {
+        first();
+        return;
     }
+    BUDGET.set(TURN_BUDGET_BYTES);
+    let _drained = Drained;
     first();
-    if !outer {
-        while let Some(task) = READY.with(|ready| ready.borrow_mut().pop_front()) {
-            task.poll_once();
-        }
+    while let Some(task) = READY.with(|ready| ready.borrow_mut().pop_front()) {
+        task.poll_once();
+    }
+}
+
+/// Ends the outermost [`turn`], also when it unwinds (a panic outside any
+/// poll: polls catch their own): without it, `DRAINING` would stay set and
+/// every later wake-up on this thread would be queued where no turn drains
+/// it. Tasks still queued then are scheduled through their loops.
+struct Drained;
+
+impl Drop for Drained {
+    fn drop(&mut self) {
         DRAINING.set(false);
+        let left: Vec<Arc<LoopTask>> = READY.with(|ready| ready.borrow_mut().drain(..).collect());
+        for task in left {
+            task.scheduled.store(false, Ordering::Release);
+            task.wake_by_ref();
+        }
     }
 }
 
@@ -215,11 +234,21 @@ pub(crate) struct LoopTask {
     /// chance, never polled again.
     cancelled: AtomicBool,
     exec: Arc<LoopExecutor>,
+    /// Whose context every poll runs in (the timers of the client's
+    /// timeouts): the client's own, so a loop first used by another client
+    /// (or inherited by a forked child) never lends its runtime.
+    runtime: tokio::runtime::Handle,
 }
 
 impl LoopTask {
-    fn new(exec: Arc<LoopExecutor>, future: BoxedFuture<()>) -> Arc<LoopTask> {
-        Arc::new(LoopTask { future: Mutex::new(Some(future)), scheduled: AtomicBool::new(false), cancelled: AtomicBool::new(false), exec })
+    fn new(exec: Arc<LoopExecutor>, runtime: tokio::runtime::Handle, future: BoxedFuture<()>) -> Arc<LoopTask> {
+        Arc::new(LoopTask {
+            future: Mutex::new(Some(future)),
+            scheduled: AtomicBool::new(false),
+            cancelled: AtomicBool::new(false),
+            exec,
+            runtime,
+        })
     }
 
     /// Polls the task now (on its loop's thread, attached), then every task
@@ -243,10 +272,24 @@ impl LoopTask {
             return;
         }
         let Some(future) = slot.as_mut() else { return };
-        let _context = self.exec.runtime.enter();
+        let _context = self.runtime.enter();
         let waker = Waker::from(Arc::clone(self));
-        if future.as_mut().poll(&mut Context::from_waker(&waker)).is_ready() || self.cancelled.load(Ordering::Acquire) {
-            slot.take();
+        // A panic stays inside the poll (a call's future turns its own into
+        // the call's error, see `LoopCall::step`): unwinding into the loop
+        // would end the loop, and the future's lock would stay poisoned.
+        let polled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| future.as_mut().poll(&mut Context::from_waker(&waker))));
+        match polled {
+            Ok(Poll::Ready(())) => {
+                slot.take();
+            }
+            Ok(Poll::Pending) if self.cancelled.load(Ordering::Acquire) => {
+                slot.take();
+            }
+            Ok(Poll::Pending) => {}
+            Err(panic) => {
+                eprintln!("kvplane.aio: a background task panicked ({}); it is dropped", panic_message(&*panic));
+                slot.take();
+            }
         }
     }
 
@@ -283,8 +326,21 @@ impl Wake for LoopTask {
             WAKING.fetch_add(1, Ordering::SeqCst);
         }
         let scheduled = Python::try_attach(|py| {
-            let runner = Py::new(py, TaskRunner(Arc::clone(self)))?;
-            self.exec.soon(py, (runner,))
+            let schedule = || -> PyResult<()> {
+                let runner = Py::new(py, TaskRunner { task: Arc::clone(self), ran: AtomicBool::new(false) })?;
+                self.exec.soon(py, (runner,))
+            };
+            // `call_soon` is Python: a signal's exception (a second Ctrl-C)
+            // can be raised inside it. The interrupt is raised again at the
+            // interpreter's next check, and the task scheduled once more.
+            schedule().or_else(|e| {
+                if self.exec.closed(py) {
+                    return Err(e);
+                }
+                let again = schedule();
+                rearm_interrupt(py, &e);
+                again
+            })
         });
         if off_thread {
             WAKING.fetch_sub(1, Ordering::SeqCst);
@@ -300,19 +356,56 @@ impl Wake for LoopTask {
 
 /// The callable a loop runs to poll a task (`call_soon`).
 #[pyclass(module = "kvplane.aio", frozen)]
-struct TaskRunner(Arc<LoopTask>);
+struct TaskRunner {
+    task: Arc<LoopTask>,
+    ran: AtomicBool,
+}
 
 #[pymethods]
 impl TaskRunner {
     fn __call__(&self) {
-        self.0.run();
+        self.ran.store(true, Ordering::Release);
+        self.task.run();
+    }
+}
+
+impl Drop for TaskRunner {
+    /// Dropped without having run: the loop let go of its queue (it was
+    /// closed with the runner still queued), so nothing will poll the task
+    /// again, and its wake-ups would be ignored (`scheduled` stays set).
+    /// The future is dropped here, and the sockets it held are closed.
+    fn drop(&mut self) {
+        if !self.ran.load(Ordering::Acquire) {
+            self.task.cancel();
+        }
+    }
+}
+
+/// When `e` is a `KeyboardInterrupt` that met a loop method this module
+/// called (where it would be lost), the interpreter is told of the
+/// interrupt again, so that it is raised at its next check.
+fn rearm_interrupt(py: Python<'_>, e: &PyErr) {
+    if e.is_instance_of::<pyo3::exceptions::PyKeyboardInterrupt>(py) {
+        // As if SIGINT came again: its handler runs on the main thread.
+        if let Err(lost) = py.import("_thread").and_then(|t| t.call_method0("interrupt_main")) {
+            lost.write_unraisable(py, None);
+        }
+    }
+}
+
+/// The text of a panic's payload (a `&str` or `String` message).
+pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    match (panic.downcast_ref::<&str>(), panic.downcast_ref::<String>()) {
+        (Some(s), _) => (*s).to_owned(),
+        (_, Some(s)) => s.clone(),
+        _ => "no message".to_owned(),
     }
 }
 
 /// Starts a connection's background reader on the loop. Called from a loop
 /// task's poll ([`Transport::spawn`] runs inside `Connection::open_via`).
-fn spawn_on(exec: &Arc<LoopExecutor>, future: BoxedFuture<()>) {
-    let task = LoopTask::new(Arc::clone(exec), future);
+fn spawn_on(exec: &Arc<LoopExecutor>, runtime: tokio::runtime::Handle, future: BoxedFuture<()>) {
+    let task = LoopTask::new(Arc::clone(exec), runtime, future);
     Waker::from(task).wake();
 }
 
@@ -484,13 +577,17 @@ impl LoopCall {
         let mut state = self.lock();
         match std::mem::replace(&mut *state, CallState::Done) {
             CallState::NotStarted(future, cancellation, runtime) => {
-                let exec = LoopExecutor::of_running_loop(py, &runtime)?;
+                let exec = LoopExecutor::of_running_loop(py)?;
                 let waiting = Arc::new(Mutex::new(exec.event_loop.bind(py).call_method0(pyo3::intern!(py, "create_future"))?.unbind()));
                 let delivered = Arc::clone(&waiting);
                 let task = LoopTask::new(
                     exec,
+                    runtime,
                     Box::pin(async move {
-                        let outcome = future.await;
+                        // A panic is the call's error, not the loop's.
+                        let outcome = std::panic::AssertUnwindSafe(future).catch_unwind().await.unwrap_or_else(|panic| {
+                            Err(crate::raise("Internal", format!("the call panicked: {}", panic_message(&*panic)), None, None))
+                        });
                         Python::attach(|py| {
                             if let Err(e) = deliver(py, &delivered, outcome) {
                                 e.write_unraisable(py, None);
@@ -605,6 +702,17 @@ impl LoopSocket {
             }
         });
         watched.map_err(|e| {
+            // The selector may hold the descriptor already (the exception
+            // came after `add_reader` registered it): it is forgotten, or
+            // the socket's drop would close a descriptor still watched.
+            Python::attach(|py| {
+                rearm_interrupt(py, &e);
+                let remove = match side {
+                    Side::Read => &self.exec.remove_reader,
+                    Side::Write => &self.exec.remove_writer,
+                };
+                let _ = remove.call1(py, (fd,));
+            });
             interest.watched.store(false, Ordering::Release);
             io::Error::other(format!("the event loop cannot watch the socket: {e}"))
         })
@@ -702,20 +810,20 @@ impl Drop for LoopSocket {
         let fd = stream.as_raw_fd();
         let forgotten = Python::try_attach(|py| -> PyResult<()> {
             if self.exec.on_loop_thread() {
-                self.exec.remove_reader.call1(py, (fd,))?;
-                self.exec.remove_writer.call1(py, (fd,))?;
+                // Both, whatever the first answers; the descriptor closes
+                // after them.
+                let (read, write) = (self.exec.remove_reader.call1(py, (fd,)), self.exec.remove_writer.call1(py, (fd,)));
                 drop(stream);
-                return Ok(());
+                return read.and(write).map(drop);
             }
             // Elsewhere: the loop forgets the descriptor, then closes it.
             let (remove_reader, remove_writer) = (self.exec.remove_reader.clone_ref(py), self.exec.remove_writer.clone_ref(py));
             let stream = Mutex::new(Some(stream));
             let forget = PyCFunction::new_closure(py, None, None, move |args, _kwargs| -> PyResult<()> {
                 let py = args.py();
-                remove_reader.call1(py, (fd,))?;
-                remove_writer.call1(py, (fd,))?;
+                let (read, write) = (remove_reader.call1(py, (fd,)), remove_writer.call1(py, (fd,)));
                 drop(stream.lock().unwrap_or_else(|e| e.into_inner()).take());
-                Ok(())
+                read.and(write).map(drop)
             })?;
             self.exec.call_soon_threadsafe.call1(py, (forget,)).map(drop)
         });
@@ -786,7 +894,12 @@ impl AsyncWrite for LoopWrite {
 
 /// Connections whose sockets the loop watches and whose background readers
 /// are loop tasks (see the module documentation).
-pub(crate) struct LoopTransport(pub(crate) Arc<LoopExecutor>);
+pub(crate) struct LoopTransport {
+    pub(crate) exec: Arc<LoopExecutor>,
+    /// The client's runtime, whose context the background readers are
+    /// polled in.
+    pub(crate) runtime: tokio::runtime::Handle,
+}
 
 impl std::fmt::Debug for LoopTransport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -796,7 +909,7 @@ impl std::fmt::Debug for LoopTransport {
 
 impl Transport for LoopTransport {
     fn connect_tcp(&self, addr: &str) -> BoxedFuture<io::Result<Halves>> {
-        let exec = Arc::clone(&self.0);
+        let exec = Arc::clone(&self.exec);
         let addr = addr.to_owned();
         Box::pin(async move {
             // An address is used as it is; a name is resolved on the I/O
@@ -817,7 +930,7 @@ impl Transport for LoopTransport {
     }
 
     fn spawn(&self, task: BoxedFuture<()>) {
-        spawn_on(&self.0, task);
+        spawn_on(&self.exec, self.runtime.clone(), task);
     }
 }
 
@@ -853,6 +966,6 @@ async fn connect_one(exec: &Arc<LoopExecutor>, addr: SocketAddr) -> io::Result<H
 
 /// The running loop's executor, for a client that binds its connections to
 /// it (see `aio.rs`).
-pub(crate) fn running_executor(py: Python<'_>, runtime: &tokio::runtime::Handle) -> PyResult<Arc<LoopExecutor>> {
-    LoopExecutor::of_running_loop(py, runtime)
+pub(crate) fn running_executor(py: Python<'_>) -> PyResult<Arc<LoopExecutor>> {
+    LoopExecutor::of_running_loop(py)
 }

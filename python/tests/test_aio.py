@@ -391,10 +391,11 @@ def test_a_node_that_never_answers_times_out() -> None:
         asyncio.run(main())
 
 
-def test_a_client_moves_to_the_next_event_loop_once_its_own_is_closed(node: Node, unique: str, io: str) -> None:
-    """One client, two asyncio.run in turn: the second loop's calls work.
-    A call from another loop while the first one still runs is refused
-    (loop I/O: its connections belong to the first loop), saying so."""
+def test_a_client_moves_to_the_next_event_loop_once_its_own_is_not_running(node: Node, unique: str, io: str) -> None:
+    """One client, two asyncio.run in turn: the second loop's calls work,
+    and so do they after a loop that was only stopped, never closed. A call
+    from another loop while the first one is running is refused (loop I/O:
+    its connections belong to the first loop), saying so."""
     kv = kvplane.aio.Client(node.endpoint)
 
     async def put() -> None:
@@ -405,6 +406,14 @@ def test_a_client_moves_to_the_next_event_loop_once_its_own_is_closed(node: Node
 
     asyncio.run(put())
     assert asyncio.run(get()) == b"v"
+    stopped = asyncio.new_event_loop()
+    try:
+        assert stopped.run_until_complete(get()) == b"v"
+        # `stopped` is not closed, yet runs no more: the next loop takes over.
+        assert asyncio.run(get()) == b"v"
+        assert stopped.run_until_complete(get()) == b"v"
+    finally:
+        stopped.close()
 
     outcome: list[object] = []
     holding = threading.Event()
@@ -430,7 +439,7 @@ def test_a_client_moves_to_the_next_event_loop_once_its_own_is_closed(node: Node
     if io == "thread":
         assert outcome == [b"v"]
     else:
-        assert isinstance(outcome[0], kvplane.Error) and "another event loop, which still runs" in str(outcome[0]), outcome
+        assert isinstance(outcome[0], kvplane.Error) and "another event loop, which is running" in str(outcome[0]), outcome
         # That loop is closed now: this one takes the client over.
         assert asyncio.run(get()) == b"v"
     kv.close()
@@ -476,3 +485,42 @@ def test_a_node_killed_mid_call_fails_the_call_and_the_next_call_reconnects(uniq
         asyncio.run(main())
     finally:
         node.stop()
+
+
+def sockets_to(port: int) -> int:
+    """How many of this process's descriptors are TCP sockets connected to
+    `port` on loopback (from /proc: the kernel's own account)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[2].rsplit(":", 1)[1], 16) == port:
+                inodes.add(fields[9])
+    mine = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        mine += target.startswith("socket:[") and target[8:-1] in inodes
+    return mine
+
+
+def test_a_client_closed_before_its_loop_closes_leaves_no_socket_open(node: Node, unique: str) -> None:
+    """The client is closed between two runs of a loop, and the loop is then
+    closed without running again: the connections' sockets are closed all
+    the same (the loop's queue held their readers' last wake-ups, and
+    closing the loop dropped it)."""
+    port = int(node.endpoint.rsplit(":", 1)[1])
+    kv = kvplane.aio.Client(node.endpoint, connections=2)
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(kv.put_from([f"{unique}a", f"{unique}b"], [b"x" * MiB, b"y" * MiB]))
+        assert sockets_to(port) > 0
+        kv.close()
+    finally:
+        loop.close()
+    deadline = time.monotonic() + DEADLINE_S
+    while sockets_to(port) > 0:
+        assert time.monotonic() < deadline, f"{sockets_to(port)} socket(s) to the node still open"
+        time.sleep(0.01)

@@ -28,7 +28,10 @@ pub type BoxedFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
 /// background readers (see the module documentation).
 ///
 /// Timeouts stay tokio's: a connection's futures are polled inside a tokio
-/// runtime's context whichever transport they use.
+/// runtime's context whichever transport they use. A transport carries
+/// plain TCP only: a connection over one asks for neither TLS (refused)
+/// nor RDMA (never offered in its HELLO; the verbs' completions are
+/// polled on tokio's own sockets).
 pub trait Transport: Send + Sync + Debug {
     /// Connects to `addr` (`host:port`, as in [`crate::Endpoint::Tcp`]),
     /// with `TCP_NODELAY` set. The connection applies its own timeout
