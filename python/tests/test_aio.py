@@ -506,21 +506,26 @@ def sockets_to(port: int) -> int:
     return mine
 
 
-def test_a_client_closed_before_its_loop_closes_leaves_no_socket_open(node: Node, unique: str) -> None:
+def test_a_client_closed_before_its_loop_closes_leaves_no_socket_open(unique: str) -> None:
     """The client is closed between two runs of a loop, and the loop is then
     closed without running again: the connections' sockets are closed all
     the same (the loop's queue held their readers' last wake-ups, and
-    closing the loop dropped it)."""
-    port = int(node.endpoint.rsplit(":", 1)[1])
-    kv = kvplane.aio.Client(node.endpoint, connections=2)
-    loop = asyncio.new_event_loop()
+    closing the loop dropped it). The node is the test's own, so no other
+    test's client is counted."""
+    node = Node()
     try:
-        loop.run_until_complete(kv.put_from([f"{unique}a", f"{unique}b"], [b"x" * MiB, b"y" * MiB]))
-        assert sockets_to(port) > 0
-        kv.close()
+        port = int(node.endpoint.rsplit(":", 1)[1])
+        kv = kvplane.aio.Client(node.endpoint, connections=2)
+        loop = asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(kv.put_from([f"{unique}a", f"{unique}b"], [b"x" * MiB, b"y" * MiB]))
+            assert sockets_to(port) > 0
+            kv.close()
+        finally:
+            loop.close()
+        deadline = time.monotonic() + DEADLINE_S
+        while sockets_to(port) > 0:
+            assert time.monotonic() < deadline, f"{sockets_to(port)} socket(s) to the node still open"
+            time.sleep(0.01)
     finally:
-        loop.close()
-    deadline = time.monotonic() + DEADLINE_S
-    while sockets_to(port) > 0:
-        assert time.monotonic() < deadline, f"{sockets_to(port)} socket(s) to the node still open"
-        time.sleep(0.01)
+        node.stop()
