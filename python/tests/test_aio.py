@@ -99,6 +99,32 @@ def test_many_calls_in_flight_at_once(node: Node, unique: str) -> None:
     asyncio.run(main())
 
 
+def test_no_call_sleeps_until_its_timeout_when_many_share_the_connections(node: Node, unique: str) -> None:
+    """64 calls at once over a fresh client's 4 connections, fifty times:
+    each call ends long before the client's timeout. A lost wake-up in the
+    connections' read hand-over (a call that had driven the reads replacing
+    the new driver's waker) left a call asleep with its answer in hand until
+    its timeout's timer polled it, which then succeeded, with no error to
+    show for it: twenty rounds met it in two runs of three."""
+    timeout = 8.0
+
+    async def main() -> None:
+        for round in range(50):
+            kv = kvplane.aio.Client(node.endpoint, timeout=timeout)
+
+            async def timed(key: str) -> float:
+                started = time.monotonic()
+                await kv.put(key, b"x" * 16384)
+                return time.monotonic() - started
+
+            took = await asyncio.gather(*(timed(f"{unique}{round}/{i}") for i in range(64)))
+            kv.close()
+            slow = [(i, round_to) for i, round_to in enumerate(took) if round_to > timeout / 2]
+            assert not slow, f"round {round}: calls (index, seconds) that waited for their timeout: {slow}"
+
+    asyncio.run(main())
+
+
 def test_errors_are_typed_and_name_the_key(node: Node, unique: str) -> None:
     async def main() -> None:
         async with kvplane.aio.Client(node.endpoint) as kv:

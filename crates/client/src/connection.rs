@@ -627,7 +627,20 @@ impl Connection {
         let lost = || KvError::Unavailable(format!("connection to {} closed before the answer", self.endpoint));
         let wait = std::future::poll_fn(|cx| {
             if alone {
-                self.read.driver_waker.register(cx.waker());
+                // Only the driver's waker may sit in `driver_waker`: a call
+                // that drove once and was taken from keeps being polled
+                // (until its answer comes through the channel), and its
+                // registration would replace the new driver's, whose wake-up
+                // from the next take would then go to it instead. That new
+                // driver, waiting on the socket and not the channel, slept
+                // through its own answer until its timeout's timer polled
+                // it (tokio's `Timeout` polls the future before it fails
+                // it): 30 s, then success. The name is checked again under
+                // the loop's lock just below, so a take between this check
+                // and that one sends this call to the channel.
+                if self.read.driver.load(Ordering::Acquire) == id {
+                    self.read.driver_waker.register(cx.waker());
+                }
                 match self.read.poll_as(id, cx) {
                     Polled::NotDriver => {}
                     // Read here: no waker is registered with the channel, so
