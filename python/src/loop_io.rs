@@ -328,7 +328,12 @@ impl Wake for LoopTask {
         let scheduled = Python::try_attach(|py| {
             let schedule = || -> PyResult<()> {
                 let runner = Py::new(py, TaskRunner { task: Arc::clone(self), ran: AtomicBool::new(false) })?;
-                self.exec.soon(py, (runner,))
+                self.exec.soon(py, (runner.clone_ref(py),)).inspect_err(|_| {
+                    // Not queued (or queued by a call that raised after):
+                    // its drop must not cancel the task; what happens to
+                    // the task is decided below.
+                    runner.get().ran.store(true, Ordering::Release);
+                })
             };
             // `call_soon` is Python: a signal's exception (a second Ctrl-C)
             // can be raised inside it. The interrupt is raised again at the
