@@ -19,8 +19,11 @@ use kvplane_protocol::{Block, PutEntry, Request, Response};
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
-/// Each connection's timeout: a call left waiting by a lost wake-up fails
-/// with it instead of hanging the test.
+/// Each connection's timeout. A call left asleep by a lost wake-up does not
+/// fail when it passes: its timer wakes it, tokio's `Timeout` polls the
+/// call before it fails it, and the call finds its answer. So a lost
+/// wake-up shows as a call that took about this long, and the tests assert
+/// that none came near it.
 const PATIENCE: Duration = Duration::from_secs(10);
 
 async fn node() -> Node {
@@ -145,8 +148,10 @@ async fn pipelined_calls_on_one_connection_each_get_their_own_answer() {
     for t in 0..8 {
         let (conn, small, big) = (Arc::clone(&conn), small.clone(), big.clone());
         tasks.spawn(async move {
+            let mut slowest = Duration::ZERO;
             for i in 0..64 {
                 let name = &small[(t * 64 + i * 7) % small.len()];
+                let started = Instant::now();
                 match i % 8 {
                     // Now and then a call cut off at once, or a large
                     // answer between the small ones.
@@ -156,11 +161,14 @@ async fn pipelined_calls_on_one_connection_each_get_their_own_answer() {
                     5 => get_checked(&conn, &big[t % 4..t % 4 + 1], MIB).await,
                     _ => get_checked(&conn, std::slice::from_ref(name), 4 * KIB).await,
                 }
+                slowest = slowest.max(started.elapsed());
             }
+            slowest
         });
     }
     while let Some(r) = tasks.join_next().await {
-        r.expect("every pipelined call got its own answer");
+        let slowest = r.expect("every pipelined call got its own answer");
+        assert!(slowest < PATIENCE / 2, "a call took {slowest:?}: it slept until its timeout's timer woke it (a lost wake-up)");
     }
     assert!(conn.is_open());
     node.shutdown().await;
