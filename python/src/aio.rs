@@ -59,7 +59,7 @@ use pyo3::IntoPyObjectExt;
 use tokio::runtime::Runtime;
 use tokio::task::JoinHandle;
 
-use crate::loop_io::{panic_message, running_executor, CancelSignal, Cancellation, LoopCall, LoopExecutor, LoopTransport};
+use crate::loop_io::{panicked, running_executor, CancelSignal, Cancellation, LoopCall, LoopExecutor, LoopTransport};
 use crate::{
     export, key_of, kv_error, lengths, put_failure, raise, runtime, same_length, show, Borrowed, Destinations, Exports, GetFailure,
     MemberRow, Target,
@@ -302,15 +302,18 @@ impl CallIo {
         F: Future<Output = Result<T, KvError>> + Send + 'static,
         T: Send + 'static,
     {
-        let what = self.shared.what.clone();
         match self.shared.io {
             Io::Thread => run(self.shared, self.signal.expect("thread I/O has a cancel signal"), call).await,
             Io::Loop => {
                 let binding = Python::attach(|py| self.shared.bind_here(py))?;
-                let transport: Arc<dyn Transport> =
-                    Arc::new(LoopTransport { exec: Arc::clone(&binding.exec), runtime: self.shared.rt.handle().clone() });
-                if let Err(e) = binding.target.get_or_try_init(|| self.shared.spec.connect(Some(transport))).await {
-                    return Err(kv_error(&e, format!("connect to {what}"), None, None));
+                // The transport is made only when this call connects.
+                let connect = || {
+                    let transport: Arc<dyn Transport> =
+                        Arc::new(LoopTransport { exec: Arc::clone(&binding.exec), runtime: self.shared.rt.handle().clone() });
+                    self.shared.spec.connect(Some(transport))
+                };
+                if let Err(e) = binding.target.get_or_try_init(connect).await {
+                    return Err(kv_error(&e, format!("connect to {}", self.shared.what), None, None));
                 }
                 Ok(call(Connected { shared: self.shared, binding: Some(binding) }).await)
             }
@@ -378,7 +381,7 @@ where
         Ok(Ok(value)) => Ok(Ok(value)),
         Ok(Err(Failed::Call(e))) => Ok(Err(e)),
         Ok(Err(Failed::Connect(e))) => Err(kv_error(&e, format!("connect to {what}"), None, None)),
-        Err(e) if e.is_panic() => Err(raise("Internal", format!("the call panicked: {}", panic_message(&*e.into_panic())), None, None)),
+        Err(e) if e.is_panic() => Err(panicked(e.into_panic())),
         Err(e) => Err(raise("Internal", format!("the I/O runtime dropped a call: {e}"), None, None)),
     }
 }

@@ -99,6 +99,22 @@ impl LoopExecutor {
         std::thread::current().id() == self.thread
     }
 
+    /// `loop.add_reader` or `loop.add_writer`.
+    fn add_for(&self, side: Side) -> &Py<PyAny> {
+        match side {
+            Side::Read => &self.add_reader,
+            Side::Write => &self.add_writer,
+        }
+    }
+
+    /// `loop.remove_reader` or `loop.remove_writer`.
+    fn remove_for(&self, side: Side) -> &Py<PyAny> {
+        match side {
+            Side::Read => &self.remove_reader,
+            Side::Write => &self.remove_writer,
+        }
+    }
+
     /// Whether `other` is this loop.
     pub(crate) fn is(&self, other: &LoopExecutor) -> bool {
         self.event_loop.is(&other.event_loop)
@@ -398,8 +414,13 @@ fn rearm_interrupt(py: Python<'_>, e: &PyErr) {
     }
 }
 
+/// A call's panic, as the `kvplane.Internal` its awaiter gets.
+pub(crate) fn panicked(panic: Box<dyn std::any::Any + Send>) -> PyErr {
+    crate::raise("Internal", format!("the call panicked: {}", panic_message(&*panic)), None, None)
+}
+
 /// The text of a panic's payload (a `&str` or `String` message).
-pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
     match (panic.downcast_ref::<&str>(), panic.downcast_ref::<String>()) {
         (Some(s), _) => (*s).to_owned(),
         (_, Some(s)) => s.clone(),
@@ -590,9 +611,8 @@ impl LoopCall {
                     runtime,
                     Box::pin(async move {
                         // A panic is the call's error, not the loop's.
-                        let outcome = std::panic::AssertUnwindSafe(future).catch_unwind().await.unwrap_or_else(|panic| {
-                            Err(crate::raise("Internal", format!("the call panicked: {}", panic_message(&*panic)), None, None))
-                        });
+                        let outcome =
+                            std::panic::AssertUnwindSafe(future).catch_unwind().await.unwrap_or_else(|panic| Err(panicked(panic)));
                         Python::attach(|py| {
                             if let Err(e) = deliver(py, &delivered, outcome) {
                                 e.write_unraisable(py, None);
@@ -696,10 +716,7 @@ impl LoopSocket {
         let fd = self.stream().as_raw_fd();
         let watched = Python::attach(|py| -> PyResult<()> {
             let callback = Py::new(py, Readiness { socket: self.this.clone(), side })?;
-            let add = match side {
-                Side::Read => &self.exec.add_reader,
-                Side::Write => &self.exec.add_writer,
-            };
+            let add = self.exec.add_for(side);
             if self.exec.on_loop_thread() {
                 add.call1(py, (fd, callback)).map(drop)
             } else {
@@ -712,11 +729,7 @@ impl LoopSocket {
             // the socket's drop would close a descriptor still watched.
             Python::attach(|py| {
                 rearm_interrupt(py, &e);
-                let remove = match side {
-                    Side::Read => &self.exec.remove_reader,
-                    Side::Write => &self.exec.remove_writer,
-                };
-                let _ = remove.call1(py, (fd,));
+                let _ = self.exec.remove_for(side).call1(py, (fd,));
             });
             interest.watched.store(false, Ordering::Release);
             io::Error::other(format!("the event loop cannot watch the socket: {e}"))
@@ -741,11 +754,7 @@ impl LoopSocket {
             Some(waker) => turn(|| waker.wake()),
             None => {
                 interest.watched.store(false, Ordering::Release);
-                let remove = match side {
-                    Side::Read => &self.exec.remove_reader,
-                    Side::Write => &self.exec.remove_writer,
-                };
-                let _ = remove.call1(py, (self.stream().as_raw_fd(),));
+                let _ = self.exec.remove_for(side).call1(py, (self.stream().as_raw_fd(),));
             }
         }
     }

@@ -109,7 +109,7 @@ def test_no_call_sleeps_until_its_timeout_when_many_share_the_connections(node: 
     timeout = 8.0
 
     async def main() -> None:
-        for round in range(50):
+        for n in range(50):
             kv = kvplane.aio.Client(node.endpoint, timeout=timeout)
 
             async def timed(key: str) -> float:
@@ -117,10 +117,10 @@ def test_no_call_sleeps_until_its_timeout_when_many_share_the_connections(node: 
                 await kv.put(key, b"x" * 16384)
                 return time.monotonic() - started
 
-            took = await asyncio.gather(*(timed(f"{unique}{round}/{i}") for i in range(64)))
+            took = await asyncio.gather(*(timed(f"{unique}{n}/{i}") for i in range(64)))
             kv.close()
-            slow = [(i, round_to) for i, round_to in enumerate(took) if round_to > timeout / 2]
-            assert not slow, f"round {round}: calls (index, seconds) that waited for their timeout: {slow}"
+            slow = [(i, seconds) for i, seconds in enumerate(took) if seconds > timeout / 2]
+            assert not slow, f"round {n}: calls (index, seconds) that waited for their timeout: {slow}"
 
     asyncio.run(main())
 
