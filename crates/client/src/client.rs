@@ -7,6 +7,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use kvplane_protocol::{Block, ErrorCode, KvError, Limits, PutEntry, Request, Response, ShmGet, ShmPut, HEADER_LEN};
 
+use crate::answer_buffers::{AnswerBufferStats, AnswerBuffers};
 use crate::connection::Connection;
 use crate::endpoint::Endpoint;
 use crate::key_error::KeyContext;
@@ -37,6 +38,9 @@ pub struct ClientConfig {
     /// background readers, when not tokio's (see [`Transport`]). A Unix
     /// endpoint ignores it; TLS and a transport together are refused.
     pub transport: Option<Arc<dyn Transport>>,
+    /// Bytes of idle buffers kept to read the next owned GET answers into
+    /// (see [`AnswerBufferStats`]); 0 keeps none.
+    pub answer_buffer_pool_bytes: usize,
 }
 
 impl ClientConfig {
@@ -49,6 +53,7 @@ impl ClientConfig {
             shared_memory: true,
             tls: None,
             transport: None,
+            answer_buffer_pool_bytes: crate::answer_buffers::DEFAULT_POOL_BYTES,
         }
     }
 }
@@ -73,19 +78,23 @@ pub struct Client {
     /// The node's largest block (its `max_block_bytes` in STATS, read at
     /// connect; `None` from a node that does not say).
     max_block: Option<usize>,
+    /// Shared by every connection of the pool.
+    answer_buffers: Arc<AnswerBuffers>,
 }
 
 impl Client {
     /// Opens the first connection (so a wrong address or token fails here,
     /// not at the first request); the others open on first use.
     pub async fn connect(config: ClientConfig) -> Result<Client, KvError> {
-        let first = Connection::open_via(
+        let answer_buffers = AnswerBuffers::new(config.answer_buffer_pool_bytes);
+        let first = Connection::open_pooled(
             &config.endpoint,
             config.token.as_deref(),
             config.timeout,
             config.shared_memory,
             config.tls.as_ref(),
             config.transport.as_deref(),
+            Arc::clone(&answer_buffers),
         )
         .await?;
         let limits = first.hello_ack().limits;
@@ -99,13 +108,20 @@ impl Client {
         };
         let slots: Vec<_> = (0..config.connections.max(1)).map(|_| tokio::sync::Mutex::new(None)).collect();
         *slots[0].lock().await = Some(Arc::new(first));
-        Ok(Client { config, slots, next: AtomicUsize::new(0), limits, largest_block: AtomicUsize::new(0), max_block })
+        Ok(Client { config, slots, next: AtomicUsize::new(0), limits, largest_block: AtomicUsize::new(0), max_block, answer_buffers })
     }
 
     /// The largest block the node stores, when it says (nodes before this
     /// was in STATS do not): a caller with larger values splits them.
     pub fn max_block_bytes(&self) -> Option<usize> {
         self.max_block
+    }
+
+    /// What the buffers owned GET answers are read into did so far (reused,
+    /// newly allocated, evicted, idle now): the pool bounded by
+    /// [`ClientConfig::answer_buffer_pool_bytes`].
+    pub fn answer_buffer_stats(&self) -> AnswerBufferStats {
+        self.answer_buffers.stats()
     }
 
     /// The node's limits, as announced in the handshake.
@@ -126,13 +142,14 @@ impl Client {
             return Ok(Arc::clone(c));
         }
         let c = Arc::new(
-            Connection::open_via(
+            Connection::open_pooled(
                 &self.config.endpoint,
                 self.config.token.as_deref(),
                 self.config.timeout,
                 self.config.shared_memory,
                 self.config.tls.as_ref(),
                 self.config.transport.as_deref(),
+                Arc::clone(&self.answer_buffers),
             )
             .await?,
         );

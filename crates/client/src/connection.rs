@@ -33,6 +33,7 @@ use kvplane_protocol::{
 use tokio::io::{AsyncRead, AsyncWrite, BufReader};
 use tokio::sync::oneshot;
 
+use crate::answer_buffers::{AnswerBuffers, PooledBuffers};
 use crate::endpoint::Endpoint;
 use crate::into::{read_get_into, Destinations, Lease, NotRead};
 use crate::key_error::KeyContext;
@@ -287,6 +288,22 @@ impl Connection {
         tls: Option<&ClientTls>,
         transport: Option<&dyn Transport>,
     ) -> Result<Connection, KvError> {
+        let buffers = AnswerBuffers::new(crate::answer_buffers::DEFAULT_POOL_BYTES);
+        Connection::open_pooled(endpoint, token, timeout, shared_memory, tls, transport, buffers).await
+    }
+
+    /// As [`Connection::open_via`], reading owned GET answers into buffers
+    /// of `buffers` (a [`Client`](crate::Client)'s, shared by its
+    /// connections).
+    pub(crate) async fn open_pooled(
+        endpoint: &Endpoint,
+        token: Option<&str>,
+        timeout: Duration,
+        shared_memory: bool,
+        tls: Option<&ClientTls>,
+        transport: Option<&dyn Transport>,
+        buffers: Arc<AnswerBuffers>,
+    ) -> Result<Connection, KvError> {
         let unavailable = |e: std::io::Error| KvError::Unavailable(format!("connect to {endpoint}: {e}"));
         let too_slow = || KvError::Timeout(format!("connect to {endpoint}: no answer in {timeout:?}"));
         let (reader, writer, ack, shm): (Reader, Writer, HelloAck, Option<Arc<SharedMemory>>) = match endpoint {
@@ -357,7 +374,7 @@ impl Connection {
             close_reason: Mutex::new(None),
             broken: AtomicBool::new(false),
         });
-        let read = Arc::new(ReadSide::new(Box::pin(read_loop(reader, Arc::clone(&shared), endpoint.clone()))));
+        let read = Arc::new(ReadSide::new(Box::pin(read_loop(reader, Arc::clone(&shared), endpoint.clone(), PooledBuffers(buffers)))));
         let (background, reader) = futures::future::abortable(drive_in_background(Arc::clone(&read)));
         let background = Box::pin(async move {
             let _ = background.await;
@@ -799,7 +816,7 @@ fn read_error(endpoint: &Endpoint, e: ReadError) -> KvError {
     }
 }
 
-async fn read_loop(mut reader: Reader, shared: Arc<Shared>, endpoint: Endpoint) {
+async fn read_loop(mut reader: Reader, shared: Arc<Shared>, endpoint: Endpoint, buffers: PooledBuffers) {
     let limits = answer_limits();
     let reason = loop {
         let (header, meta) = match read_meta(&mut reader, &limits).await {
@@ -818,7 +835,7 @@ async fn read_loop(mut reader: Reader, shared: Arc<Shared>, endpoint: Endpoint) 
                 Ok(results) => Answer::Into(results),
                 Err(e) => break KvError::Unavailable(format!("read from {endpoint}: {e}")),
             },
-            (meta, _) => match read_payloads(&mut reader, &header, meta).await {
+            (meta, _) => match read_payloads(&mut reader, &header, meta, &buffers).await {
                 Ok(Frame { message: Message::Response(resp), .. }) => Answer::Response(resp),
                 Ok(other) => {
                     break KvError::Internal(format!("{endpoint} sent a request frame ({:?}) to a client", other.message.opcode()))

@@ -14,6 +14,7 @@
 //! # Ok(()) }
 //! ```
 
+mod answer_buffers;
 mod client;
 mod cluster;
 mod connection;
@@ -30,6 +31,7 @@ mod shm;
 mod tls;
 mod transport;
 
+pub use answer_buffers::{AnswerBufferStats, DEFAULT_POOL_BYTES as DEFAULT_ANSWER_BUFFER_POOL_BYTES, MIN_POOLED_BYTES};
 pub use client::{Client, ClientConfig, PrefixMatch};
 pub use cluster::{BackgroundWrites, ClusterClient, ClusterClientConfig, DEFAULT_MAX_BACKGROUND_BYTES};
 pub use connection::Connection;

@@ -197,3 +197,39 @@ async fn a_call_whose_future_is_parked_holds_up_no_other_call() {
     parked.await;
     node.shutdown().await;
 }
+
+/// Owned GET answers are read into buffers earlier answers gave back (their
+/// pages already mapped), and a buffer is lent again only once every block
+/// cut from it was dropped: an answer still held keeps its own bytes while
+/// later answers arrive, and each key is answered with its own value.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn owned_answers_reuse_buffers_only_once_their_blocks_are_dropped() {
+    use kvplane_client::{Client, ClientConfig};
+    let n = node().await;
+    let endpoint = Endpoint::Tcp(n.tcp_addr().expect("tcp").to_string());
+    let client =
+        Client::connect(ClientConfig { connections: 1, timeout: PATIENCE, ..ClientConfig::new(endpoint) }).await.expect("connects");
+    let conn = connect(&n).await;
+    let len = 512 * KIB;
+    let (a, b) = (names("pool-a", 4), names("pool-b", 4));
+    put(&conn, &a, len).await;
+    put(&conn, &b, len).await;
+    let check = |names: &[String], answer: &[Result<Bytes, kvplane_client::KvError>]| {
+        for (name, got) in names.iter().zip(answer) {
+            let got = got.as_ref().unwrap_or_else(|e| panic!("GET {name}: {e}"));
+            assert!(*got == value(name, len), "GET {name} answered bytes that are not its value");
+        }
+    };
+    let held = client.get(keys(&a)).await.expect("GET a");
+    for round in 0..8 {
+        let names = if round % 2 == 0 { &b } else { &a };
+        let answer = client.get(keys(names)).await.expect("GET");
+        check(names, &answer);
+        check(&a, &held);
+    }
+    let stats = client.answer_buffer_stats();
+    assert_eq!(stats.allocated, 2, "the held answer's buffer and one more: {stats:?}");
+    assert_eq!(stats.reused, 7, "every later answer in the one given back: {stats:?}");
+    drop(held);
+    assert_eq!(client.answer_buffer_stats().idle_bytes, 2 * 4 * len, "both buffers idle once nothing is held");
+}

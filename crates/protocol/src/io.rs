@@ -140,7 +140,7 @@ pub async fn read_block<R: AsyncRead + Unpin>(r: &mut BufReader<R>, dst: &mut [u
 
 /// As [`read_block`], appending the `len` bytes to `buf` (whose spare
 /// capacity they are read into, not zeroed first).
-async fn read_block_appended<R: AsyncRead + Unpin>(r: &mut BufReader<R>, buf: &mut BytesMut, len: usize) -> io::Result<u32> {
+async fn read_block_appended<R: AsyncRead + Unpin>(r: &mut BufReader<R>, buf: &mut Vec<u8>, len: usize) -> io::Result<u32> {
     let start = buf.len();
     let mut crc = Checksum::new();
     while buf.len() - start < len {
@@ -173,17 +173,50 @@ fn eof_in_block(done: usize, len: usize) -> io::Error {
     io::Error::new(io::ErrorKind::UnexpectedEof, format!("stream ended {done} bytes into a {len}-byte block"))
 }
 
-/// Reads blocks of `lens` bytes, one after another, into one fresh buffer
-/// (one allocation for a whole GET answer), each as [`read_block`] does:
-/// past the receive buffer once it is empty, checksummed as it lands.
-/// Returns the buffer and each block's CRC-32C.
-async fn read_blocks<R: AsyncRead + Unpin>(r: &mut BufReader<R>, lens: &[usize]) -> io::Result<(Bytes, Vec<u32>)> {
-    let mut buf = BytesMut::with_capacity(lens.iter().sum());
+/// Where the payloads of a frame are read ([`read_payloads`]): one buffer
+/// per frame, taken before its first block and handed back filled, to be
+/// cut into the frame's blocks.
+///
+/// Why it is a choice: a fresh multi-megabyte buffer comes from `mmap` or
+/// from a heap the allocator trimmed, so every 4 KiB page of it faults (and
+/// is zeroed by the kernel) the first time an answer lands in it. The
+/// client keeps the buffers of answers whose blocks were all dropped and
+/// reads the next answers into them; [`FreshBuffers`] allocates each.
+pub trait PayloadBuffers {
+    /// An empty buffer with room for at least `len` bytes.
+    fn take(&self, len: usize) -> Vec<u8>;
+    /// The filled buffer as the bytes the frame's blocks are cut from.
+    fn freeze(&self, buf: Vec<u8>) -> Bytes;
+}
+
+/// A new allocation for every frame.
+pub struct FreshBuffers;
+
+impl PayloadBuffers for FreshBuffers {
+    fn take(&self, len: usize) -> Vec<u8> {
+        Vec::with_capacity(len)
+    }
+
+    fn freeze(&self, buf: Vec<u8>) -> Bytes {
+        Bytes::from(buf)
+    }
+}
+
+/// Reads blocks of `lens` bytes, one after another, into one buffer from
+/// `buffers` (one buffer for a whole GET answer), each as [`read_block`]
+/// does: past the receive buffer once it is empty, checksummed as it lands.
+/// Returns the bytes and each block's CRC-32C.
+async fn read_blocks<R: AsyncRead + Unpin>(
+    r: &mut BufReader<R>,
+    lens: &[usize],
+    buffers: &(impl PayloadBuffers + ?Sized),
+) -> io::Result<(Bytes, Vec<u32>)> {
+    let mut buf = buffers.take(lens.iter().sum());
     let mut crcs = Vec::with_capacity(lens.len());
     for &len in lens {
         crcs.push(read_block_appended(r, &mut buf, len).await?);
     }
-    Ok((buf.freeze(), crcs))
+    Ok((buffers.freeze(buf), crcs))
 }
 
 /// Reads and throws away `len` bytes: the rest of a frame that was refused
@@ -225,7 +258,7 @@ impl From<io::Error> for ReadError {
 pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut BufReader<R>, limits: &Limits) -> Result<Option<Frame>, ReadError> {
     match read_meta(r, limits).await? {
         None => Ok(None),
-        Some((header, meta)) => read_payloads(r, &header, meta).await.map(Some),
+        Some((header, meta)) => read_payloads(r, &header, meta, &FreshBuffers).await.map(Some),
     }
 }
 
@@ -254,15 +287,20 @@ pub async fn read_meta<R: AsyncRead + Unpin + ?Sized>(r: &mut R, limits: &Limits
 }
 
 /// The second half of [`read_frame`]: the payloads `meta` announces, into
-/// one buffer, each checked against its checksum (computed as it is read,
-/// see [`read_block`]).
-pub async fn read_payloads<R: AsyncRead + Unpin>(r: &mut BufReader<R>, header: &FrameHeader, meta: Meta) -> Result<Frame, ReadError> {
+/// one buffer from `buffers`, each checked against its checksum (computed as
+/// it is read, see [`read_block`]).
+pub async fn read_payloads<R: AsyncRead + Unpin>(
+    r: &mut BufReader<R>,
+    header: &FrameHeader,
+    meta: Meta,
+    buffers: &(impl PayloadBuffers + ?Sized),
+) -> Result<Frame, ReadError> {
     let fail = |error, fatal| ReadError::Decode(DecodeError { error, request_id: Some(header.request_id), fatal });
     let message = match meta {
         Meta::Complete(m) => m,
         Meta::Put(slots) => {
             let lens: Vec<usize> = slots.iter().map(|s| s.len as usize).collect();
-            let (mut payloads, crcs) = read_blocks(r, &lens).await?;
+            let (mut payloads, crcs) = read_blocks(r, &lens, buffers).await?;
             let mut entries = Vec::with_capacity(slots.len());
             for (index, (s, actual)) in slots.into_iter().zip(crcs).enumerate() {
                 let data = payloads.split_to(s.len as usize);
@@ -275,7 +313,7 @@ pub async fn read_payloads<R: AsyncRead + Unpin>(r: &mut BufReader<R>, header: &
         }
         Meta::Get(slots) => {
             let lens: Vec<usize> = slots.iter().map(|s| s.as_ref().map_or(0, |s| s.len as usize)).collect();
-            let (mut payloads, crcs) = read_blocks(r, &lens).await?;
+            let (mut payloads, crcs) = read_blocks(r, &lens, buffers).await?;
             let results = slots
                 .into_iter()
                 .zip(crcs)
@@ -389,7 +427,7 @@ mod tests {
     async fn read_block_appends_and_reports_an_end_of_stream_inside_a_block() {
         let data = pattern(50_000, 5);
         let mut r = BufReader::with_capacity(BUFFER, Chunked { data: data.clone(), pos: 0, chunk: 7_000, asked: Vec::new() });
-        let (bytes, crcs) = read_blocks(&mut r, &[20_000, 0, 30_000]).await.unwrap();
+        let (bytes, crcs) = read_blocks(&mut r, &[20_000, 0, 30_000], &FreshBuffers).await.unwrap();
         assert_eq!(&bytes[..], &data[..]);
         assert_eq!(crcs, vec![crate::checksum(&data[..20_000]), 0, crate::checksum(&data[20_000..])]);
         let mut r = BufReader::with_capacity(BUFFER, Chunked { data, pos: 0, chunk: 7_000, asked: Vec::new() });
