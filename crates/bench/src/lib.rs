@@ -54,6 +54,10 @@ pub enum Target {
     /// (the slot table the nodes serve).
     Cluster,
     Raw,
+    /// The raw server keeping every block in memory of its own (see
+    /// [`raw`]): the one copy per block a store cannot avoid, and nothing
+    /// else.
+    RawStore,
     Redis,
     /// vineyardd's RPC port, through `builtin:vineyard`'s protocol code
     /// compiled natively.
@@ -71,10 +75,11 @@ impl std::str::FromStr for Target {
             "kvplane" => Ok(Target::Kvplane),
             "cluster" => Ok(Target::Cluster),
             "raw" => Ok(Target::Raw),
+            "raw-store" => Ok(Target::RawStore),
             "redis" => Ok(Target::Redis),
             "vineyard" => Ok(Target::Vineyard),
             "local" => Ok(Target::Local),
-            other => bail!("--target {other:?}: expected kvplane, cluster, raw, redis, vineyard or local"),
+            other => bail!("--target {other:?}: expected kvplane, cluster, raw, raw-store, redis, vineyard or local"),
         }
     }
 }
@@ -158,6 +163,7 @@ pub(crate) enum Conn {
     Kvplane(Vec<kvplane_client::Client>),
     Cluster(kvplane_client::ClusterClient),
     Raw(raw::RawClient),
+    RawStore(raw::RawClient),
     Redis(redis::RedisClient),
     Vineyard(vineyard::VineyardClient),
     /// One connection with shared memory; PUTs read the first `batch`
@@ -255,6 +261,7 @@ impl Conn {
             }
             Target::Cluster => Conn::Cluster(cluster_client(&cfg.endpoint, cfg.token.clone(), cfg.tls.clone(), cfg.connections).await?),
             Target::Raw => Conn::Raw(raw::RawClient::connect(&cfg.endpoint).await?),
+            Target::RawStore => Conn::RawStore(raw::RawClient::connect(&cfg.endpoint).await?),
             Target::Redis => Conn::Redis(redis::RedisClient::connect(&cfg.endpoint).await?),
             Target::Vineyard => Conn::Vineyard(vineyard::VineyardClient::connect(&cfg.endpoint).await?),
             Target::Local => {
@@ -291,6 +298,7 @@ impl Conn {
             }
             Conn::Cluster(c) => check_put(keys, c.put(keys.iter().map(|k| (k.clone(), value.clone())).collect()).await?),
             Conn::Raw(c) => c.put_value(keys.len(), value).await,
+            Conn::RawStore(c) => c.put_at(&indices(keys)?, value).await,
             Conn::Redis(c) => c.set(keys, value).await,
             Conn::Vineyard(c) => c.put(keys, value).await,
             Conn::Local { conn, filled } => {
@@ -322,6 +330,7 @@ impl Conn {
             }
             Conn::Cluster(c) => count_misses(keys, c.get(keys.to_vec()).await?, block_size),
             Conn::Raw(c) => c.get(keys.len(), block_size).await.map(|()| 0),
+            Conn::RawStore(c) => c.get_at(&indices(keys)?, block_size).await.map(|()| 0),
             Conn::Redis(c) => c.get(keys, block_size).await,
             Conn::Vineyard(c) => c.get(keys, block_size).await,
             Conn::Local { conn, .. } => {
@@ -343,8 +352,23 @@ impl Conn {
     }
 }
 
+const KEY_PREFIX: &str = "bench/";
+
 fn key(i: usize) -> Bytes {
-    Bytes::from(format!("bench/{i:08}"))
+    Bytes::from(format!("{KEY_PREFIX}{i:08}"))
+}
+
+/// The index each of `keys` was made from by [`key`].
+fn indices(keys: &[Bytes]) -> anyhow::Result<Vec<u32>> {
+    keys.iter()
+        .map(|k| {
+            std::str::from_utf8(k)
+                .ok()
+                .and_then(|k| k.strip_prefix(KEY_PREFIX))
+                .and_then(|i| i.parse().ok())
+                .context("a bench key without its index")
+        })
+        .collect()
 }
 
 /// Runs the benchmark and reports throughput and batch latency.
@@ -526,6 +550,13 @@ pub(crate) async fn dial(endpoint: &str) -> anyhow::Result<(BoxRead, BoxWrite)> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_bench_key_gives_back_the_index_it_was_made_from() {
+        let keys: Vec<Bytes> = [0, 7, 123_456].into_iter().map(key).collect();
+        assert_eq!(indices(&keys).unwrap(), vec![0, 7, 123_456]);
+        assert!(indices(&[Bytes::from_static(b"other/1")]).is_err());
+    }
 
     #[test]
     fn nodes_own_contiguous_slot_ranges_in_endpoint_order() {

@@ -6,14 +6,24 @@
 //! themselves. PUT (`b'P'`): the payload follows the header and the server
 //! reads it into a buffer reused across requests, then acknowledges. GET
 //! (`b'G'`): the server answers with `count × size` bytes in one write.
+//!
+//! That buffer stays in the CPU's cache from one request to the next, which
+//! no store's blocks do once there are more of them than the cache holds.
+//! So the same server also keeps blocks of its own (target `raw-store`): the
+//! header is followed by `count` block indices (`u32` each), a PUT (`b'p'`)
+//! reads each block into the memory of its index and a GET (`b'g'`) writes
+//! the indexed blocks in one vectored write. That is the one copy per block
+//! a store cannot avoid, over a working set as large as the node's, and
+//! nothing else: no index, no checksum, no metadata.
 
+use std::io::IoSlice;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context as _};
 use bytes::{Bytes, BytesMut};
 use kvplane_protocol::io::{read_bytes, write_frame};
 use kvplane_protocol::EncodedFrame;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 
 use super::{dial, BoxRead, BoxWrite};
 
@@ -21,6 +31,11 @@ const HEADER: usize = 9;
 /// The largest request the sink accepts (count × size), so a stray client
 /// cannot make it allocate without bound.
 const MAX_REQUEST_BYTES: u64 = 1 << 30;
+/// The most block memory one connection of the `raw-store` side keeps.
+const MAX_STORE_BYTES: u64 = 1 << 30;
+/// A block at least this long is read past the receive buffer (the node
+/// reads its blocks the same way: `kvplane_protocol::io::DIRECT_READ_BYTES`).
+const DIRECT_READ_BYTES: usize = kvplane_protocol::io::DIRECT_READ_BYTES;
 
 pub struct RawClient {
     reader: BoxRead,
@@ -61,6 +76,32 @@ impl RawClient {
         std::hint::black_box(&data);
         Ok(())
     }
+
+    /// `raw-store`: stores `value` as each block of `indices`.
+    pub async fn put_at(&mut self, indices: &[u32], value: &Bytes) -> anyhow::Result<()> {
+        let frame = EncodedFrame { head: store_header(b'p', indices, value.len()), payloads: vec![value.clone(); indices.len()] };
+        write_frame(&mut self.writer, &frame).await?;
+        let ack = self.reader.read_u8().await.context("reading the store's acknowledgement")?;
+        if ack != 1 {
+            bail!("raw store answered {ack}, expected 1");
+        }
+        Ok(())
+    }
+
+    /// `raw-store`: reads the blocks of `indices` into a fresh buffer.
+    pub async fn get_at(&mut self, indices: &[u32], size: usize) -> anyhow::Result<()> {
+        let frame = EncodedFrame { head: store_header(b'g', indices, size), payloads: vec![] };
+        write_frame(&mut self.writer, &frame).await?;
+        let data = read_bytes(&mut self.reader, indices.len() * size).await?;
+        std::hint::black_box(&data);
+        Ok(())
+    }
+}
+
+fn store_header(op: u8, indices: &[u32], size: usize) -> Vec<u8> {
+    let mut h = header(op, indices.len(), size);
+    h.extend(indices.iter().flat_map(|i| i.to_le_bytes()));
+    h
 }
 
 /// Where the raw server listens.
@@ -117,6 +158,7 @@ async fn connection<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(r: R, mut w: W)
     let mut r = BufReader::with_capacity(256 << 10, r);
     let mut sink = BytesMut::new();
     let mut source = Bytes::new();
+    let mut store = Store::default();
     loop {
         let mut h = [0u8; HEADER];
         if r.read_exact(&mut h).await.is_err() {
@@ -140,7 +182,79 @@ async fn connection<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(r: R, mut w: W)
                 }
                 w.write_all(&source).await?;
             }
+            b'p' | b'g' => {
+                let mut raw = vec![0u8; count as usize * 4];
+                r.read_exact(&mut raw).await?;
+                let indices: Vec<usize> = raw.chunks_exact(4).map(|i| u32::from_le_bytes([i[0], i[1], i[2], i[3]]) as usize).collect();
+                store.fit(&indices, size as usize)?;
+                if h[0] == b'p' {
+                    for &i in &indices {
+                        read_into(&mut r, &mut store.blocks[i]).await?;
+                    }
+                    w.write_all(&[1]).await?;
+                } else {
+                    let mut slices: Vec<IoSlice<'_>> = indices.iter().map(|&i| IoSlice::new(&store.blocks[i])).collect();
+                    let mut rest = &mut slices[..];
+                    while !rest.is_empty() {
+                        let n = w.write_vectored(rest).await?;
+                        if n == 0 {
+                            bail!("the client stopped taking bytes");
+                        }
+                        IoSlice::advance_slices(&mut rest, n);
+                    }
+                }
+            }
             op => bail!("unknown raw op {op}"),
         }
     }
+}
+
+/// The `raw-store` side's blocks, one allocation per index, all of one size
+/// (a request of another size starts over).
+#[derive(Default)]
+struct Store {
+    size: usize,
+    blocks: Vec<Vec<u8>>,
+}
+
+impl Store {
+    /// Makes sure every block of `indices` exists (filled, so its pages are
+    /// mapped before it is timed), within [`MAX_STORE_BYTES`].
+    fn fit(&mut self, indices: &[usize], size: usize) -> anyhow::Result<()> {
+        if size != self.size {
+            *self = Store { size, blocks: Vec::new() };
+        }
+        let needed = indices.iter().max().map_or(0, |&i| i + 1);
+        if needed as u64 * size as u64 > MAX_STORE_BYTES {
+            bail!("blocks up to index {needed} of {size} bytes are over the store's limit of {MAX_STORE_BYTES} bytes");
+        }
+        while self.blocks.len() < needed {
+            self.blocks.push(vec![0xa5; size]);
+        }
+        Ok(())
+    }
+}
+
+/// Fills `dst` from `r` as the node fills a PUT block: bytes already
+/// buffered are copied out, a block of [`DIRECT_READ_BYTES`] or more is read
+/// past the empty buffer, a smaller one through it.
+async fn read_into<R: AsyncRead + Unpin>(r: &mut BufReader<R>, dst: &mut [u8]) -> anyhow::Result<()> {
+    let mut done = 0;
+    while done < dst.len() {
+        let rest = &mut dst[done..];
+        let n = if !r.buffer().is_empty() || rest.len() < DIRECT_READ_BYTES {
+            let available = r.fill_buf().await?;
+            let n = available.len().min(rest.len());
+            rest[..n].copy_from_slice(&available[..n]);
+            r.consume(n);
+            n
+        } else {
+            r.get_mut().read(rest).await?
+        };
+        if n == 0 {
+            bail!("stream ended {done} bytes into a {}-byte block", dst.len());
+        }
+        done += n;
+    }
+    Ok(())
 }

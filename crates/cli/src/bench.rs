@@ -17,7 +17,9 @@ pub(crate) struct BenchArgs {
     #[command(flatten)]
     conn: ConnectArgs,
     /// What serves the endpoint: kvplane, cluster, raw (`kvplane
-    /// bench-raw-server`), redis, vineyard (vineyardd's RPC port) or local
+    /// bench-raw-server`, one buffer that stays in cache), raw-store (the
+    /// same server keeping each block in memory of its own: one copy per
+    /// block and nothing else), redis, vineyard (vineyardd's RPC port) or local
     /// (a node's Unix socket, PUT from and GET into the memory it shares). For
     /// kvplane, a comma-separated list of independent nodes splits the keys
     /// among them by hash slot (contiguous slot ranges in list order); for
