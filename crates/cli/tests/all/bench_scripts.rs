@@ -24,3 +24,20 @@ fn bench_node_runs_every_cell_and_prints_its_tables() {
         assert!(stdout.contains(expected), "no {expected:?} in its output:\n{stdout}");
     }
 }
+
+#[test]
+fn bench_instructions_counts_both_sides_of_two_binaries_and_prints_their_ratio() {
+    let bin = env!("CARGO_BIN_EXE_kvplane");
+    let out = Command::new(workspace().join("scripts/bench-instructions"))
+        .current_dir(workspace())
+        .env("SMOKE", "1")
+        .args([bin, bin])
+        .output()
+        .expect("running scripts/bench-instructions");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "scripts/bench-instructions failed: {}\n{stdout}\n{stderr}", out.status);
+    for expected in ["user-space instructions per request", " get   node |", " get client |", "binary 2:"] {
+        assert!(stdout.contains(expected), "no {expected:?} in its output:\n{stdout}");
+    }
+}
