@@ -261,7 +261,7 @@ impl BlockCache {
     /// block, and each shard's queues (eviction keeps one order per shard)
     /// see what one insert after another would have shown them.
     pub fn insert_many(&self, entries: Vec<NewEntry>) {
-        let mut routed: Vec<(usize, u64, NewEntry, Option<Arc<TenantAccount>>)> = entries
+        let mut routed: Vec<Option<Routed>> = entries
             .into_iter()
             .map(|e| {
                 if let Some(crc) = e.crc {
@@ -269,19 +269,25 @@ impl BlockCache {
                 }
                 let hash = self.hash(&e.key);
                 let account = self.account_of(&e.key);
-                (self.shard_index(hash), hash, e, account)
+                Some((self.shard_index(hash), hash, e, account))
             })
             .collect();
-        routed.sort_by_key(|&(shard, ..)| shard);
+        let order = by_shard(routed.iter().map(|r| r.as_ref().map_or(0, |&(shard, ..)| shard)), self.shards.len());
         let mut released = Vec::with_capacity(routed.len());
-        let mut routed = routed.into_iter().peekable();
-        while let Some((index, hash, first, account)) = routed.next() {
-            let mut shard = lock(&self.shards[index]);
-            released.extend(shard.insert(hash, first.key, first.block, account));
-            while let Some((_, hash, next, account)) = routed.next_if(|&(i, ..)| i == index) {
-                released.extend(shard.insert(hash, next.key, next.block, account));
+        // One shard's lock at a time, taken once for its run of the order.
+        let mut locked: Option<(usize, MutexGuard<'_, Shard>)> = None;
+        for i in order {
+            let (index, hash, entry, account) = routed[i].take().expect("by_shard names each position once");
+            if locked.as_ref().map(|(held, _)| *held) != Some(index) {
+                // The last shard's lock goes before the next is taken: never
+                // two at once.
+                drop(locked.take());
+                locked = Some((index, lock(&self.shards[index])));
             }
+            let (_, shard) = locked.as_mut().expect("locked just above");
+            released.extend(shard.insert(hash, entry.key, entry.block, account));
         }
+        drop(locked);
         // Outside every shard lock, as in `insert_unchecked`.
         Block::release_all(released);
     }
@@ -308,20 +314,19 @@ impl BlockCache {
     /// shard overlapping their cache misses (see `Shard::get_many`). A key
     /// given twice is looked up twice, in order, as one `get` after another.
     pub fn get_many<K: AsRef<[u8]>>(&self, keys: &[K]) -> Vec<Option<CachedBlock>> {
-        let mut routed: Vec<(usize, u64, usize)> = keys
+        let routed: Vec<(usize, u64)> = keys
             .iter()
-            .enumerate()
-            .map(|(i, k)| {
+            .map(|k| {
                 let hash = self.hash(k.as_ref());
-                (self.shard_index(hash), hash, i)
+                (self.shard_index(hash), hash)
             })
             .collect();
-        routed.sort_by_key(|&(shard, ..)| shard);
-        let lookups: Vec<(u64, &[u8], usize)> = routed.iter().map(|&(_, hash, i)| (hash, keys[i].as_ref(), i)).collect();
+        let order = by_shard(routed.iter().map(|&(shard, _)| shard), self.shards.len());
+        let lookups: Vec<(u64, &[u8], usize)> = order.iter().map(|&i| (routed[i].1, keys[i].as_ref(), i)).collect();
         let mut found: Vec<Option<CachedBlock>> = (0..keys.len()).map(|_| None).collect();
         let mut start = 0;
-        for run in routed.chunk_by(|a, b| a.0 == b.0) {
-            lock(&self.shards[run[0].0]).get_many(&lookups[start..start + run.len()], &mut found);
+        for run in order.chunk_by(|&a, &b| routed[a].0 == routed[b].0) {
+            lock(&self.shards[routed[run[0]].0]).get_many(&lookups[start..start + run.len()], &mut found);
             start += run.len();
         }
         found
@@ -472,6 +477,32 @@ impl BlockCache {
         let mid = (hash >> 20) & 0xffff_ffff;
         ((mid * self.shards.len() as u64) >> 32) as usize
     }
+}
+
+/// An entry of [`BlockCache::insert_many`] with where it goes: its shard,
+/// its hash and the tenant it is charged to.
+type Routed = (usize, u64, NewEntry, Option<Arc<TenantAccount>>);
+
+/// The positions of a batch grouped by shard (`shards` of the items, each
+/// below `count`): the groups in shard order, each group's positions in
+/// batch order. A counting sort, of positions rather than of the routed
+/// entries: for 32 keys over 16 shards it saved 3,700 of a PUT's 160,000
+/// user-space instructions on the node, and 1,400 of a GET's 50,000, against
+/// the standard library's stable sort (scripts/bench-instructions).
+fn by_shard(shards: impl ExactSizeIterator<Item = usize> + Clone, count: usize) -> Vec<usize> {
+    let mut starts = vec![0usize; count + 1];
+    for shard in shards.clone() {
+        starts[shard + 1] += 1;
+    }
+    for i in 1..starts.len() {
+        starts[i] += starts[i - 1];
+    }
+    let mut order = vec![0usize; shards.len()];
+    for (position, shard) in shards.enumerate() {
+        order[starts[shard]] = position;
+        starts[shard] += 1;
+    }
+    order
 }
 
 /// A poisoned shard means a panic while it was locked. Shard operations run
