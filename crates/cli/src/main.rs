@@ -24,8 +24,9 @@ use std::process::ExitCode;
 /// vectors of more than a kilobyte; in glibc each of those larger requests
 /// consolidates the small chunks freed since, and the next key allocations
 /// are carved again out of the consolidated chunks (`malloc_consolidate`,
-/// `unlink_chunk`): 7% of a node's CPU at 32 × 4 KiB PUT. mimalloc's
-/// per-thread free lists by size class have no such pass. Block memory is
+/// `unlink_chunk`): 8% of a node's CPU samples at 32 × 4 KiB PUT.
+/// mimalloc's per-thread free lists by size class have no such pass (the
+/// crate builds mimalloc v3, its default). Block memory is
 /// not the allocator's: it is the node's own pool (`kvplane-node`'s
 /// `memory` module).
 #[global_allocator]

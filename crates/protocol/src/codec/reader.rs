@@ -44,10 +44,14 @@ pub(super) fn response(r: Response) -> Meta {
 /// per-key answers could not be told apart.
 /// The table is sized for the whole batch up front: grown from empty, its
 /// rehashes cost more than the lookups on a batch of 32 keys. Its hasher is
-/// foldhash, seeded at random per process as the node's block table is
-/// (crates/node/src/cache): SipHash, the standard library's, cost 300
-/// instructions a key here, a tenth of a 4 KiB PUT's work on the node
-/// outside the copy and the checksum.
+/// foldhash, randomly seeded as the node's block table's is
+/// (crates/node/src/cache), with a fresh per-table seed each frame:
+/// SipHash, the standard library's, cost 300 instructions a key here, a
+/// tenth of a 4 KiB PUT's work on the node outside the copy and the
+/// checksum. foldhash claims only minimal resistance to chosen collisions;
+/// here a peer who found some would cost the node at most a batch's keys
+/// (`max_batch_keys`) compared with each other within one frame, and the
+/// block table, which lives far longer, already accepts that risk.
 pub(super) fn check_unique<'a>(keys: impl ExactSizeIterator<Item = &'a [u8]>) -> Result<(), ProtocolError> {
     let mut seen = std::collections::HashMap::with_capacity_and_hasher(keys.len(), foldhash::fast::RandomState::default());
     for (i, k) in keys.enumerate() {
