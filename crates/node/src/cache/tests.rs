@@ -731,3 +731,12 @@ fn insert_many_charges_each_tenant_as_inserts_one_after_another_do() {
         assert_eq!(a.bytes() + b.bytes(), cache.pool().stats().used_bytes as u64, "{policy}: the accounts add up to the pool");
     }
 }
+
+#[test]
+fn by_shard_groups_positions_in_shard_order_keeping_batch_order_within_a_shard() {
+    assert_eq!(by_shard([2, 0, 2, 1, 0, 2].into_iter(), 3), [1, 4, 3, 0, 2, 5]);
+    // A shard no item names, and one shard for everything.
+    assert_eq!(by_shard([3, 3, 0].into_iter(), 4), [2, 0, 1]);
+    assert_eq!(by_shard([0, 0, 0].into_iter(), 1), [0, 1, 2]);
+    assert!(by_shard(std::iter::empty::<usize>(), 16).is_empty());
+}
