@@ -18,6 +18,8 @@ mod size;
 
 use std::process::ExitCode;
 
+use clap::{Parser, Subcommand};
+
 /// The process's allocator: mimalloc rather than glibc's malloc. A node
 /// allocates a small key per stored block and frees the key of each block
 /// it replaces or evicts, while every frame also takes a few scratch
@@ -26,13 +28,11 @@ use std::process::ExitCode;
 /// are carved again out of the consolidated chunks (`malloc_consolidate`,
 /// `unlink_chunk`): 8% of a node's CPU samples at 32 × 4 KiB PUT.
 /// mimalloc's per-thread free lists by size class have no such pass (the
-/// crate builds mimalloc v3, its default). Block memory is
-/// not the allocator's: it is the node's own pool (`kvplane-node`'s
-/// `memory` module).
+/// crate builds mimalloc v3, its default). Block memory is not the
+/// allocator's: it is the node's own pool (`kvplane-node`'s `memory`
+/// module).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
-use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
 #[command(name = "kvplane", version, about = "KV-cache platform for LLM inference")]

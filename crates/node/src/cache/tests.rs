@@ -733,10 +733,12 @@ fn insert_many_charges_each_tenant_as_inserts_one_after_another_do() {
 }
 
 #[test]
-fn by_shard_groups_positions_in_shard_order_keeping_batch_order_within_a_shard() {
-    assert_eq!(by_shard([2, 0, 2, 1, 0, 2].into_iter(), 3), [1, 4, 3, 0, 2, 5]);
+fn group_by_shard_orders_by_shard_keeping_the_items_order_within_a_shard() {
+    let by_first = |items: Vec<(usize, char)>, shards| group_by_shard(items, |&(shard, _)| shard, shards);
+    let items = vec![(2, 'a'), (0, 'b'), (2, 'c'), (1, 'd'), (0, 'e'), (2, 'f')];
+    assert_eq!(by_first(items, 3), [(0, 'b'), (0, 'e'), (1, 'd'), (2, 'a'), (2, 'c'), (2, 'f')]);
     // A shard no item names, and one shard for everything.
-    assert_eq!(by_shard([3, 3, 0].into_iter(), 4), [2, 0, 1]);
-    assert_eq!(by_shard([0, 0, 0].into_iter(), 1), [0, 1, 2]);
-    assert!(by_shard(std::iter::empty::<usize>(), 16).is_empty());
+    assert_eq!(by_first(vec![(3, 'a'), (3, 'b'), (0, 'c')], 4), [(0, 'c'), (3, 'a'), (3, 'b')]);
+    assert_eq!(by_first(vec![(0, 'a'), (0, 'b'), (0, 'c')], 1), [(0, 'a'), (0, 'b'), (0, 'c')]);
+    assert!(by_first(Vec::new(), 16).is_empty());
 }
