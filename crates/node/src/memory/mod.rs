@@ -34,7 +34,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-pub use block::{Block, BlockMut};
+pub use block::{with_streaming_stores, Block, BlockMut, StreamingStores};
 
 use arena::Arena;
 

@@ -292,3 +292,26 @@ fn release_all_gives_back_the_blocks_whose_last_handle_it_held_and_leaves_the_re
     assert_eq!((st.blocks, st.used_bytes, st.requested_bytes), (0, 0, 0));
     Block::release_all(Vec::new());
 }
+
+#[test]
+fn blocks_streamed_in_one_scope_hold_their_bytes_once_frozen_including_a_tail_shorter_than_a_line() {
+    let pool = pool(4 * MIB, 4 * KIB, MIB);
+    let sources: Vec<Vec<u8>> = [4 * KIB, 5000, 100, 0].iter().map(|&n| (0..n).map(|i| (i * 31 + n) as u8).collect()).collect();
+    let mut blocks: Vec<BlockMut> = sources.iter().map(|s| pool.allocate(s.len()).expect("room")).collect();
+    with_streaming_stores(|stores| {
+        for (block, src) in blocks.iter_mut().zip(&sources) {
+            block.stream_from(src, stores);
+        }
+    });
+    for (block, src) in blocks.into_iter().zip(&sources) {
+        assert_eq!(block.freeze().as_slice(), &src[..]);
+    }
+}
+
+#[test]
+#[should_panic(expected = "stream_from: 10 bytes into a block of 4096")]
+fn streaming_a_source_of_another_length_panics() {
+    let pool = pool(4 * MIB, 4 * KIB, MIB);
+    let mut block = pool.allocate(4 * KIB).expect("room");
+    with_streaming_stores(|stores| block.stream_from(&[1; 10], stores));
+}

@@ -27,7 +27,7 @@ use super::metrics::Op;
 use super::receive::{within, PeerShare, Stalled};
 use super::NodeState;
 use crate::cache::NewEntry;
-use crate::memory::BlockMut;
+use crate::memory::{with_streaming_stores, BlockMut};
 use crate::rdma::ConnRdma;
 use crate::shm::SharedRegion;
 use crate::store::Staged;
@@ -637,22 +637,33 @@ where
         let lens: Vec<usize> = slots.iter().map(|slot| slot.len as usize).collect();
         let mut blocks = Vec::new();
         let taken = self.state.store.try_allocate_many(&lens, &mut blocks);
+        // The checksum of the receive buffer's bytes, still in cache from
+        // the kernel's copy; the block is written around the cache (see
+        // `BlockMut::stream_from`) with the same bytes. A block whose bytes
+        // do not match their checksum is `None`.
+        let reader = &mut self.reader;
+        let filled: Vec<Option<BlockMut>> = with_streaming_stores(|stores| {
+            slots
+                .iter()
+                .zip(blocks)
+                .map(|(slot, mut block)| {
+                    let src = &reader.buffer()[..slot.len as usize];
+                    let crc = kvplane_protocol::checksum(src);
+                    block.stream_from(src, stores);
+                    reader.consume(slot.len as usize);
+                    (crc == slot.crc).then_some(block)
+                })
+                .collect()
+        });
+        // Only now, the stores fenced, are the blocks published.
         let through = self.state.store.writes_through();
         let mut entries = Vec::with_capacity(taken);
-        for (slot, mut block) in slots.iter().zip(blocks) {
-            let len = slot.len as usize;
-            let src = &self.reader.buffer()[..len];
-            // The checksum of the receive buffer's bytes, still in cache
-            // from the kernel's copy; the block is written around the cache
-            // (see `BlockMut::copy_from`) with the same bytes.
-            let crc = kvplane_protocol::checksum(src);
-            block.copy_from(src);
-            self.reader.consume(len);
-            if crc != slot.crc {
+        for (slot, block) in slots.iter().zip(filled) {
+            let Some(block) = block else {
                 self.state.metrics.checksum_failures.inc_by(1);
                 results.push(Err(ErrorCode::BadChecksum));
                 continue;
-            }
+            };
             // Keys are copied out of the frame's meta buffer: a stored slice
             // would keep the whole buffer alive as long as any key lives.
             let (key, block, crc) = (Bytes::copy_from_slice(&slot.key), block.freeze(), Some(slot.crc));
