@@ -248,7 +248,13 @@ impl Client {
     where
         Fut: std::future::Future<Output = Result<Vec<R>, KvError>>,
     {
-        let parts = self.stripe(items, bytes);
+        let mut parts = self.stripe(items, bytes);
+        if parts.len() == 1 {
+            // One connection (most batches): its call alone, without the
+            // joined futures' boxed slice and a second collect of the answers
+            // (about a tenth of a single GET's instructions in the client).
+            return call(first, parts.pop().expect("one part")).await;
+        }
         let mut conns = vec![first];
         while conns.len() < parts.len() {
             conns.push(self.connection().await?);

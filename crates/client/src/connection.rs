@@ -49,7 +49,9 @@ type Writer = Box<dyn AsyncWrite + Send + Unpin>;
 /// read into caller memory takes block bytes past the buffer, straight from
 /// the stream ([`read_get_into`]).
 type Reader = BufReader<Box<dyn AsyncRead + Send + Unpin>>;
-type Waiters = HashMap<u64, Waiter>;
+/// By request id. The ids are this connection's own counter, never the
+/// node's choice, so nobody can pick colliding keys: a fast hash does.
+type Waiters = HashMap<u64, Waiter, foldhash::fast::RandomState>;
 
 /// A caller waiting for the answer to its request.
 struct Waiter {
@@ -368,7 +370,7 @@ impl Connection {
             }
         };
         let shared = Arc::new(Shared {
-            waiters: Mutex::new(HashMap::new()),
+            waiters: Mutex::new(HashMap::default()),
             closed: AtomicBool::new(false),
             closing: AtomicBool::new(false),
             close_reason: Mutex::new(None),

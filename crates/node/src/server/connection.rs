@@ -24,7 +24,7 @@ use tokio::task::JoinSet;
 
 use super::admission::{FailureSeen, Peer};
 use super::metrics::Op;
-use super::receive::{within, PeerShare, Stalled};
+use super::receive::{within, PeerShare, Reserved, Stalled};
 use super::NodeState;
 use crate::cache::NewEntry;
 use crate::memory::{with_streaming_stores, BlockMut};
@@ -502,8 +502,18 @@ where
         let deadline = self.state.frame_clock.deadline(header.frame_len());
         // The meta is buffered whole: reserved first, so stalled frames
         // hold at most the receive budget between them. The wait counts
-        // against the frame's clock (see `receive.rs`).
-        let meta_reserved = within(deadline, self.state.receive_budget.reserve(&self.receive_share, header.meta_len as usize)).await?;
+        // against the frame's clock (see `receive.rs`). A frame that is all
+        // meta and all in the receive buffer already (a GET, EXISTS, ... of
+        // a few keys: most requests) has arrived: nothing of it can stall,
+        // and it is answered without waiting for the peer, so it reserves
+        // nothing (the budget's two semaphores are shared by every
+        // connection: two contended atomics and two locks a request).
+        let arrived = header.payload_len() == 0 && self.reader.buffer().len() >= header.meta_len as usize;
+        let meta_reserved = if arrived {
+            Reserved::default()
+        } else {
+            within(deadline, self.state.receive_budget.reserve(&self.receive_share, header.meta_len as usize)).await?
+        };
         let meta = within(deadline, read_bytes(&mut self.reader, header.meta_len as usize)).await??;
         self.state.metrics.bytes_received.inc_by(header.frame_len());
         let meta = match decode_body(&header, meta, &limits) {
