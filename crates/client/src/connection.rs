@@ -601,10 +601,18 @@ impl Connection {
         let deadline = tokio::time::Instant::now() + self.timeout;
         let too_slow =
             |what: &str| KvError::Timeout(format!("{}: writing the request {id} {what} within {:?}", self.endpoint, self.timeout));
-        let Ok(mut slot) = tokio::time::timeout_at(deadline, self.writer.lock()).await else {
-            // Nothing of this frame was written: the connection stays usable.
-            self.shared.lock().remove(&id);
-            return Err(too_slow("did not start (another request's write held the connection)"));
+        // The write half is free at once unless another call is writing:
+        // then, and only then, a timer bounds the wait for it.
+        let mut slot = match self.writer.try_lock() {
+            Ok(slot) => slot,
+            Err(_) => match tokio::time::timeout_at(deadline, self.writer.lock()).await {
+                Ok(slot) => slot,
+                Err(_) => {
+                    // Nothing of this frame was written: the connection stays usable.
+                    self.shared.lock().remove(&id);
+                    return Err(too_slow("did not start (another request's write held the connection)"));
+                }
+            },
         };
         let Some(mut writer) = slot.take() else {
             // A frame before this one was left half-written.

@@ -15,7 +15,7 @@ use bytes::Bytes;
 use kvplane_protocol::io::{read_block, read_bytes, read_header, skip, write_frame};
 use kvplane_protocol::{
     decode_body, encode, Block, ErrorCode, Features, Frame, FrameHeader, HelloAck, KvError, Message, Meta, Opcode, PayloadSlot,
-    ProtocolError, Request, Response, ShmBlock, ShmGet, ShmPut, StatEntry, MAX_CLUSTER_WAIT_MS, MIN_VERSION, VERSION,
+    ProtocolError, Request, Response, ShmBlock, ShmGet, ShmPut, StatEntry, HEADER_LEN, MAX_CLUSTER_WAIT_MS, MIN_VERSION, VERSION,
 };
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, UnixListener};
@@ -330,9 +330,12 @@ where
             Some(Ok(false)) => {}
             Some(Err(e)) => return Err(e.into()),
         }
-        let header = match within(tokio::time::Instant::now() + state.frame_clock.grace, read_header(&mut conn.reader)).await {
-            Ok(h) => h?,
-            Err(Stalled) => return conn.stalled(0, "a frame header").await,
+        let header = match buffered_header(&mut conn.reader) {
+            Some(h) => Some(h),
+            None => match within(tokio::time::Instant::now() + state.frame_clock.grace, read_header(&mut conn.reader)).await {
+                Ok(h) => h?,
+                Err(Stalled) => return conn.stalled(0, "a frame header").await,
+            },
         };
         let header = match header {
             None => return Ok(()),
@@ -348,6 +351,25 @@ where
             Err(e) => return Err(e),
         }
     }
+}
+
+/// The next frame's header, parsed and consumed, when the receive buffer
+/// holds all of it (most frames: a read takes many at once). Nothing is
+/// awaited, so no clock is armed: a timer made and dropped per frame costs
+/// a clock read and the runtime handle's reference count, for nothing.
+fn buffered_header<R: AsyncRead + Unpin>(reader: &mut BufReader<R>) -> Option<Result<FrameHeader, ProtocolError>> {
+    let bytes: &[u8; HEADER_LEN] = reader.buffer().get(..HEADER_LEN)?.try_into().ok()?;
+    let header = FrameHeader::parse(bytes);
+    reader.consume(HEADER_LEN);
+    Some(header)
+}
+
+/// `len` bytes copied out of the receive buffer and consumed, when it holds
+/// them all (see [`buffered_header`]).
+fn buffered_bytes<R: AsyncRead + Unpin>(reader: &mut BufReader<R>, len: usize) -> Option<Bytes> {
+    let bytes = Bytes::copy_from_slice(reader.buffer().get(..len)?);
+    reader.consume(len);
+    Some(bytes)
 }
 
 /// Counts a failed handshake against its peer, and logs it: the first of
@@ -499,7 +521,7 @@ where
             return Ok(false);
         }
         let started = Instant::now();
-        let deadline = self.state.frame_clock.deadline(header.frame_len());
+        let deadline = self.state.frame_clock.deadline(started, header.frame_len());
         // The meta is buffered whole: reserved first, so stalled frames
         // hold at most the receive budget between them. The wait counts
         // against the frame's clock (see `receive.rs`). A frame that is all
@@ -514,7 +536,10 @@ where
         } else {
             within(deadline, self.state.receive_budget.reserve(&self.receive_share, header.meta_len as usize)).await?
         };
-        let meta = within(deadline, read_bytes(&mut self.reader, header.meta_len as usize)).await??;
+        let meta = match buffered_bytes(&mut self.reader, header.meta_len as usize) {
+            Some(meta) => meta,
+            None => within(deadline, read_bytes(&mut self.reader, header.meta_len as usize)).await??,
+        };
         self.state.metrics.bytes_received.inc_by(header.frame_len());
         let meta = match decode_body(&header, meta, &limits) {
             Ok(m) => m,

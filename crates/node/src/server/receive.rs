@@ -132,9 +132,10 @@ pub(crate) struct FrameClock {
 }
 
 impl FrameClock {
-    /// When a frame of `frame_len` bytes whose header began now must be in.
-    pub(crate) fn deadline(&self, frame_len: u64) -> Instant {
-        Instant::now() + self.allowance(frame_len)
+    /// When a frame of `frame_len` bytes whose header was in at `from` must
+    /// be in whole.
+    pub(crate) fn deadline(&self, from: std::time::Instant, frame_len: u64) -> Instant {
+        Instant::from_std(from) + self.allowance(frame_len)
     }
 
     pub(crate) fn allowance(&self, frame_len: u64) -> Duration {
