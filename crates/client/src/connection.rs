@@ -42,7 +42,7 @@ use crate::shm::SharedMemory;
 use crate::tls::ClientTls;
 use crate::transport::Transport;
 use bytes::Bytes;
-use kvplane_protocol::io::{read_frame, read_meta, read_payloads, write_frame, ReadError};
+use kvplane_protocol::io::{read_frame, read_meta, read_payloads, write_frame, write_frame_until, ReadError};
 
 type Writer = Box<dyn AsyncWrite + Send + Unpin>;
 /// The read half, buffered: many small answers per system call, while a GET
@@ -626,8 +626,8 @@ impl Connection {
         // including when this call is dropped mid-write; the write half,
         // out of its slot meanwhile, is then dropped, never put back.
         let cut = Cut { shared: &self.shared, armed: true };
-        match tokio::time::timeout_at(deadline, write_frame(&mut *writer, &encoded)).await {
-            Ok(Ok(())) => {
+        match write_frame_until(&mut *writer, &encoded, || deadline).await {
+            Some(Ok(())) => {
                 *slot = Some(writer);
                 cut.disarm();
                 // The write half is free for the next request at once, not
@@ -636,14 +636,14 @@ impl Connection {
                 // at a time be in flight per connection).
                 drop(slot);
             }
-            Ok(Err(e)) => {
+            Some(Err(e)) => {
                 drop(slot);
                 self.shared.lock().remove(&id);
                 let error = KvError::Unavailable(format!("send to {}: {e}", self.endpoint));
                 self.shared.fail_all(error.clone());
                 return Err(error);
             }
-            Err(_) => {
+            None => {
                 drop(slot);
                 self.shared.lock().remove(&id);
                 tracing::warn!(endpoint = %self.endpoint, request_id = id, timeout = ?self.timeout,

@@ -48,6 +48,23 @@ pub async fn write_frame<W: AsyncWrite + Unpin + ?Sized>(w: &mut W, frame: &Enco
     w.flush().await
 }
 
+/// [`write_frame`] with a deadline: `None` when the frame was not all
+/// written by `deadline()`. The deadline is asked for, and a timer armed,
+/// only when the socket does not take the whole frame at once: most frames
+/// go out in the first system call, and a timer made and dropped for each
+/// costs a clock read and a reference count of the runtime's handle.
+pub async fn write_frame_until<W: AsyncWrite + Unpin + ?Sized>(
+    w: &mut W,
+    frame: &EncodedFrame,
+    deadline: impl FnOnce() -> tokio::time::Instant,
+) -> Option<io::Result<()>> {
+    let mut write = std::pin::pin!(write_frame(w, frame));
+    match std::future::poll_fn(|cx| std::task::Poll::Ready(std::future::Future::poll(write.as_mut(), cx))).await {
+        std::task::Poll::Ready(written) => Some(written),
+        std::task::Poll::Pending => tokio::time::timeout_at(deadline(), write).await.ok(),
+    }
+}
+
 /// Reads a frame header. `Ok(None)` on a clean end of stream before the
 /// first byte; an end of stream inside the header is an error.
 pub async fn read_header<R: AsyncRead + Unpin + ?Sized>(r: &mut R) -> io::Result<Option<Result<FrameHeader, ProtocolError>>> {
@@ -363,6 +380,34 @@ mod tests {
     }
 
     const BUFFER: usize = 64 << 10;
+
+    fn put_frame(len: usize) -> EncodedFrame {
+        let entries = vec![crate::PutEntry { key: Bytes::from_static(b"k"), block: Block::new(Bytes::from(pattern(len, 9))) }];
+        crate::encode(&Frame::request(1, crate::Request::Put { entries })).unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_frame_the_socket_takes_at_once_is_written_without_asking_for_a_deadline() {
+        let frame = put_frame(1000);
+        let (mut w, mut r) = tokio::io::duplex(1 << 20);
+        let written = write_frame_until(&mut w, &frame, || panic!("no timer for a frame written at once")).await;
+        assert!(matches!(written, Some(Ok(()))), "{written:?}");
+        drop(w);
+        let mut got = Vec::new();
+        r.read_to_end(&mut got).await.unwrap();
+        let want: Vec<u8> = frame.head.iter().chain(frame.payloads.iter().flat_map(|p| p.iter())).copied().collect();
+        assert_eq!(got, want);
+    }
+
+    #[tokio::test]
+    async fn a_frame_the_peer_never_reads_gives_up_at_the_deadline() {
+        let frame = put_frame(100_000);
+        let (mut w, _unread) = tokio::io::duplex(4096);
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_millis(50);
+        let written = write_frame_until(&mut w, &frame, || deadline).await;
+        assert!(written.is_none(), "{written:?}");
+        assert!(tokio::time::Instant::now() >= deadline);
+    }
 
     #[tokio::test]
     async fn read_block_reads_a_large_block_past_the_empty_buffer_and_checksums_what_it_read() {

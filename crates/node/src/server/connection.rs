@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use kvplane_protocol::io::{read_block, read_bytes, read_header, skip, write_frame};
+use kvplane_protocol::io::{read_block, read_bytes, read_header, skip, write_frame, write_frame_until};
 use kvplane_protocol::{
     decode_body, encode, Block, ErrorCode, Features, Frame, FrameHeader, HelloAck, KvError, Message, Meta, Opcode, PayloadSlot,
     ProtocolError, Request, Response, ShmBlock, ShmGet, ShmPut, StatEntry, HEADER_LEN, MAX_CLUSTER_WAIT_MS, MIN_VERSION, VERSION,
@@ -1044,9 +1044,9 @@ where
             }
         };
         let timeout = self.state.config.write_timeout;
-        match tokio::time::timeout(timeout, write_frame(&mut self.writer, &encoded)).await {
-            Ok(result) => result?,
-            Err(_) => return Err(ConnectionEnd::Refused(format!("client did not read an answer within {timeout:?}"))),
+        match write_frame_until(&mut self.writer, &encoded, || tokio::time::Instant::now() + timeout).await {
+            Some(result) => result?,
+            None => return Err(ConnectionEnd::Refused(format!("client did not read an answer within {timeout:?}"))),
         }
         self.state.metrics.bytes_sent.inc_by(encoded.len() as u64);
         Ok(())
