@@ -480,3 +480,38 @@ async fn a_put_to_a_frozen_node_times_out_while_writing_and_the_pool_reconnects(
         "PUT of 16 MiB to a frozen node: {error} after {took:?} (client timeout {timeout:?}); after SIGCONT served on a new connection"
     );
 }
+
+/// A request that is all meta and already all in the receive buffer takes
+/// nothing from the receive budget (most requests: see `serve_frame`); one
+/// whose meta stops half-way still holds its whole meta there while it
+/// waits, and gives it back when its connection ends. Other clients are
+/// served meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_get_whose_meta_stalls_holds_it_in_the_receive_budget_until_its_connection_ends() {
+    let node = NodeProcess::start(&["--memory", "64MiB", "--frame-grace", "60s"]);
+    let c = client(&node).await;
+    let keys: Vec<Bytes> = (0..100).map(|i| Bytes::from(format!("stalled/{i:04}"))).collect();
+    let wire = encode(&Frame::request(5, Request::Get { keys })).unwrap().to_vec();
+    let meta_len = (wire.len() - HEADER_LEN) as u64;
+    let endpoint = node.endpoint.clone();
+    let stalled = tokio::task::spawn_blocking(move || {
+        let mut stream = hello(&endpoint);
+        stream.write_all(&wire[..HEADER_LEN + 10]).unwrap();
+        stream
+    })
+    .await
+    .unwrap();
+    let started = Instant::now();
+    while stat(&c.stats().await.unwrap(), "receive_budget_used_bytes") != meta_len {
+        assert!(started.elapsed() < PATIENCE, "the stalled GET never reserved its {meta_len}-byte meta: {:?}", c.stats().await.unwrap());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let got = c.get(vec![Bytes::from_static(b"absent")]).await.expect("another client is served");
+    assert!(matches!(got[..], [Err(kvplane_client::KvError::NotFound)]), "{got:?}");
+    assert_eq!(stat(&c.stats().await.unwrap(), "receive_budget_used_bytes"), meta_len, "the stalled meta alone is held");
+    drop(stalled);
+    while stat(&c.stats().await.unwrap(), "receive_budget_used_bytes") != 0 {
+        assert!(started.elapsed() < 2 * PATIENCE, "the closed connection's reservation was never given back");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
