@@ -148,6 +148,12 @@ impl BlockMut {
 
 impl Drop for BlockMut {
     fn drop(&mut self) {
+        // A block dropped unfrozen may have been streamed into by this
+        // thread (`stream_from`, then a checksum that did not match, or a
+        // panic) before its scope's fence: its memory goes back to the pool,
+        // and another thread may take and write it, so its streaming stores
+        // are fenced first. Nothing pending, a fence costs a few cycles.
+        fence_streaming_stores();
         self.pool.refcount(self.offset).store(0, Ordering::Relaxed);
         self.pool.release(self.offset, self.len);
     }
@@ -186,15 +192,21 @@ pub struct StreamingStores {
 /// this call, such as publishing the blocks. `write` is synchronous and
 /// runs on this thread, so the fence is on the thread that made the stores
 /// (an `await` between the stores and a fence could resume on another
-/// thread, whose fence would not order them).
+/// thread, whose fence would not order them). A block dropped unfrozen,
+/// inside `write` or after, fences before its memory goes back to the pool.
 pub fn with_streaming_stores<T>(write: impl FnOnce(&StreamingStores) -> T) -> T {
     let written = write(&StreamingStores { _this_thread: PhantomData });
+    fence_streaming_stores();
+    written
+}
+
+/// Orders this thread's streaming stores before everything after it.
+fn fence_streaming_stores() {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: SSE2 is part of x86_64; a fence has no operands.
     unsafe {
         std::arch::x86_64::_mm_sfence()
     };
-    written
 }
 
 /// A shared, read-only block; cloning is two atomic increments.

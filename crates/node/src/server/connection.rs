@@ -675,7 +675,8 @@ where
         // The checksum of the receive buffer's bytes, still in cache from
         // the kernel's copy; the block is written around the cache (see
         // `BlockMut::stream_from`) with the same bytes. A block whose bytes
-        // do not match their checksum is `None`.
+        // do not match their checksum is `None`: dropped back to the pool,
+        // which fences its streaming stores first (see `BlockMut`'s drop).
         let reader = &mut self.reader;
         let filled: Vec<Option<BlockMut>> = with_streaming_stores(|stores| {
             slots
