@@ -100,7 +100,7 @@ impl BlockMut {
     /// # Panics
     ///
     /// When `src` is not as long as the block.
-    pub fn stream_from(&mut self, src: &[u8], _stores: &StreamingStores) {
+    pub(crate) fn stream_from(&mut self, src: &[u8], _stores: &StreamingStores) {
         let dst = self.as_mut_slice();
         assert_eq!(src.len(), dst.len(), "stream_from: {} bytes into a block of {}", src.len(), dst.len());
         #[cfg(target_arch = "x86_64")]
@@ -182,7 +182,13 @@ impl fmt::Debug for BlockMut {
 /// inside [`with_streaming_stores`]. It cannot leave the thread nor outlive
 /// the call that lent it, which is what makes that call's one fence order
 /// every streaming store made under it.
-pub struct StreamingStores {
+///
+/// The types do not stop a block streamed into from being frozen, shared,
+/// or sent to another thread inside the scope, before the fence; so the
+/// scope is the crate's own (`pub(crate)`), and its one user
+/// (`Conn::put_buffered`) only streams and checks inside it, and freezes
+/// and stores after it.
+pub(crate) struct StreamingStores {
     /// Neither `Send` nor `Sync`: the fence orders its own thread's stores.
     _this_thread: PhantomData<*const ()>,
 }
@@ -194,10 +200,17 @@ pub struct StreamingStores {
 /// (an `await` between the stores and a fence could resume on another
 /// thread, whose fence would not order them). A block dropped unfrozen,
 /// inside `write` or after, fences before its memory goes back to the pool.
-pub fn with_streaming_stores<T>(write: impl FnOnce(&StreamingStores) -> T) -> T {
-    let written = write(&StreamingStores { _this_thread: PhantomData });
-    fence_streaming_stores();
-    written
+pub(crate) fn with_streaming_stores<T>(write: impl FnOnce(&StreamingStores) -> T) -> T {
+    /// Fences when dropped: also when `write` panics, so a block kept
+    /// outside the scope is never used unfenced after a caught unwind.
+    struct FenceOnExit;
+    impl Drop for FenceOnExit {
+        fn drop(&mut self) {
+            fence_streaming_stores();
+        }
+    }
+    let _fence = FenceOnExit;
+    write(&StreamingStores { _this_thread: PhantomData })
 }
 
 /// Orders this thread's streaming stores before everything after it.

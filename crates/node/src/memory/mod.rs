@@ -34,7 +34,8 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-pub use block::{with_streaming_stores, Block, BlockMut, StreamingStores};
+pub(crate) use block::with_streaming_stores;
+pub use block::{Block, BlockMut};
 
 use arena::Arena;
 
