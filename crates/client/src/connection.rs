@@ -42,7 +42,7 @@ use crate::shm::SharedMemory;
 use crate::tls::ClientTls;
 use crate::transport::Transport;
 use bytes::Bytes;
-use kvplane_protocol::io::{read_frame, read_meta, read_payloads, write_frame, write_frame_until, ReadError};
+use kvplane_protocol::io::{read_frame, read_meta, read_payloads, timeout_if_pending, write_frame, ReadError};
 
 type Writer = Box<dyn AsyncWrite + Send + Unpin>;
 /// The read half, buffered: many small answers per system call, while a GET
@@ -601,18 +601,10 @@ impl Connection {
         let deadline = tokio::time::Instant::now() + self.timeout;
         let too_slow =
             |what: &str| KvError::Timeout(format!("{}: writing the request {id} {what} within {:?}", self.endpoint, self.timeout));
-        // The write half is free at once unless another call is writing:
-        // then, and only then, a timer bounds the wait for it.
-        let mut slot = match self.writer.try_lock() {
-            Ok(slot) => slot,
-            Err(_) => match tokio::time::timeout_at(deadline, self.writer.lock()).await {
-                Ok(slot) => slot,
-                Err(_) => {
-                    // Nothing of this frame was written: the connection stays usable.
-                    self.shared.lock().remove(&id);
-                    return Err(too_slow("did not start (another request's write held the connection)"));
-                }
-            },
+        let Some(mut slot) = timeout_if_pending(|| deadline, self.writer.lock()).await else {
+            // Nothing of this frame was written: the connection stays usable.
+            self.shared.lock().remove(&id);
+            return Err(too_slow("did not start (another request's write held the connection)"));
         };
         let Some(mut writer) = slot.take() else {
             // A frame before this one was left half-written.
@@ -626,7 +618,7 @@ impl Connection {
         // including when this call is dropped mid-write; the write half,
         // out of its slot meanwhile, is then dropped, never put back.
         let cut = Cut { shared: &self.shared, armed: true };
-        match write_frame_until(&mut *writer, &encoded, || deadline).await {
+        match timeout_if_pending(|| deadline, write_frame(&mut *writer, &encoded)).await {
             Some(Ok(())) => {
                 *slot = Some(writer);
                 cut.disarm();

@@ -48,26 +48,30 @@ pub async fn write_frame<W: AsyncWrite + Unpin + ?Sized>(w: &mut W, frame: &Enco
     w.flush().await
 }
 
-/// [`write_frame`] with a deadline: `None` when the frame was not all
-/// written by `deadline()`. The deadline is asked for, and a timer armed,
-/// only when the socket does not take the whole frame at once: most frames
-/// go out in the first system call, and a timer made and dropped for each
-/// costs a clock read and a reference count of the runtime's handle.
-pub async fn write_frame_until<W: AsyncWrite + Unpin + ?Sized>(
-    w: &mut W,
-    frame: &EncodedFrame,
-    deadline: impl FnOnce() -> tokio::time::Instant,
-) -> Option<io::Result<()>> {
-    let mut write = std::pin::pin!(write_frame(w, frame));
-    match std::future::poll_fn(|cx| std::task::Poll::Ready(std::future::Future::poll(write.as_mut(), cx))).await {
-        std::task::Poll::Ready(written) => Some(written),
-        std::task::Poll::Pending => tokio::time::timeout_at(deadline(), write).await.ok(),
+/// `future`'s output, or `None` once `deadline()` has passed. The future is
+/// polled once first, and only when it is not ready then is the deadline
+/// asked for and a timer made: a frame whose bytes are buffered already,
+/// or one the socket takes whole, is most frames, and `tokio::time`'s
+/// timer costs a clock read and a reference count of the runtime's handle
+/// when it is made, even if it is never armed.
+pub async fn timeout_if_pending<F: std::future::Future>(deadline: impl FnOnce() -> tokio::time::Instant, future: F) -> Option<F::Output> {
+    let mut future = std::pin::pin!(future);
+    match std::future::poll_fn(|cx| std::task::Poll::Ready(std::future::Future::poll(future.as_mut(), cx))).await {
+        std::task::Poll::Ready(output) => Some(output),
+        std::task::Poll::Pending => tokio::time::timeout_at(deadline(), future).await.ok(),
     }
 }
 
 /// Reads a frame header. `Ok(None)` on a clean end of stream before the
-/// first byte; an end of stream inside the header is an error.
-pub async fn read_header<R: AsyncRead + Unpin + ?Sized>(r: &mut R) -> io::Result<Option<Result<FrameHeader, ProtocolError>>> {
+/// first byte; an end of stream inside the header is an error. A header
+/// the buffer holds whole (most: one read takes many frames) is parsed
+/// where it lies.
+pub async fn read_header<R: AsyncRead + Unpin>(r: &mut BufReader<R>) -> io::Result<Option<Result<FrameHeader, ProtocolError>>> {
+    if let Some(bytes) = r.buffer().first_chunk::<HEADER_LEN>() {
+        let header = FrameHeader::parse(bytes);
+        r.consume(HEADER_LEN);
+        return Ok(Some(header));
+    }
     let mut buf = [0u8; HEADER_LEN];
     let mut got = 0;
     while got < HEADER_LEN {
@@ -85,8 +89,14 @@ pub async fn read_header<R: AsyncRead + Unpin + ?Sized>(r: &mut R) -> io::Result
 
 /// Reads `len` bytes into a fresh buffer. The buffer is not zeroed first:
 /// for a batch of 2 MiB blocks that would be one more pass over memory than
-/// the copy out of the kernel.
-pub async fn read_bytes<R: AsyncRead + Unpin + ?Sized>(r: &mut R, len: usize) -> io::Result<Bytes> {
+/// the copy out of the kernel. Bytes the buffer holds whole are copied out
+/// of it at once.
+pub async fn read_bytes<R: AsyncRead + Unpin>(r: &mut BufReader<R>, len: usize) -> io::Result<Bytes> {
+    if let Some(bytes) = r.buffer().get(..len) {
+        let bytes = Bytes::copy_from_slice(bytes);
+        r.consume(len);
+        return Ok(bytes);
+    }
     let mut buf = BytesMut::with_capacity(len);
     while buf.len() < len {
         let mut limited = (&mut *r).take((len - buf.len()) as u64);
@@ -283,7 +293,7 @@ pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut BufReader<R>, limits: &Lim
 /// the payloads (if any) still to be read from `r`, so that a reader that
 /// knows where a GET answer's blocks belong can read them there itself. A
 /// meta that does not decode has its payloads skipped before the error.
-pub async fn read_meta<R: AsyncRead + Unpin + ?Sized>(r: &mut R, limits: &Limits) -> Result<Option<(FrameHeader, Meta)>, ReadError> {
+pub async fn read_meta<R: AsyncRead + Unpin>(r: &mut BufReader<R>, limits: &Limits) -> Result<Option<(FrameHeader, Meta)>, ReadError> {
     let header = match read_header(r).await? {
         None => return Ok(None),
         Some(Ok(h)) => h,
@@ -387,10 +397,32 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn headers_and_metas_are_read_alike_from_the_buffer_and_across_reads_of_the_stream() {
+        let frames: Vec<Vec<u8>> = (0..3)
+            .map(|i| {
+                crate::encode(&Frame::request(i, crate::Request::Get { keys: vec![Bytes::from(format!("key/{i}"))] })).unwrap().to_vec()
+            })
+            .collect();
+        let data = frames.concat();
+        // Whole frames per read (the buffer holds each header and meta), and
+        // 5 bytes per read (each is pieced together across reads).
+        for chunk in [data.len(), 5] {
+            let mut r = BufReader::with_capacity(BUFFER, Chunked { data: data.clone(), pos: 0, chunk, asked: Vec::new() });
+            for (i, frame) in frames.iter().enumerate() {
+                let header = read_header(&mut r).await.unwrap().expect("a header").unwrap();
+                assert_eq!(header.request_id, i as u64, "chunk {chunk}");
+                let meta = read_bytes(&mut r, header.meta_len as usize).await.unwrap();
+                assert_eq!(&meta[..], &frame[HEADER_LEN..], "chunk {chunk}: frame {i}'s meta");
+            }
+            assert!(read_header(&mut r).await.unwrap().is_none(), "chunk {chunk}: a clean end");
+        }
+    }
+
+    #[tokio::test]
     async fn a_frame_the_socket_takes_at_once_is_written_without_asking_for_a_deadline() {
         let frame = put_frame(1000);
         let (mut w, mut r) = tokio::io::duplex(1 << 20);
-        let written = write_frame_until(&mut w, &frame, || panic!("no timer for a frame written at once")).await;
+        let written = timeout_if_pending(|| panic!("no timer for a frame written at once"), write_frame(&mut w, &frame)).await;
         assert!(matches!(written, Some(Ok(()))), "{written:?}");
         drop(w);
         let mut got = Vec::new();
@@ -404,7 +436,7 @@ mod tests {
         let frame = put_frame(100_000);
         let (mut w, _unread) = tokio::io::duplex(4096);
         let deadline = tokio::time::Instant::now() + std::time::Duration::from_millis(50);
-        let written = write_frame_until(&mut w, &frame, || deadline).await;
+        let written = timeout_if_pending(|| deadline, write_frame(&mut w, &frame)).await;
         assert!(written.is_none(), "{written:?}");
         assert!(tokio::time::Instant::now() >= deadline);
     }

@@ -148,9 +148,9 @@ impl BlockMut {
 
 impl Drop for BlockMut {
     fn drop(&mut self) {
-        // A block dropped unfrozen may have been streamed into by this
-        // thread (`stream_from`, then a checksum that did not match, or a
-        // panic) before its scope's fence: its memory goes back to the pool,
+        // A block dropped unfrozen inside a streaming scope (a panic, or a
+        // caller that gives a block back there) may hold this thread's
+        // streaming stores not yet fenced: its memory goes back to the pool,
         // and another thread may take and write it, so its streaming stores
         // are fenced first. Nothing pending, a fence costs a few cycles.
         fence_streaming_stores();

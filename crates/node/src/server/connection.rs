@@ -12,10 +12,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use kvplane_protocol::io::{read_block, read_bytes, read_header, skip, write_frame, write_frame_until};
+use kvplane_protocol::io::{read_block, read_bytes, read_header, skip, timeout_if_pending, write_frame};
 use kvplane_protocol::{
     decode_body, encode, Block, ErrorCode, Features, Frame, FrameHeader, HelloAck, KvError, Message, Meta, Opcode, PayloadSlot,
-    ProtocolError, Request, Response, ShmBlock, ShmGet, ShmPut, StatEntry, HEADER_LEN, MAX_CLUSTER_WAIT_MS, MIN_VERSION, VERSION,
+    ProtocolError, Request, Response, ShmBlock, ShmGet, ShmPut, StatEntry, MAX_CLUSTER_WAIT_MS, MIN_VERSION, VERSION,
 };
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, UnixListener};
@@ -330,12 +330,12 @@ where
             Some(Ok(false)) => {}
             Some(Err(e)) => return Err(e.into()),
         }
-        let header = match buffered_header(&mut conn.reader) {
-            Some(h) => Some(h),
-            None => match within(tokio::time::Instant::now() + state.frame_clock.grace, read_header(&mut conn.reader)).await {
-                Ok(h) => h?,
-                Err(Stalled) => return conn.stalled(0, "a frame header").await,
-            },
+        // A header in the buffer already (most: a read takes many frames at
+        // once) reads no clock.
+        let header = match timeout_if_pending(|| tokio::time::Instant::now() + state.frame_clock.grace, read_header(&mut conn.reader)).await
+        {
+            Some(h) => h?,
+            None => return conn.stalled(0, "a frame header").await,
         };
         let header = match header {
             None => return Ok(()),
@@ -351,25 +351,6 @@ where
             Err(e) => return Err(e),
         }
     }
-}
-
-/// The next frame's header, parsed and consumed, when the receive buffer
-/// holds all of it (most frames: a read takes many at once). Nothing is
-/// awaited, so no clock is armed: a timer made and dropped per frame costs
-/// a clock read and the runtime handle's reference count, for nothing.
-fn buffered_header<R: AsyncRead + Unpin>(reader: &mut BufReader<R>) -> Option<Result<FrameHeader, ProtocolError>> {
-    let bytes: &[u8; HEADER_LEN] = reader.buffer().get(..HEADER_LEN)?.try_into().ok()?;
-    let header = FrameHeader::parse(bytes);
-    reader.consume(HEADER_LEN);
-    Some(header)
-}
-
-/// `len` bytes copied out of the receive buffer and consumed, when it holds
-/// them all (see [`buffered_header`]).
-fn buffered_bytes<R: AsyncRead + Unpin>(reader: &mut BufReader<R>, len: usize) -> Option<Bytes> {
-    let bytes = Bytes::copy_from_slice(reader.buffer().get(..len)?);
-    reader.consume(len);
-    Some(bytes)
 }
 
 /// Counts a failed handshake against its peer, and logs it: the first of
@@ -536,10 +517,7 @@ where
         } else {
             within(deadline, self.state.receive_budget.reserve(&self.receive_share, header.meta_len as usize)).await?
         };
-        let meta = match buffered_bytes(&mut self.reader, header.meta_len as usize) {
-            Some(meta) => meta,
-            None => within(deadline, read_bytes(&mut self.reader, header.meta_len as usize)).await??,
-        };
+        let meta = within(deadline, read_bytes(&mut self.reader, header.meta_len as usize)).await??;
         self.state.metrics.bytes_received.inc_by(header.frame_len());
         let meta = match decode_body(&header, meta, &limits) {
             Ok(m) => m,
@@ -674,41 +652,35 @@ where
         let taken = self.state.store.try_allocate_many(&lens, &mut blocks);
         // The checksum of the receive buffer's bytes, still in cache from
         // the kernel's copy; the block is written around the cache (see
-        // `BlockMut::stream_from`) with the same bytes. A block whose bytes
-        // do not match their checksum is `None`: dropped back to the pool,
-        // which fences its streaming stores first (see `BlockMut`'s drop).
+        // `BlockMut::stream_from`) with the same bytes, and answered.
+        let first = results.len();
         let reader = &mut self.reader;
-        let filled: Vec<Option<BlockMut>> = with_streaming_stores(|stores| {
-            slots
-                .iter()
-                .zip(blocks)
-                .map(|(slot, mut block)| {
-                    let src = &reader.buffer()[..slot.len as usize];
-                    let crc = kvplane_protocol::checksum(src);
-                    block.stream_from(src, stores);
-                    reader.consume(slot.len as usize);
-                    (crc == slot.crc).then_some(block)
-                })
-                .collect()
+        with_streaming_stores(|stores| {
+            for (slot, block) in slots.iter().zip(&mut blocks) {
+                let src = &reader.buffer()[..slot.len as usize];
+                let matches = kvplane_protocol::checksum(src) == slot.crc;
+                block.stream_from(src, stores);
+                reader.consume(slot.len as usize);
+                results.push(if matches { Ok(()) } else { Err(ErrorCode::BadChecksum) });
+            }
         });
-        // Only now, the stores fenced, are the blocks published.
+        // Only now, the stores fenced, are the blocks published (or, those
+        // that did not match, given back).
         let through = self.state.store.writes_through();
         let mut entries = Vec::with_capacity(taken);
-        for (slot, block) in slots.iter().zip(filled) {
-            let Some(block) = block else {
+        for ((place, slot), block) in (first..).zip(slots).zip(blocks) {
+            if results[place].is_err() {
                 self.state.metrics.checksum_failures.inc_by(1);
-                results.push(Err(ErrorCode::BadChecksum));
                 continue;
-            };
+            }
             // Keys are copied out of the frame's meta buffer: a stored slice
             // would keep the whole buffer alive as long as any key lives.
             let (key, block, crc) = (Bytes::copy_from_slice(&slot.key), block.freeze(), Some(slot.crc));
             if through {
-                staged.push((results.len(), Staged { key, block, crc }));
+                staged.push((place, Staged { key, block, crc }));
             } else {
                 entries.push(NewEntry { key, block, crc });
             }
-            results.push(Ok(()));
         }
         self.state.store.put_many(entries).await;
         taken
@@ -746,11 +718,7 @@ where
             }
         };
         // Straight into the pool block, checksummed as it lands.
-        let crc = if buffered {
-            read_block(&mut self.reader, block.as_mut_slice()).await?
-        } else {
-            within(deadline, read_block(&mut self.reader, block.as_mut_slice())).await??
-        };
+        let crc = within(deadline, read_block(&mut self.reader, block.as_mut_slice())).await??;
         if crc != slot.crc {
             self.state.metrics.checksum_failures.inc_by(1);
             results.push(Err(ErrorCode::BadChecksum));
@@ -1045,7 +1013,7 @@ where
             }
         };
         let timeout = self.state.config.write_timeout;
-        match write_frame_until(&mut self.writer, &encoded, || tokio::time::Instant::now() + timeout).await {
+        match timeout_if_pending(|| tokio::time::Instant::now() + timeout, write_frame(&mut self.writer, &encoded)).await {
             Some(result) => result?,
             None => return Err(ConnectionEnd::Refused(format!("client did not read an answer within {timeout:?}"))),
         }

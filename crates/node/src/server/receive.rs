@@ -33,6 +33,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use kvplane_protocol::io::timeout_if_pending;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
@@ -147,9 +148,10 @@ impl FrameClock {
 #[derive(Debug)]
 pub(crate) struct Stalled;
 
-/// `read` under `deadline`.
+/// `read` under `deadline`; a read that needs no waiting (its bytes are
+/// buffered) makes no timer (see `timeout_if_pending`).
 pub(crate) async fn within<T>(deadline: Instant, read: impl std::future::Future<Output = T>) -> Result<T, Stalled> {
-    tokio::time::timeout_at(deadline, read).await.map_err(|_| Stalled)
+    timeout_if_pending(|| deadline, read).await.ok_or(Stalled)
 }
 
 #[cfg(test)]
