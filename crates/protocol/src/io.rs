@@ -436,7 +436,12 @@ mod tests {
         let frame = put_frame(100_000);
         let (mut w, _unread) = tokio::io::duplex(4096);
         let deadline = tokio::time::Instant::now() + std::time::Duration::from_millis(50);
-        let written = timeout_if_pending(|| deadline, write_frame(&mut w, &frame)).await;
+        // Bounded from outside too, so a deadline that is never armed fails
+        // the test rather than hanging it.
+        let written =
+            tokio::time::timeout(std::time::Duration::from_secs(30), timeout_if_pending(|| deadline, write_frame(&mut w, &frame)))
+                .await
+                .expect("given up by its own deadline, not after 30 s");
         assert!(written.is_none(), "{written:?}");
         assert!(tokio::time::Instant::now() >= deadline);
     }
