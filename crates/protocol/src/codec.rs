@@ -134,6 +134,7 @@ pub(super) fn put_key(out: &mut Vec<u8>, key: &[u8], index: usize) -> Result<(),
 }
 
 pub(super) fn put_keys(out: &mut Vec<u8>, keys: &[Bytes]) -> Result<(), ProtocolError> {
+    out.reserve(4 + keys.iter().map(|k| 2 + k.len()).sum::<usize>());
     put_count(out, keys.len(), "count")?;
     for (i, k) in keys.iter().enumerate() {
         put_key(out, k, i)?;
