@@ -168,24 +168,40 @@ impl Client {
     pub async fn put(&self, entries: Vec<(Bytes, Bytes)>) -> Result<Vec<Result<(), KvError>>, KvError> {
         // A block over the node's largest is refused here, by name: sent, it
         // would cost its bytes on the wire for a bare status back.
+        let over = |data: &Bytes| self.max_block.is_some_and(|max| data.len() > max);
+        if !entries.iter().any(|(_, data)| over(data)) {
+            // Every block is sent (nearly every batch): its answers are the
+            // results as they come, without the places kept for refusals.
+            return self.put_sendable(entries).await;
+        }
         let n = entries.len();
         let mut results: Vec<Option<Result<(), KvError>>> = (0..n).map(|_| None).collect();
         let mut sent_at = Vec::with_capacity(n);
         let mut sendable = Vec::with_capacity(n);
         for (i, (key, data)) in entries.into_iter().enumerate() {
-            match self.max_block {
-                Some(max) if data.len() > max => {
-                    results[i] = Some(Err(KeyContext::put(&key, data.len(), self.max_block).error(ErrorCode::Invalid)));
-                }
-                _ => {
-                    self.largest_block.fetch_max(data.len(), Ordering::Relaxed);
-                    sent_at.push(i);
-                    sendable.push((key, data));
-                }
+            if over(&data) {
+                results[i] = Some(Err(KeyContext::put(&key, data.len(), self.max_block).error(ErrorCode::Invalid)));
+            } else {
+                sent_at.push(i);
+                sendable.push((key, data));
             }
         }
-        let mut sent = Vec::with_capacity(sendable.len());
-        for chunk in self.split_put(sendable) {
+        let sent = self.put_sendable(sendable).await?;
+        for (i, r) in sent_at.into_iter().zip(sent) {
+            results[i] = Some(r);
+        }
+        Ok(results.into_iter().map(|r| r.unwrap_or_else(|| Err(KvError::Internal("a PUT key got no answer".into())))).collect())
+    }
+
+    /// [`Client::put`] of blocks within the node's largest: per-key
+    /// results in their order.
+    async fn put_sendable(&self, entries: Vec<(Bytes, Bytes)>) -> Result<Vec<Result<(), KvError>>, KvError> {
+        // One update for the batch: `fetch_max` is a compare-and-swap loop.
+        if let Some(largest) = entries.iter().map(|(_, data)| data.len()).max() {
+            self.largest_block.fetch_max(largest, Ordering::Relaxed);
+        }
+        let mut sent = Vec::with_capacity(entries.len());
+        for chunk in self.split_put(entries) {
             let conn = self.connection().await?;
             if let Some(memory) = conn.shared_memory() {
                 if let Some(r) = put_shared(&conn, memory, &chunk, self.max_block).await? {
@@ -209,12 +225,14 @@ impl Client {
                     other => Err(unexpected("PUT", n, &other)),
                 }
             });
-            sent.extend(answers.await?);
+            if sent.is_empty() {
+                // One chunk (most batches): its answers are the results.
+                sent = answers.await?;
+            } else {
+                sent.extend(answers.await?);
+            }
         }
-        for (i, r) in sent_at.into_iter().zip(sent) {
-            results[i] = Some(r);
-        }
-        Ok(results.into_iter().map(|r| r.unwrap_or_else(|| Err(KvError::Internal("a PUT key got no answer".into())))).collect())
+        Ok(sent)
     }
 
     /// Splits a batch of `bytes` over up to one connection of the pool per
@@ -523,6 +541,14 @@ impl Client {
     fn split_put(&self, entries: Vec<(Bytes, Bytes)>) -> Vec<Vec<(Bytes, Bytes)>> {
         let max_frame = self.limits.max_frame_bytes as usize;
         let max_keys = self.limits.max_batch_keys.max(1) as usize;
+        let whole = HEADER_LEN + 4 + entries.iter().map(|(key, data)| 2 + key.len() + 8 + data.len()).sum::<usize>();
+        if entries.is_empty() {
+            return Vec::new();
+        }
+        if entries.len() <= max_keys && whole <= max_frame {
+            // One frame holds it all (most batches): no entry moved.
+            return vec![entries];
+        }
         let mut chunks = Vec::new();
         let mut chunk = Vec::new();
         let mut size = HEADER_LEN + 4;
