@@ -37,15 +37,15 @@ impl Arena {
     /// `mlock`: a cache node that runs without them is slower, one that
     /// refuses to start is down.
     pub(crate) fn map(len: usize, huge_pages: bool, mlock: bool, prefault: bool) -> Result<Arena, MemoryError> {
-        let mut flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
-        if prefault && !mlock {
-            // mlock faults every page in anyway; MAP_POPULATE would do it twice.
-            flags |= libc::MAP_POPULATE;
-        }
+        let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
+        // mlock faults every page in anyway; populating first would do it
+        // twice.
+        let populate = prefault && !mlock;
         let mut arena = None;
         if huge_pages {
             let huge_len = len.div_ceil(HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES;
-            match mmap(huge_len, flags | libc::MAP_HUGETLB) {
+            let populated = if populate { libc::MAP_POPULATE } else { 0 };
+            match mmap(huge_len, flags | libc::MAP_HUGETLB | populated) {
                 Ok(ptr) => {
                     arena = Some(Arena { ptr, mapped_len: huge_len, huge_pages: HugePageMode::Explicit, locked: false });
                 }
@@ -62,6 +62,10 @@ impl Arena {
         let mut arena = match arena {
             Some(arena) => arena,
             None => {
+                // Populated only after the huge page advice below: pages
+                // faulted in before it (MAP_POPULATE did) are 4 KiB pages,
+                // which the kernel merges into huge ones slowly if ever, so
+                // `--huge-pages --prefault` got no huge pages at all.
                 let ptr = mmap(len, flags).map_err(|source| MemoryError::Map { bytes: len, source })?;
                 let mut arena = Arena { ptr, mapped_len: len, huge_pages: HugePageMode::None, locked: false };
                 if huge_pages {
@@ -79,6 +83,9 @@ impl Arena {
                              lack CONFIG_TRANSPARENT_HUGEPAGE or have it set to 'never'. Continuing with 4 KiB pages"
                         );
                     }
+                }
+                if populate {
+                    arena.populate(len);
                 }
                 arena
             }
@@ -100,6 +107,26 @@ impl Arena {
             }
         }
         Ok(arena)
+    }
+
+    /// Faults in the first `len` bytes, writable: `MADV_POPULATE_WRITE`
+    /// (Linux 5.14), or a write of a zero to each page where the kernel
+    /// lacks it. The mapping is fresh and anonymous, so every byte is zero
+    /// already and nothing is read from it yet.
+    fn populate(&self, len: usize) {
+        // SAFETY: the range is the start of the mapping `self` owns; the
+        // advice faults pages in and changes no contents.
+        let rc = unsafe { libc::madvise(self.ptr.as_ptr().cast(), len, libc::MADV_POPULATE_WRITE) };
+        if rc == 0 {
+            return;
+        }
+        let page = 4096;
+        for offset in (0..len).step_by(page) {
+            // SAFETY: `offset < len` is inside the mapping, which nothing
+            // else refers to yet (the pool is being built); a volatile write
+            // of the zero it holds only makes the kernel fault the page in.
+            unsafe { self.ptr.as_ptr().add(offset).write_volatile(0) };
+        }
     }
 
     pub(crate) fn base(&self) -> NonNull<u8> {

@@ -179,6 +179,49 @@ fn refused_huge_pages_and_mlock_degrade_instead_of_failing() {
     assert_ne!(st.huge_pages, HugePageMode::None, "MAP_HUGETLB or MADV_HUGEPAGE should at least be attempted");
 }
 
+/// The `Rss` and `AnonHugePages` lines, in KiB, of the mapping of this
+/// process that holds `addr` (from /proc/self/smaps).
+fn mapping_kib(addr: usize) -> (u64, u64) {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").expect("/proc/self/smaps");
+    let mut inside = false;
+    let (mut rss, mut huge) = (0, 0);
+    for line in smaps.lines() {
+        if let Some((range, _)) = line.split_once(' ').filter(|(r, _)| r.contains('-') && !r.ends_with(':')) {
+            let (start, end) = range.split_once('-').expect("a mapping's range");
+            let (start, end) = (usize::from_str_radix(start, 16).unwrap(), usize::from_str_radix(end, 16).unwrap());
+            inside = (start..end).contains(&addr);
+        } else if inside {
+            let kib = |l: &str| l.split_whitespace().nth(1).and_then(|n| n.parse().ok()).unwrap_or(0);
+            if line.starts_with("Rss:") {
+                rss = kib(line);
+            } else if line.starts_with("AnonHugePages:") {
+                huge = kib(line);
+            }
+        }
+    }
+    (rss, huge)
+}
+
+#[test]
+fn a_prefaulted_pool_on_transparent_huge_pages_is_faulted_in_as_huge_pages() {
+    // It was populated (MAP_POPULATE) before the huge page advice, so every
+    // page of `--huge-pages --prefault` was a 4 KiB page.
+    let offered = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
+    if !offered.contains("[always]") && !offered.contains("[madvise]") {
+        eprintln!("SKIPPED (not a pass): this kernel offers no transparent huge pages ({})", offered.trim());
+        return;
+    }
+    let len = 64 * MIB;
+    let arena = Arena::map(len, true, false, true).expect("a 64 MiB arena");
+    if arena.huge_pages != HugePageMode::Transparent {
+        eprintln!("SKIPPED (not a pass): explicit huge pages were granted ({:?}); this checks transparent ones", arena.huge_pages);
+        return;
+    }
+    let (rss, huge) = mapping_kib(arena.base().as_ptr() as usize);
+    assert!(rss * 1024 >= len as u64 * 9 / 10, "prefaulted: {rss} KiB resident of {} KiB", len / KIB);
+    assert!(huge * 1024 >= len as u64 / 2, "{huge} KiB of the {} KiB prefaulted are huge pages", len / KIB);
+}
+
 #[test]
 fn concurrent_allocation_hands_each_block_to_one_owner() {
     let pool = pool(4 * MIB, 4 * KIB, 64 * KIB);
