@@ -67,6 +67,18 @@ impl BlockMut {
         }
     }
 
+    /// Brings the block's first cache line in, and with it the page's
+    /// translation, ahead of a copy into it: the streaming stores of a
+    /// frame's blocks, in a pool far larger than the caches, each start
+    /// with a page walk that, asked for all the frame's blocks at once,
+    /// overlaps the others'. A stand-alone loop of 32 random 4 KiB blocks
+    /// written with streaming stores: 9.9 -> 6.2 us in a 2 GiB pool (no
+    /// change, 4.8 against 5.0 us, in a 32 MiB one). See
+    /// [`Block::prefetch_bytes`] for reads.
+    pub(crate) fn prefetch(&self) {
+        super::prefetch(self.as_slice().as_ptr());
+    }
+
     pub fn as_slice(&self) -> &[u8] {
         // SAFETY: `ptr..ptr+len` lies inside this block of the arena (len is
         // at most the class size); the memory is initialized (anonymous
@@ -265,6 +277,21 @@ impl Block {
     /// [`prefetch`](super::prefetch)).
     pub(crate) fn prefetch_count(&self) {
         super::prefetch(self.pool.refcount(self.offset));
+    }
+
+    /// Brings the block's first cache line in, and with it the page's
+    /// translation, ahead of a copy of its bytes that the CPU cannot see
+    /// coming: the kernel's, when a GET answer is written to its socket,
+    /// reads one block after another, and each block, in a pool far larger
+    /// than the caches, starts with a miss (often a page walk too) before
+    /// the hardware prefetcher follows the rest of it. Asked for all the
+    /// answer's blocks at once, the first misses overlap instead of coming
+    /// one after another. A stand-alone loop of 32 random 4 KiB blocks
+    /// copied with `rep movsb`: 8.5 -> 6.6 us in a 32 MiB pool, 19.3 ->
+    /// 12.1 us in a 2 GiB one; every line asked for instead was slower than
+    /// none, the first of each block as good as any other choice.
+    pub fn prefetch_bytes(&self) {
+        super::prefetch(self.as_ptr());
     }
 
     /// Where the block starts in the pool's arena

@@ -650,6 +650,9 @@ where
         let lens: Vec<usize> = slots.iter().map(|slot| slot.len as usize).collect();
         let mut blocks = Vec::new();
         let taken = self.state.store.try_allocate_many(&lens, &mut blocks);
+        for block in &blocks {
+            block.prefetch();
+        }
         // The checksum of the receive buffer's bytes, still in cache from
         // the kernel's copy; the block is written around the cache (see
         // `BlockMut::stream_from`) with the same bytes, and answered.
@@ -988,10 +991,14 @@ where
 
     /// Each key from the store (see `Store::get`), as the protocol answers it.
     async fn get(&self, keys: &[Bytes]) -> Vec<Result<Block, ErrorCode>> {
-        self.state
-            .store
-            .get(keys)
-            .await
+        let found = self.state.store.get(keys).await;
+        // The kernel's copy of the answer into the socket reads these
+        // blocks one after another: their first lines are asked for now,
+        // all at once (see `Block::prefetch_bytes`).
+        for hit in found.iter().flatten().flatten() {
+            hit.block.prefetch_bytes();
+        }
+        found
             .into_iter()
             .map(|r| match r {
                 Ok(Some(found)) => {
