@@ -80,11 +80,19 @@ impl EncodedFrame {
     }
 }
 
+/// What [`encode`] makes room for after the header before any meta is
+/// written.
+const SMALL_META_BYTES: usize = 232;
+
 /// Encodes a frame. Fails only when a value cannot be represented on the
 /// wire (a key longer than 65535 bytes, more than 2^32 entries, a frame over
 /// 4 GiB); limits the peer announced are the caller's to respect.
 pub fn encode(frame: &Frame) -> Result<EncodedFrame, ProtocolError> {
-    let mut head = vec![0u8; HEADER_LEN];
+    // Room for the header and a small meta (a PUT's answer for 32 keys is
+    // 68 bytes), so that most frames are written without growing the
+    // buffer; the batch encoders reserve for larger metas.
+    let mut head = Vec::with_capacity(HEADER_LEN + SMALL_META_BYTES);
+    head.resize(HEADER_LEN, 0);
     let mut payloads = Vec::new();
     match &frame.message {
         Message::Request(req) => request::encode(req, &mut head, &mut payloads)?,
@@ -134,13 +142,25 @@ pub(super) fn put_key(out: &mut Vec<u8>, key: &[u8], index: usize) -> Result<(),
 }
 
 pub(super) fn put_keys(out: &mut Vec<u8>, keys: &[Bytes]) -> Result<(), ProtocolError> {
-    out.reserve(4 + keys.iter().map(|k| 2 + k.len()).sum::<usize>());
+    reserve_meta(out, 4 + keys.iter().map(|k| 2 + k.len()).sum::<usize>());
     put_count(out, keys.len(), "count")?;
     for (i, k) in keys.iter().enumerate() {
         put_key(out, k, i)?;
     }
     Ok(())
 }
+
+/// Makes room for `bytes` of a batch's meta before it is written, up to
+/// [`MAX_META_RESERVE_BYTES`]: ordinary batches are then written without
+/// growing the buffer, and a caller's batch that will be refused as it is
+/// written (a key over 64 KiB, repeated as often as it likes) cannot make
+/// the reservation ask the allocator for more than that.
+pub(super) fn reserve_meta(out: &mut Vec<u8>, bytes: usize) {
+    out.reserve(bytes.min(MAX_META_RESERVE_BYTES));
+}
+
+/// See [`reserve_meta`].
+const MAX_META_RESERVE_BYTES: usize = 1 << 20;
 
 pub(super) fn payload_len(len: usize, index: usize) -> Result<u32, ProtocolError> {
     u32::try_from(len).map_err(|_| ProtocolError::malformed("payload", format!("block #{index} of {len} bytes exceeds 4 GiB")))

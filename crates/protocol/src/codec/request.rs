@@ -7,7 +7,7 @@
 use bytes::{BufMut, Bytes};
 
 use super::reader::{check_unique, request, Body};
-use super::{payload_len, put_count, put_key, put_keys, Meta, PayloadSlot};
+use super::{payload_len, put_count, put_key, put_keys, reserve_meta, Meta, PayloadSlot};
 use crate::error::ProtocolError;
 use crate::frame::Features;
 use crate::limits::MAX_TOKEN_BYTES;
@@ -28,7 +28,7 @@ pub(super) fn encode(req: &Request, out: &mut Vec<u8>, payloads: &mut Vec<Bytes>
         Request::Put { entries } => {
             // Sized up front: grown from the header, the meta of 32 keys
             // was reallocated five times.
-            out.reserve(4 + entries.iter().map(|e| 10 + e.key.len()).sum::<usize>());
+            reserve_meta(out, 4 + entries.iter().map(|e| 10 + e.key.len()).sum::<usize>());
             payloads.reserve(entries.len());
             put_count(out, entries.len(), "count")?;
             for (i, e) in entries.iter().enumerate() {

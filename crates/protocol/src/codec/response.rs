@@ -8,7 +8,7 @@ use bytes::{BufMut, Bytes};
 use kvplane_slots::{Member, MemberState, SlotTable};
 
 use super::reader::{response, Body, Reader};
-use super::{payload_len, put_count, Meta, PayloadSlot};
+use super::{payload_len, put_count, reserve_meta, Meta, PayloadSlot};
 use crate::error::{ErrorCode, ProtocolError};
 use crate::frame::Features;
 use crate::limits::{
@@ -57,6 +57,9 @@ pub(super) fn encode(resp: &Response, out: &mut Vec<u8>, payloads: &mut Vec<Byte
             }
         }
         Response::Get { results } => {
+            // Sized up front, as a PUT's meta is (10 bytes a key).
+            reserve_meta(out, 4 + 10 * results.len());
+            payloads.reserve(results.len());
             put_count(out, results.len(), "count")?;
             for (i, r) in results.iter().enumerate() {
                 out.put_u16_le(status_of(r));

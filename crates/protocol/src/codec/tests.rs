@@ -293,6 +293,24 @@ fn duplicate_keys_in_one_batch_are_refused_with_both_positions() {
 }
 
 #[test]
+fn a_batch_of_keys_the_wire_cannot_carry_is_refused_before_anything_large_is_reserved() {
+    // A million clones of one 1 MiB key: a meta reserved for its whole
+    // length would ask the allocator for a terabyte (and abort the process)
+    // before the first key was refused.
+    let huge = Bytes::from(vec![b'k'; 1 << 20]);
+    let keys = vec![huge.clone(); 1_000_000];
+    for req in [
+        Request::Get { keys: keys.clone() },
+        Request::Put { entries: keys.iter().map(|k| PutEntry { key: k.clone(), block: Block::new(Bytes::from_static(b"v")) }).collect() },
+    ] {
+        match encode(&Frame::request(1, req)) {
+            Err(ProtocolError::KeyTooLong { index: 0, len, .. }) => assert_eq!(len, 1 << 20),
+            other => panic!("encoded a key of 1 MiB: {other:?}"),
+        }
+    }
+}
+
+#[test]
 fn key_and_batch_limits_are_typed_errors() {
     let limits = Limits { max_key_bytes: 8, max_batch_keys: 2, ..Limits::default() };
     let long = encode(&Frame::request(1, Request::Get { keys: vec![key("short"), key("much-too-long")] })).expect("encodes").to_vec();
