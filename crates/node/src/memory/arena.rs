@@ -66,7 +66,8 @@ impl Arena {
                 // faulted in before it (MAP_POPULATE did) are 4 KiB pages,
                 // which the kernel merges into huge ones slowly if ever, so
                 // `--huge-pages --prefault` got no huge pages at all.
-                let ptr = mmap(len, flags).map_err(|source| MemoryError::Map { bytes: len, source })?;
+                let populated = if populate && !huge_pages { libc::MAP_POPULATE } else { 0 };
+                let ptr = mmap(len, flags | populated).map_err(|source| MemoryError::Map { bytes: len, source })?;
                 let mut arena = Arena { ptr, mapped_len: len, huge_pages: HugePageMode::None, locked: false };
                 if huge_pages {
                     // SAFETY: the range is exactly the mapping created above,
@@ -84,7 +85,7 @@ impl Arena {
                         );
                     }
                 }
-                if populate {
+                if populate && huge_pages {
                     arena.populate(len);
                 }
                 arena
@@ -109,18 +110,39 @@ impl Arena {
         Ok(arena)
     }
 
-    /// Faults in the first `len` bytes, writable: `MADV_POPULATE_WRITE`
-    /// (Linux 5.14), or a write of a zero to each page where the kernel
-    /// lacks it. The mapping is fresh and anonymous, so every byte is zero
-    /// already and nothing is read from it yet.
+    /// Faults in the first `len` bytes, writable, as `MAP_POPULATE` would
+    /// have: `MADV_POPULATE_WRITE` (Linux 5.14), or where the kernel lacks
+    /// it a write of a zero to each page (the mapping is fresh and
+    /// anonymous, so every byte is zero already and nothing reads it yet).
+    /// A refusal is logged and the pool starts anyway: its pages then fault
+    /// in as blocks are first written, as without `--prefault`.
     fn populate(&self, len: usize) {
-        // SAFETY: the range is the start of the mapping `self` owns; the
-        // advice faults pages in and changes no contents.
-        let rc = unsafe { libc::madvise(self.ptr.as_ptr().cast(), len, libc::MADV_POPULATE_WRITE) };
-        if rc == 0 {
-            return;
+        loop {
+            // SAFETY: the range is the start of the mapping `self` owns;
+            // the advice faults pages in and changes no contents.
+            let rc = unsafe { libc::madvise(self.ptr.as_ptr().cast(), len, libc::MADV_POPULATE_WRITE) };
+            if rc == 0 {
+                return;
+            }
+            let err = io::Error::last_os_error();
+            match err.raw_os_error() {
+                // A signal came first; what it populated stays populated.
+                Some(libc::EINTR) => continue,
+                // A kernel before 5.14.
+                Some(libc::EINVAL) => break,
+                _ => {
+                    tracing::warn!(
+                        bytes = len,
+                        error = %err,
+                        "prefaulting the pool failed: madvise(MADV_POPULATE_WRITE) refused ({err}); its pages fault \
+                         in as blocks are first written"
+                    );
+                    return;
+                }
+            }
         }
-        let page = 4096;
+        // SAFETY: sysconf has no preconditions.
+        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).ok().filter(|&p| p > 0).unwrap_or(4096);
         for offset in (0..len).step_by(page) {
             // SAFETY: `offset < len` is inside the mapping, which nothing
             // else refers to yet (the pool is being built); a volatile write

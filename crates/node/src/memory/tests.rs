@@ -217,9 +217,14 @@ fn a_prefaulted_pool_on_transparent_huge_pages_is_faulted_in_as_huge_pages() {
         eprintln!("SKIPPED (not a pass): explicit huge pages were granted ({:?}); this checks transparent ones", arena.huge_pages);
         return;
     }
+    // The kernel may merge the arena's mapping with a neighbour's (another
+    // test's pool, mapped alongside): that can only add to both counts, and
+    // no other pool in these tests is as large as the thresholds. A quarter
+    // in huge pages leaves room for a host too fragmented to give them all;
+    // before the fix none was.
     let (rss, huge) = mapping_kib(arena.base().as_ptr() as usize);
     assert!(rss * 1024 >= len as u64 * 9 / 10, "prefaulted: {rss} KiB resident of {} KiB", len / KIB);
-    assert!(huge * 1024 >= len as u64 / 2, "{huge} KiB of the {} KiB prefaulted are huge pages", len / KIB);
+    assert!(huge * 1024 >= len as u64 / 4, "{huge} KiB of the {} KiB prefaulted are huge pages", len / KIB);
 }
 
 #[test]
