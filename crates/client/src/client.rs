@@ -200,7 +200,7 @@ impl Client {
         if let Some(largest) = entries.iter().map(|(_, data)| data.len()).max() {
             self.largest_block.fetch_max(largest, Ordering::Relaxed);
         }
-        let mut sent = Vec::with_capacity(entries.len());
+        let mut sent = Vec::new();
         for chunk in self.split_put(entries) {
             let conn = self.connection().await?;
             if let Some(memory) = conn.shared_memory() {

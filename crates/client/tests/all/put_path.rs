@@ -1,8 +1,11 @@
 //! `Client::put` against a real node (in this process, on loopback): a
 //! batch's per-key results come back in the batch's order whichever way its
 //! blocks go — all sent in one frame (the common case, answered as they
-//! come), some refused by the client for being over the node's largest
-//! block, or split over several frames by the node's key limit.
+//! come), split over several frames by the node's key limit, some refused
+//! by the client for being over the node's largest block — and each key
+//! holds its own block after. (The node answers every sent block here
+//! with success, so the order of sent blocks' results shows only through
+//! the refusals' places and the blocks read back.)
 
 use bytes::Bytes;
 use kvplane_client::{Client, ClientConfig, Endpoint, KvError};
@@ -51,6 +54,16 @@ async fn a_batch_is_answered_in_its_order_whichever_way_its_blocks_go() {
     let results = client.put(entries).await.expect("PUT");
     assert_eq!(results.len(), MAX_KEYS as usize);
     assert!(results.iter().all(Result::is_ok), "{results:?}");
+
+    // Twenty keys over three frames, every block sent.
+    let entries: Vec<(Bytes, Bytes)> = (0..20).map(|i| (key(50 + i), block(50 + i, 2 * KIB + i))).collect();
+    let results = client.put(entries).await.expect("PUT");
+    assert_eq!(results.len(), 20);
+    assert!(results.iter().all(Result::is_ok), "{results:?}");
+    let keys: Vec<Bytes> = (0..20).map(|i| key(50 + i)).collect();
+    for (i, got) in client.get(keys).await.expect("GET").into_iter().enumerate() {
+        assert_eq!(got.expect("stored"), block(50 + i, 2 * KIB + i), "block {i}");
+    }
 
     // Twenty keys over three frames, with blocks 5 and 13 over the node's
     // largest: refused by the client, by name, in their places.
