@@ -541,10 +541,13 @@ impl Client {
     fn split_put(&self, entries: Vec<(Bytes, Bytes)>) -> Vec<Vec<(Bytes, Bytes)>> {
         let max_frame = self.limits.max_frame_bytes as usize;
         let max_keys = self.limits.max_batch_keys.max(1) as usize;
-        let whole = HEADER_LEN + 4 + entries.iter().map(|(key, data)| 2 + key.len() + 8 + data.len()).sum::<usize>();
+        // An entry's bytes in a PUT frame: key length, key, block length and
+        // checksum, block.
+        let entry_size = |(key, data): &(Bytes, Bytes)| 2 + key.len() + 8 + data.len();
         if entries.is_empty() {
             return Vec::new();
         }
+        let whole = HEADER_LEN + 4 + entries.iter().map(entry_size).sum::<usize>();
         if entries.len() <= max_keys && whole <= max_frame {
             // One frame holds it all (most batches): no entry moved.
             return vec![entries];
@@ -552,14 +555,14 @@ impl Client {
         let mut chunks = Vec::new();
         let mut chunk = Vec::new();
         let mut size = HEADER_LEN + 4;
-        for (key, data) in entries {
-            let entry_size = 2 + key.len() + 8 + data.len();
-            if !chunk.is_empty() && (chunk.len() == max_keys || size + entry_size > max_frame) {
+        for entry in entries {
+            let bytes = entry_size(&entry);
+            if !chunk.is_empty() && (chunk.len() == max_keys || size + bytes > max_frame) {
                 chunks.push(std::mem::take(&mut chunk));
                 size = HEADER_LEN + 4;
             }
-            size += entry_size;
-            chunk.push((key, data));
+            size += bytes;
+            chunk.push(entry);
         }
         if !chunk.is_empty() {
             chunks.push(chunk);

@@ -184,6 +184,11 @@ impl Store {
 
     /// Each key from the memory tier, else read through the second tier
     /// (verified, and kept in the memory tier). `Ok(None)`: a miss.
+    ///
+    /// The caller reads every found block's bytes next, one block after
+    /// another (the kernel's copy into a socket, or a copy into shared
+    /// memory): their first lines are asked for here, all at once (see
+    /// `Block::prefetch_bytes`).
     pub(crate) async fn get(&self, keys: &[Bytes]) -> Vec<Result<Option<Found>, KvError>> {
         let mut results = Vec::with_capacity(keys.len());
         let mut missing = Vec::new();
@@ -206,6 +211,9 @@ impl Store {
             for (i, r) in missing.iter().zip(tier.read_through(&self.cache, &wanted).await) {
                 results[*i] = r.map(|found| found.map(Found::from));
             }
+        }
+        for found in results.iter().flatten().flatten() {
+            found.block.prefetch_bytes();
         }
         results
     }

@@ -75,7 +75,7 @@ impl BlockMut {
     /// written with streaming stores: 9.9 -> 6.2 us in a 2 GiB pool (no
     /// change, 4.8 against 5.0 us, in a 32 MiB one). See
     /// [`Block::prefetch_bytes`] for reads.
-    pub(crate) fn prefetch(&self) {
+    pub(crate) fn prefetch_bytes(&self) {
         super::prefetch(self.as_slice().as_ptr());
     }
 
@@ -290,7 +290,7 @@ impl Block {
     /// copied with `rep movsb`: 8.5 -> 6.6 us in a 32 MiB pool, 19.3 ->
     /// 12.1 us in a 2 GiB one; every line asked for instead was slower than
     /// none, the first of each block as good as any other choice.
-    pub fn prefetch_bytes(&self) {
+    pub(crate) fn prefetch_bytes(&self) {
         super::prefetch(self.as_ptr());
     }
 

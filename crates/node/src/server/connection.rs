@@ -651,7 +651,7 @@ where
         let mut blocks = Vec::new();
         let taken = self.state.store.try_allocate_many(&lens, &mut blocks);
         for block in &blocks {
-            block.prefetch();
+            block.prefetch_bytes();
         }
         // The checksum of the receive buffer's bytes, still in cache from
         // the kernel's copy; the block is written around the cache (see
@@ -991,14 +991,10 @@ where
 
     /// Each key from the store (see `Store::get`), as the protocol answers it.
     async fn get(&self, keys: &[Bytes]) -> Vec<Result<Block, ErrorCode>> {
-        let found = self.state.store.get(keys).await;
-        // The kernel's copy of the answer into the socket reads these
-        // blocks one after another: their first lines are asked for now,
-        // all at once (see `Block::prefetch_bytes`).
-        for hit in found.iter().flatten().flatten() {
-            hit.block.prefetch_bytes();
-        }
-        found
+        self.state
+            .store
+            .get(keys)
+            .await
             .into_iter()
             .map(|r| match r {
                 Ok(Some(found)) => {
