@@ -22,7 +22,9 @@
 //! as the benchmark does; nanoseconds per key, median of the rounds.
 //!
 //! Run: `cargo bench -p kvplane-node --bench cache` (release; about half a
-//! minute), or `-- batch` for the batched paths alone.
+//! minute), `-- batch` for the batched paths alone, or `-- insert` for a
+//! PUT's `insert_many` alone (what a profiler should look at for the
+//! index's share of a PUT).
 //! The traces are fixed by the seed; the cache's hash is keyed per process,
 //! so shard assignment, and with it the hit ratio, can move in the fourth
 //! digit between runs.
@@ -60,7 +62,11 @@ const CHAT_MAX_BLOCKS: usize = 256;
 fn main() {
     let started = Instant::now();
     if std::env::args().skip(1).any(|a| a == "batch") {
-        batched();
+        batched(BatchRun::All);
+        return;
+    }
+    if std::env::args().skip(1).any(|a| a == "insert") {
+        batched(BatchRun::InsertOnly);
         return;
     }
     let zipf = zipf_trace();
@@ -114,7 +120,7 @@ fn main() {
         }
     }
     println!();
-    batched();
+    batched(BatchRun::All);
     println!();
     println!("total {:.1} s", started.elapsed().as_secs_f64());
 }
@@ -127,8 +133,18 @@ type BatchOp<'a> = dyn Fn(&[Bytes]) + 'a;
 /// Bytes the batched bench sweeps its caches with (see `batched`).
 const SWEEP_BYTES: usize = 256 << 20;
 
+/// What [`batched`] runs.
+#[derive(PartialEq)]
+enum BatchRun {
+    /// Every comparison, then `insert_many` alone.
+    All,
+    /// `insert_many` alone (`-- insert`): the index's part of a PUT, for a
+    /// profiler to look at without the pool's allocations beside it.
+    InsertOnly,
+}
+
 /// The batched paths against one call per key (see the module docs).
-fn batched() {
+fn batched(run: BatchRun) {
     let pool = match MemoryPool::new(PoolConfig::new(256 << 20)) {
         Ok(pool) => pool,
         Err(err) => panic!("bench pool: {err}"),
@@ -147,6 +163,18 @@ fn batched() {
         assert_eq!(cache.pool().try_allocate_many(&lens[..batch.len()], &mut blocks), batch.len(), "room");
         let entries = batch.iter().zip(blocks).map(|(key, b)| NewEntry { key: key.clone(), block: b.freeze(), crc: Some(7) });
         cache.insert_many(entries.collect());
+    };
+    // A PUT's inserts alone: the blocks allocated untimed, `insert_many`
+    // timed (its time added up in `inserting`).
+    let inserting = std::cell::Cell::new(0u128);
+    let insert_alone = |batch: &[Bytes]| {
+        let mut blocks = Vec::with_capacity(BATCH);
+        assert_eq!(cache.pool().try_allocate_many(&lens[..batch.len()], &mut blocks), batch.len(), "room");
+        let entries = batch.iter().zip(blocks).map(|(key, b)| NewEntry { key: key.clone(), block: b.freeze(), crc: Some(7) });
+        let entries: Vec<NewEntry> = entries.collect();
+        let t = Instant::now();
+        cache.insert_many(entries);
+        inserting.set(inserting.get() + t.elapsed().as_nanos());
     };
     let get_one = |batch: &[Bytes]| {
         let found: Vec<_> = batch.iter().map(|k| cache.get(k)).collect();
@@ -189,12 +217,22 @@ fn batched() {
         "batches of {BATCH} over {BATCH_KEYS} stored blocks of {} KiB, 16 shards (ns per key, median of {BATCH_ROUNDS} rounds):",
         BLOCK >> 10
     );
-    let ops: [(&str, &BatchOp, &BatchOp); 2] = [("get", &get_one, &get_many), ("put", &put_one, &put_many)];
-    for (name, one, many) in ops {
-        let (ones, manys): (Vec<f64>, Vec<f64>) = (0..BATCH_ROUNDS).map(|_| (pass(one), pass(many))).unzip();
-        let (one, many) = (median(ones), median(manys));
-        println!("  {name}: one at a time {one:6.1}, batched {many:6.1} ({:.2}x)", one / many);
+    if run == BatchRun::All {
+        let ops: [(&str, &BatchOp, &BatchOp); 2] = [("get", &get_one, &get_many), ("put", &put_one, &put_many)];
+        for (name, one, many) in ops {
+            let (ones, manys): (Vec<f64>, Vec<f64>) = (0..BATCH_ROUNDS).map(|_| (pass(one), pass(many))).unzip();
+            let (one, many) = (median(ones), median(manys));
+            println!("  {name}: one at a time {one:6.1}, batched {many:6.1} ({:.2}x)", one / many);
+        }
     }
+    let inserts: Vec<f64> = (0..BATCH_ROUNDS)
+        .map(|_| {
+            inserting.set(0);
+            pass(&insert_alone);
+            inserting.get() as f64 / BATCH_KEYS as f64
+        })
+        .collect();
+    println!("  put, insert_many alone (blocks allocated untimed): {:6.1}", median(inserts));
 }
 
 /// A cache plus the bookkeeping of one replay.

@@ -39,8 +39,8 @@ impl List {
         (self.head != NIL).then_some(self.head)
     }
 
-    /// Appends `idx`, which must be on no list. Its size is read now, so a
-    /// replacement must unlink before swapping the block and relink after.
+    /// Appends `idx`, which must be on no list. Its size is read now (a
+    /// replacement in place tells the list with `resized`).
     pub(super) fn push_back(&mut self, nodes: &mut [Node], idx: u32) {
         let tail = self.tail;
         let node = &mut nodes[idx as usize];
@@ -55,6 +55,12 @@ impl List {
         self.tail = idx;
         self.len += 1;
         self.bytes += size;
+    }
+
+    /// An entry on this list now holds `new_len` bytes instead of
+    /// `old_len`, in place.
+    pub(super) fn resized(&mut self, old_len: u64, new_len: u64) {
+        self.bytes = self.bytes - old_len + new_len;
     }
 
     /// Removes `idx`, which must be on this list.

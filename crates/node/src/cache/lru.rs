@@ -25,8 +25,10 @@ impl Lru {
         self.order.unlink(nodes, idx);
     }
 
-    pub(super) fn relink(&mut self, nodes: &mut [Node], idx: u32) {
-        self.order.push_back(nodes, idx);
+    /// A replacement is a use: the entry goes to the recent end.
+    pub(super) fn replaced(&mut self, nodes: &mut [Node], idx: u32, old_len: u64, new_len: u64) {
+        self.order.resized(old_len, new_len);
+        self.order.move_to_back(nodes, idx);
     }
 
     /// An entry that cannot go now (pinned or being read) is moved to the

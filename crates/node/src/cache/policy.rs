@@ -90,8 +90,7 @@ impl Policy {
         }
     }
 
-    /// Takes the entry off the queues (removal, or the first half of a
-    /// replacement).
+    /// Takes the entry off the queues (a removal).
     pub(super) fn unlink(&mut self, nodes: &mut [Node], idx: u32) {
         match self {
             Policy::S3Fifo(p) => p.unlink(nodes, idx),
@@ -99,12 +98,13 @@ impl Policy {
         }
     }
 
-    /// Puts back an entry unlinked for a replacement; the new value counts as
-    /// an access.
-    pub(super) fn relink(&mut self, nodes: &mut [Node], idx: u32) {
+    /// The entry's block was replaced, one of `old_len` bytes by one of
+    /// `new_len` (the slot holds the new one already); the new value counts
+    /// as an access.
+    pub(super) fn replaced(&mut self, nodes: &mut [Node], idx: u32, old_len: u64, new_len: u64) {
         match self {
-            Policy::S3Fifo(p) => p.relink(nodes, idx),
-            Policy::Lru(p) => p.relink(nodes, idx),
+            Policy::S3Fifo(p) => p.replaced(nodes, idx, old_len, new_len),
+            Policy::Lru(p) => p.replaced(nodes, idx, old_len, new_len),
         }
     }
 

@@ -63,16 +63,17 @@ impl S3Fifo {
         }
     }
 
-    /// A replaced value goes to the tail of the queue it was in: a rewrite is
-    /// new data, so its position restarts, but it keeps the standing (and
-    /// gains the access) the key earned.
-    pub(super) fn relink(&mut self, nodes: &mut [Node], idx: u32) {
+    /// A replaced value keeps its place in its queue and counts as an
+    /// access, as a hit does. In a KV cache a key names its tokens, so a
+    /// rewrite is the same data computed again: a use of the key, and
+    /// S3-FIFO moves nothing on a use. (Moving it to the tail, as before,
+    /// wrote three other slots a replacement: its two neighbours and the
+    /// tail.) Only the queue's byte count follows the new size.
+    pub(super) fn replaced(&mut self, nodes: &mut [Node], idx: u32, old_len: u64, new_len: u64) {
         self.touch(nodes, idx);
-        if nodes[idx as usize].entry.as_ref().is_some_and(|e| e.in_main) {
-            self.main.push_back(nodes, idx);
-        } else {
-            self.small.push_back(nodes, idx);
-        }
+        let in_main = nodes[idx as usize].entry.as_ref().is_some_and(|e| e.in_main);
+        let queue = if in_main { &mut self.main } else { &mut self.small };
+        queue.resized(old_len, new_len);
     }
 
     /// The paper's eviction loop, driven by bytes. Entries `evictable`

@@ -201,9 +201,6 @@ impl Shard {
     ) -> Option<Block> {
         self.counters.inserts += 1;
         if let Some(idx) = self.find(hash, &key) {
-            // Unlink first: the queues charge an entry's size when it is
-            // linked and unlinked, so the size must not change while linked.
-            self.policy.unlink(&mut self.nodes, idx);
             let Some(entry) = self.nodes[idx as usize].entry.as_mut() else {
                 return Some(block);
             };
@@ -217,7 +214,7 @@ impl Shard {
             }
             entry.reads = reads;
             let old = std::mem::replace(&mut entry.block, block);
-            self.policy.relink(&mut self.nodes, idx);
+            self.policy.replaced(&mut self.nodes, idx, old_len, new_len);
             return Some(old);
         }
         let idx = match self.free.pop() {

@@ -215,7 +215,8 @@ fn removed_and_replaced_entries_leave_no_stale_queue_items() {
         }
         assert!(cache.remove(&key(0)));
         put_ok(&cache, &key(0), 2); // into the freed memory: a new entry, the newest one
-                                    // Evicts key 1 for its new block, then moves key 5 to the back; the
+                                    // Evicts key 1 for its new block, then counts a use of key 5 (LRU
+                                    // moves it to the back, S3-FIFO promotes it when it comes up); the
                                     // replaced block's memory is what the next put gets.
         put_ok(&cache, &key(5), 2);
         put_ok(&cache, &key(5000), 3);
@@ -232,6 +233,24 @@ fn removed_and_replaced_entries_leave_no_stale_queue_items() {
         assert!(cache.contains(&key(5)));
         assert_eq!(cache.stats().entries, SLOTS);
     }
+}
+
+#[test]
+fn s3_fifo_counts_a_rewrite_as_one_use_and_leaves_the_key_where_it_was_in_the_queue() {
+    let cache = cache(EvictionPolicy::S3Fifo, 1);
+    let (a, b) = (key(0), key(1));
+    put_ok(&cache, &a, 1);
+    put_ok(&cache, &b, 1);
+    put_ok(&cache, &a, 2); // a rewrite: a's one use
+    assert!(cache.get(&b).is_some()); // b's one use, later
+                                      // Both were used once, so both are promoted to the main queue in their
+                                      // queue order; there the older goes first. Had the rewrite moved a
+                                      // behind b, b would be.
+    let first = cache.evict_one().expect("an entry to evict");
+    assert_eq!(first.key, a, "the rewritten key kept its place ahead of b");
+    assert!(all(&first.block, 2), "the evicted block is the rewrite's");
+    assert_eq!(cache.evict_one().map(|e| e.key), Some(b));
+    assert_eq!(cache.stats().entries, 0);
 }
 
 #[test]
