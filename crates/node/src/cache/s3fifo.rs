@@ -6,8 +6,8 @@
 //! one-hit wonders leave quickly, before they push out the re-read prefixes
 //! living in the main FIFO; a ghost FIFO of recently evicted key hashes sends
 //! a key that comes back soon straight to main, since its first stay was too
-//! short to prove it. Hits only bump a 2-bit counter — no list move — which
-//! is what keeps a hit cheaper than LRU's.
+//! short to prove it. Hits, and rewrites of a stored key, only bump a 2-bit
+//! counter — no list move — which is what keeps a hit cheaper than LRU's.
 
 use std::collections::VecDeque;
 
