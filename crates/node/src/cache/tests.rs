@@ -254,6 +254,34 @@ fn s3_fifo_counts_a_rewrite_as_one_use_and_leaves_the_key_where_it_was_in_the_qu
 }
 
 #[test]
+fn rewrites_of_other_sizes_keep_the_queues_accounts_exact_through_eviction_of_everything() {
+    for policy in POLICIES {
+        let cache = cache(policy, 1);
+        let keys: Vec<Bytes> = (0..8).map(key).collect();
+        for k in &keys {
+            put_ok(&cache, k, 1);
+        }
+        // Half the keys rewritten larger, smaller, then larger again: each
+        // queue's byte count must follow, or evicting them all below runs
+        // it past zero (a panic in this debug build) or leaves bytes behind.
+        for (len, fill) in [(16 * KIB, 2), (KIB, 3), (8 * KIB, 4)] {
+            for k in &keys[..4] {
+                put(&cache, k, len, fill).expect("room for the rewrite");
+            }
+        }
+        assert_eq!(cache.stats().bytes_stored, (4 * 8 * KIB + 4 * BLOCK) as u64, "{policy}");
+        let mut evicted = 0;
+        while let Some(victim) = cache.evict_one() {
+            let fill = if keys[..4].contains(&victim.key) { 4 } else { 1 };
+            assert!(all(&victim.block, fill), "{policy}: {:?} evicted with another block than its last", victim.key);
+            evicted += 1;
+        }
+        let stats = cache.stats();
+        assert_eq!((evicted, stats.entries, stats.bytes_stored), (8, 0, 0), "{policy}");
+    }
+}
+
+#[test]
 fn match_prefix_counts_the_leading_present_keys_and_stops_at_the_first_gap() {
     let cache = cache(EvictionPolicy::S3Fifo, 16);
     for i in [0, 1, 2, 4] {
