@@ -2,9 +2,10 @@
 //!
 //! Both policies move entries between queues all the time (LRU on every hit,
 //! S3-FIFO on every eviction step). Keeping the links in the slot itself makes
-//! each move O(1) without allocating, and lets a removed or replaced entry be
-//! unlinked on the spot, so no stale queue item is left behind to be
-//! mistaken for a live entry later.
+//! each move O(1) without allocating, and lets a removed entry be unlinked
+//! on the spot, so no stale queue item is left behind to be mistaken for a
+//! live entry later. A replaced entry stays linked (LRU then moves it to the
+//! recent end); only its list's byte count follows its new size.
 
 use super::shard::Node;
 

@@ -237,15 +237,21 @@ fn removed_and_replaced_entries_leave_no_stale_queue_items() {
 
 #[test]
 fn s3_fifo_counts_a_rewrite_as_one_use_and_leaves_the_key_where_it_was_in_the_queue() {
-    let cache = cache(EvictionPolicy::S3Fifo, 1);
     let (a, b) = (key(0), key(1));
+    // The use: a rewritten key outlives one stored after it and never read.
+    let unread = cache(EvictionPolicy::S3Fifo, 1);
+    put_ok(&unread, &a, 1);
+    put_ok(&unread, &b, 1);
+    put_ok(&unread, &a, 2);
+    assert_eq!(unread.evict_one().map(|e| e.key), Some(b.clone()), "the rewrite counted as a use of a");
+    // The place: with both used once (a by its rewrite, b by a read after
+    // it), both are promoted to the main queue in their queue order, and
+    // there the older goes first. Had the rewrite moved a behind b, b would.
+    let cache = cache(EvictionPolicy::S3Fifo, 1);
     put_ok(&cache, &a, 1);
     put_ok(&cache, &b, 1);
-    put_ok(&cache, &a, 2); // a rewrite: a's one use
-    assert!(cache.get(&b).is_some()); // b's one use, later
-                                      // Both were used once, so both are promoted to the main queue in their
-                                      // queue order; there the older goes first. Had the rewrite moved a
-                                      // behind b, b would be.
+    put_ok(&cache, &a, 2);
+    assert!(cache.get(&b).is_some());
     let first = cache.evict_one().expect("an entry to evict");
     assert_eq!(first.key, a, "the rewritten key kept its place ahead of b");
     assert!(all(&first.block, 2), "the evicted block is the rewrite's");
