@@ -158,20 +158,18 @@ fn batched(run: BatchRun) {
             cache.insert(key.clone(), block.freeze(), 7);
         }
     };
-    let put_many = |batch: &[Bytes]| {
+    // A PUT's entries: its blocks from the pool in one call.
+    let new_entries = |batch: &[Bytes]| -> Vec<NewEntry> {
         let mut blocks = Vec::with_capacity(BATCH);
         assert_eq!(cache.pool().try_allocate_many(&lens[..batch.len()], &mut blocks), batch.len(), "room");
-        let entries = batch.iter().zip(blocks).map(|(key, b)| NewEntry { key: key.clone(), block: b.freeze(), crc: Some(7) });
-        cache.insert_many(entries.collect());
+        batch.iter().zip(blocks).map(|(key, b)| NewEntry { key: key.clone(), block: b.freeze(), crc: Some(7) }).collect()
     };
+    let put_many = |batch: &[Bytes]| cache.insert_many(new_entries(batch));
     // A PUT's inserts alone: the blocks allocated untimed, `insert_many`
     // timed (its time added up in `inserting`).
     let inserting = std::cell::Cell::new(0u128);
     let insert_alone = |batch: &[Bytes]| {
-        let mut blocks = Vec::with_capacity(BATCH);
-        assert_eq!(cache.pool().try_allocate_many(&lens[..batch.len()], &mut blocks), batch.len(), "room");
-        let entries = batch.iter().zip(blocks).map(|(key, b)| NewEntry { key: key.clone(), block: b.freeze(), crc: Some(7) });
-        let entries: Vec<NewEntry> = entries.collect();
+        let entries = new_entries(batch);
         let t = Instant::now();
         cache.insert_many(entries);
         inserting.set(inserting.get() + t.elapsed().as_nanos());

@@ -214,10 +214,11 @@ fn removed_and_replaced_entries_leave_no_stale_queue_items() {
             put_ok(&cache, &key(i), 1);
         }
         assert!(cache.remove(&key(0)));
-        put_ok(&cache, &key(0), 2); // into the freed memory: a new entry, the newest one
-                                    // Evicts key 1 for its new block, then counts a use of key 5 (LRU
-                                    // moves it to the back, S3-FIFO promotes it when it comes up); the
-                                    // replaced block's memory is what the next put gets.
+        // Into the freed memory: a new entry, the newest one.
+        put_ok(&cache, &key(0), 2);
+        // Evicts key 1 for its new block, then counts a use of key 5 (LRU
+        // moves it to the back, S3-FIFO promotes it when it comes up); the
+        // replaced block's memory is what the next put gets.
         put_ok(&cache, &key(5), 2);
         put_ok(&cache, &key(5000), 3);
         let stats = cache.stats();
